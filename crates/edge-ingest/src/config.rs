@@ -1,0 +1,191 @@
+//! Ingest server configuration: a raw TOML schema (unknown keys are errors) validated into the
+//! runtime [`Config`]. Sources, later ones winning: built-in defaults, the TOML file,
+//! `EDGE_INGEST__SECTION__KEY` environment variables.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use bytesize::ByteSize;
+use serde::Deserialize;
+
+/// Default config file location.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/edge-ingest/edge-ingest.toml";
+/// Environment prefix for overrides.
+pub const ENV_PREFIX: &str = "EDGE_INGEST";
+
+/// The file as written by the operator.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawConfig {
+    pub server: RawServer,
+    pub tls: RawTls,
+    pub store: RawStore,
+    pub log: RawLog,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawServer {
+    pub listen: String,
+    pub max_in_flight: u32,
+    pub max_chunk_bytes: ByteSize,
+    pub memory_budget: ByteSize,
+    pub shutdown_grace: String,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        Self {
+            listen: "0.0.0.0:4433".into(),
+            max_in_flight: 64,
+            max_chunk_bytes: ByteSize::mib(32),
+            memory_budget: ByteSize::mib(512),
+            shutdown_grace: "10s".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: PathBuf,
+    pub crls: Vec<PathBuf>,
+}
+
+impl Default for RawTls {
+    fn default() -> Self {
+        Self {
+            cert: PathBuf::from("/etc/edge-ingest/tls/server.pem"),
+            key: PathBuf::from("/etc/edge-ingest/tls/server.key"),
+            client_ca: PathBuf::from("/etc/edge-ingest/tls/ca.pem"),
+            crls: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawStore {
+    pub data_dir: PathBuf,
+    pub segment_max_bytes: ByteSize,
+}
+
+impl Default for RawStore {
+    fn default() -> Self {
+        Self { data_dir: PathBuf::from("/var/lib/edge-ingest"), segment_max_bytes: ByteSize::mib(256) }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLog {
+    pub level: String,
+    pub format: String,
+}
+
+impl Default for RawLog {
+    fn default() -> Self {
+        Self { level: "info".into(), format: "text".into() }
+    }
+}
+
+/// The validated runtime configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: crate::server::ServerOptions,
+    pub tls: edge_transport::ServerTls,
+    pub store: crate::store::StoreOptions,
+    pub tuning: edge_transport::Tuning,
+    pub log_level: String,
+    pub log_format: edge_telemetry::logging::LogFormat,
+    pub source: Option<PathBuf>,
+}
+
+/// Reads and validates the config (file optional unless named explicitly).
+pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
+    let (path, explicit) = match path {
+        Some(p) => (p.to_path_buf(), true),
+        None => (PathBuf::from(DEFAULT_CONFIG_PATH), false),
+    };
+    let exists = path.exists();
+    if explicit && !exists {
+        bail!("config file {} does not exist", path.display());
+    }
+    let mut builder = config::Config::builder();
+    if exists {
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str::<RawConfig>(&text)
+            .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.to_string().trim_end()))?;
+        builder = builder.add_source(config::File::from(path.as_path()).format(config::FileFormat::Toml));
+    }
+    builder = builder.add_source(config::Environment::with_prefix(ENV_PREFIX).prefix_separator("__").separator("__"));
+    let raw: RawConfig = builder.build().and_then(|c| c.try_deserialize()).map_err(|e| {
+        anyhow::anyhow!("{}: {e}", if exists { path.display().to_string() } else { "environment".into() })
+    })?;
+    validate(raw, exists.then_some(path))
+}
+
+/// Turns a raw config into a runtime config, naming the key on every error.
+pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Config> {
+    let listen: SocketAddr =
+        raw.server.listen.parse().map_err(|_| {
+            anyhow::anyhow!("server.listen: {:?} is not an address like 0.0.0.0:4433", raw.server.listen)
+        })?;
+    let grace = humantime::parse_duration(&raw.server.shutdown_grace)
+        .map_err(|e| anyhow::anyhow!("server.shutdown_grace: {:?}: {e}", raw.server.shutdown_grace))?;
+    if raw.server.max_in_flight == 0 || raw.server.max_in_flight > 1024 {
+        bail!("server.max_in_flight: expected 1..=1024, got {}", raw.server.max_in_flight);
+    }
+    let max_chunk =
+        u32::try_from(raw.server.max_chunk_bytes.as_u64()).ok().filter(|v| (1024..=256 << 20).contains(v)).ok_or_else(
+            || anyhow::anyhow!("server.max_chunk_bytes: expected 1 KiB..=256 MiB, got {}", raw.server.max_chunk_bytes),
+        )?;
+    if raw.server.memory_budget.as_u64() < u64::from(max_chunk) {
+        bail!("server.memory_budget must be at least server.max_chunk_bytes");
+    }
+    for (key, p) in [("tls.cert", &raw.tls.cert), ("tls.key", &raw.tls.key), ("tls.client_ca", &raw.tls.client_ca)] {
+        if !p.is_file() {
+            bail!("{key}: file {} does not exist or is not a regular file", p.display());
+        }
+    }
+    for p in &raw.tls.crls {
+        if !p.is_file() {
+            bail!("tls.crls: file {} does not exist or is not a regular file", p.display());
+        }
+    }
+    if raw.store.segment_max_bytes.as_u64() < 1 << 20 {
+        bail!("store.segment_max_bytes: expected at least 1 MiB, got {}", raw.store.segment_max_bytes);
+    }
+    let log_format = match raw.log.format.as_str() {
+        "text" => edge_telemetry::logging::LogFormat::Text,
+        "json" => edge_telemetry::logging::LogFormat::Json,
+        other => bail!("log.format: expected \"text\" or \"json\", got {other:?}"),
+    };
+    edge_telemetry::logging::parse_filter(&raw.log.level).map_err(|e| anyhow::anyhow!("log.level: {e}"))?;
+    let limits = edge_proto::Limits { max_chunk_payload: max_chunk, ..edge_proto::Limits::default() };
+    let mut store = crate::store::StoreOptions::new(raw.store.data_dir);
+    store.segment_max_bytes = raw.store.segment_max_bytes.as_u64();
+    Ok(Config {
+        server: crate::server::ServerOptions {
+            listen,
+            limits,
+            max_in_flight: raw.server.max_in_flight,
+            memory_budget: raw.server.memory_budget.as_u64(),
+            shutdown_grace: grace,
+        },
+        tls: edge_transport::ServerTls {
+            cert: raw.tls.cert,
+            key: raw.tls.key,
+            client_ca: raw.tls.client_ca,
+            crls: raw.tls.crls,
+        },
+        store,
+        tuning: edge_transport::Tuning::default(),
+        log_level: raw.log.level,
+        log_format,
+        source,
+    })
+}

@@ -1,0 +1,209 @@
+//! The `edge-ingest` command line: the server daemon, PKI set-up and export.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use edge_ingest::server::Server;
+use edge_ingest::store::{ExportFilter, Store, StoreHandle};
+use edge_ingest::{EXIT_CONFIG, config};
+
+#[derive(Parser, Debug)]
+#[command(name = "edge-ingest", version, about = "Ingest server for edge-uploader agents")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the ingest server.
+    Run {
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+    /// Validate the configuration and exit 0 (valid) or 78 (invalid).
+    CheckConfig {
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+    /// Certificate authority for a deployment, without openssl.
+    Pki {
+        #[command(subcommand)]
+        command: PkiCommand,
+    },
+    /// Print stored records in order (device, spool, stream, sequence), each exactly once.
+    Export {
+        #[arg(long)]
+        data_dir: PathBuf,
+        #[arg(long)]
+        device: Option<String>,
+        #[arg(long)]
+        stream: Option<String>,
+        #[arg(long, value_enum, default_value_t = Format::Ndjson)]
+        format: Format,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum PkiCommand {
+    /// Create a CA and a server certificate in DIR.
+    Init {
+        #[arg(long)]
+        dir: PathBuf,
+        /// DNS names or IP addresses the agents will dial (repeatable).
+        #[arg(long = "server-name")]
+        server_names: Vec<String>,
+        #[arg(long, default_value_t = 825)]
+        days: u32,
+        /// Overwrite an existing CA.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Issue a device certificate and key signed by the CA in DIR.
+    Issue {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long)]
+        device: String,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 825)]
+        days: u32,
+    },
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Format {
+    /// Each record followed by a newline (records are expected to be JSON lines).
+    Ndjson,
+    /// Each record as a 4-byte little-endian length and its bytes: binary-safe.
+    Raw,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::CheckConfig { config } => match config::load(config.as_deref()) {
+            Ok(c) => {
+                println!("config ok{}", c.source.map(|p| format!(": {}", p.display())).unwrap_or_default());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("edge-ingest: invalid config: {e:#}");
+                ExitCode::from(EXIT_CONFIG as u8)
+            }
+        },
+        Command::Run { config } => {
+            let cfg = match config::load(config.as_deref()) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("edge-ingest: invalid config: {e:#}");
+                    return ExitCode::from(EXIT_CONFIG as u8);
+                }
+            };
+            if let Err(e) = edge_telemetry::logging::init(&cfg.log_level, cfg.log_format) {
+                eprintln!("edge-ingest: {e}");
+                return ExitCode::from(EXIT_CONFIG as u8);
+            }
+            report(runtime().and_then(|rt| rt.block_on(run(cfg))))
+        }
+        Command::Pki { command } => report(pki(command)),
+        Command::Export { data_dir, device, stream, format } => report(export(data_dir, device, stream, format)),
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the tokio runtime")
+}
+
+fn report(r: anyhow::Result<()>) -> ExitCode {
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("edge-ingest: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cfg: config::Config) -> anyhow::Result<()> {
+    let dir = cfg.store.data_dir.clone();
+    let (store, report) = tokio::task::spawn_blocking(move || Store::open(cfg.store))
+        .await?
+        .with_context(|| format!("opening the store in {}", dir.display()))?;
+    tracing::info!(dir = %dir.display(), ?report, "store open");
+    let store = StoreHandle::spawn(store);
+    let server_config = edge_transport::server_config(&cfg.tls, &cfg.tuning)
+        .context("loading TLS files (tls.cert, tls.key, tls.client_ca)")?;
+    let endpoint = edge_transport::server_endpoint(cfg.server.listen, server_config, &cfg.tuning)
+        .with_context(|| format!("binding server.listen {}", cfg.server.listen))?;
+    let server = Server::start(endpoint, store.clone(), cfg.server.clone())?;
+    tracing::info!(listen = %server.local_addr(), "edge-ingest serving");
+    edge_telemetry::notify::ready();
+    let watchdog = edge_telemetry::notify::watchdog_interval();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => break,
+            _ = tokio::signal::ctrl_c() => break,
+            () = async { match watchdog { Some(i) => tokio::time::sleep(i).await, None => std::future::pending().await } } => {
+                edge_telemetry::notify::watchdog();
+            }
+        }
+    }
+    edge_telemetry::notify::stopping();
+    tracing::info!("shutting down");
+    server.shutdown().await;
+    drop(store);
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn pki(cmd: PkiCommand) -> anyhow::Result<()> {
+    match cmd {
+        PkiCommand::Init { dir, server_names, days, force } => {
+            let mut opts = edge_transport::pki::InitOptions::default();
+            if !server_names.is_empty() {
+                opts.server_names = server_names;
+            }
+            opts.validity_days = days;
+            opts.force = force;
+            let paths = edge_transport::pki::init(&dir, &opts)?;
+            println!("CA and server certificate written to {}: {paths:?}", dir.display());
+        }
+        PkiCommand::Issue { dir, device, out, days } => {
+            let paths = edge_transport::pki::issue_device(&dir, &device, &out, days)?;
+            println!("device certificate for {device} written to {}: {paths:?}", out.display());
+        }
+    }
+    Ok(())
+}
+
+fn export(data_dir: PathBuf, device: Option<String>, stream: Option<String>, format: Format) -> anyhow::Result<()> {
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, stdout.lock());
+    let filter = ExportFilter { device, stream };
+    let report = edge_ingest::store::export(&data_dir, &filter, |chunk| {
+        for rec in &chunk.records {
+            match format {
+                Format::Ndjson => {
+                    out.write_all(rec)?;
+                    out.write_all(b"\n")?;
+                }
+                Format::Raw => {
+                    let len = u32::try_from(rec.len()).map_err(std::io::Error::other)?;
+                    out.write_all(&len.to_le_bytes())?;
+                    out.write_all(rec)?;
+                }
+            }
+        }
+        Ok(())
+    })
+    .with_context(|| format!("exporting from {}", data_dir.display()))?;
+    out.flush()?;
+    eprintln!("{report:?}");
+    Ok(())
+}

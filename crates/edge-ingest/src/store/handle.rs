@@ -1,0 +1,280 @@
+//! [`StoreHandle`]: a thread named `edge-store` owns the [`Store`]; async callers queue chunks
+//! and await their outcome.
+//!
+//! Group commit: the thread blocks for the first request, then takes everything already queued
+//! (up to [`BatchLimits`]) into one [`Store::persist`] call, so concurrent chunks from every
+//! connection share one fsync. No timer: under load batches grow by themselves while the
+//! previous fsync runs, and a lone chunk is written at once.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::{IncomingChunk, PersistOutcome, Store, StoreFailure, StoreStats};
+
+/// Upper bounds of one batch taken by the store thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchLimits {
+    /// Most chunks in one batch.
+    pub max_chunks: usize,
+    /// Most payload bytes in one batch (a single larger chunk still goes alone).
+    pub max_bytes: usize,
+}
+
+impl Default for BatchLimits {
+    fn default() -> Self {
+        Self { max_chunks: 128, max_bytes: 64 << 20 }
+    }
+}
+
+/// Cheap to clone, `Send + Sync` access to a [`Store`] running on its own thread.
+///
+/// Shutdown: [`StoreHandle::shutdown`] lets the thread finish what was queued before it, joins
+/// it and so releases the directory lock before returning. Dropping the last clone without
+/// calling it also stops the thread after the queued requests, but nobody waits for it.
+#[derive(Debug, Clone)]
+pub struct StoreHandle {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    tx: mpsc::UnboundedSender<Msg>,
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    stats: Mutex<StoreStats>,
+    queued: AtomicU64,
+    running: AtomicBool,
+}
+
+#[derive(Debug)]
+enum Msg {
+    Persist(IncomingChunk, oneshot::Sender<PersistOutcome>),
+    Shutdown,
+}
+
+impl StoreHandle {
+    /// Moves `store` onto a new thread named `edge-store` with the default [`BatchLimits`].
+    ///
+    /// # Panics
+    /// If the OS cannot start a thread, like [`std::thread::spawn`]; see [`Self::try_spawn`].
+    pub fn spawn(store: Store) -> StoreHandle {
+        Self::try_spawn(store, BatchLimits::default()).expect("the OS refused to start the edge-store thread")
+    }
+
+    /// Like [`Self::spawn`] with explicit limits, returning the error if the thread cannot start.
+    pub fn try_spawn(store: Store, limits: BatchLimits) -> std::io::Result<StoreHandle> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared { stats: Mutex::new(store.stats()), ..Shared::default() });
+        shared.running.store(true, Ordering::SeqCst);
+        let thread_shared = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("edge-store".into())
+            .spawn(move || run(store, rx, &thread_shared, limits, None))?;
+        Ok(StoreHandle { inner: Arc::new(Inner { tx, shared, thread: Mutex::new(Some(thread)) }) })
+    }
+
+    /// Queues `chunk` for the next group commit and waits for its outcome.
+    ///
+    /// If the store thread is gone (shut down or panicked) the outcome is `Failed(Io)`. Dropping
+    /// the future does not cancel the write; the chunk may still be stored.
+    pub async fn persist(&self, chunk: IncomingChunk) -> PersistOutcome {
+        let (tx, rx) = oneshot::channel();
+        self.inner.shared.queued.fetch_add(1, Ordering::Relaxed);
+        if self.inner.tx.send(Msg::Persist(chunk, tx)).is_err() {
+            self.inner.shared.queued.fetch_sub(1, Ordering::Relaxed);
+            return PersistOutcome::Failed(StoreFailure::Io("store thread has stopped".into()));
+        }
+        rx.await.unwrap_or_else(|_| {
+            PersistOutcome::Failed(StoreFailure::Io("store thread stopped before answering".into()))
+        })
+    }
+
+    /// Counters as of the last finished batch, plus the queue length. No round trip to the
+    /// store thread.
+    pub fn stats(&self) -> StoreStats {
+        let mut stats = self.inner.shared.stats.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        stats.queued = self.inner.shared.queued.load(Ordering::Relaxed);
+        stats
+    }
+
+    /// Whether the store thread is still running.
+    pub fn is_running(&self) -> bool {
+        self.inner.shared.running.load(Ordering::SeqCst)
+    }
+
+    /// Stops the store thread after the requests queued before this call and waits for it (a
+    /// batch in progress takes one fsync, milliseconds). Requests queued afterwards, from
+    /// other clones, fail with `Failed(Io)`. Blocking: from async code call it through
+    /// `tokio::task::spawn_blocking`. Calling it on several clones is harmless.
+    pub fn shutdown(self) {
+        // An error means the thread is already gone, which is what we want.
+        let _ = self.inner.tx.send(Msg::Shutdown);
+        let thread = self.inner.thread.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(thread) = thread
+            && thread.join().is_err()
+        {
+            tracing::error!("edge-store thread panicked");
+        }
+    }
+}
+
+/// Marks the thread stopped however it exits (panics included).
+struct RunningGuard<'a>(&'a Shared);
+
+impl Drop for RunningGuard<'_> {
+    fn drop(&mut self) {
+        self.0.running.store(false, Ordering::SeqCst);
+    }
+}
+
+fn run(
+    mut store: Store,
+    mut rx: mpsc::UnboundedReceiver<Msg>,
+    shared: &Shared,
+    limits: BatchLimits,
+    start_gate: Option<std::sync::mpsc::Receiver<()>>,
+) {
+    let _guard = RunningGuard(shared);
+    if let Some(gate) = start_gate {
+        // Tests queue requests before the thread takes the first one. A dropped sender opens
+        // the gate too.
+        let _ = gate.recv();
+    }
+    let mut carry: Option<(IncomingChunk, oneshot::Sender<PersistOutcome>)> = None;
+    loop {
+        let first = match carry.take() {
+            Some(req) => req,
+            None => match rx.blocking_recv() {
+                Some(Msg::Persist(chunk, reply)) => {
+                    shared.queued.fetch_sub(1, Ordering::Relaxed);
+                    (chunk, reply)
+                }
+                Some(Msg::Shutdown) | None => break,
+            },
+        };
+        let mut bytes = first.0.payload.len();
+        let mut chunks = vec![first.0];
+        let mut replies = vec![first.1];
+        let mut stop = false;
+        while chunks.len() < limits.max_chunks {
+            match rx.try_recv() {
+                Ok(Msg::Persist(chunk, reply)) => {
+                    shared.queued.fetch_sub(1, Ordering::Relaxed);
+                    if bytes.saturating_add(chunk.payload.len()) > limits.max_bytes {
+                        carry = Some((chunk, reply));
+                        break;
+                    }
+                    bytes += chunk.payload.len();
+                    chunks.push(chunk);
+                    replies.push(reply);
+                }
+                Ok(Msg::Shutdown) => {
+                    stop = true;
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        let outcomes = store.persist(chunks);
+        *shared.stats.lock().unwrap_or_else(PoisonError::into_inner) = store.stats();
+        for (reply, outcome) in replies.into_iter().zip(outcomes) {
+            // The caller may have gone away (connection closed); the chunk is stored anyway.
+            let _ = reply.send(outcome);
+        }
+        if stop {
+            break;
+        }
+    }
+    tracing::debug!("edge-store thread stopping");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{ChunkKey, PersistOutcome, StoreOptions};
+
+    fn chunk(seq: u64) -> IncomingChunk {
+        let mut payload = Vec::new();
+        payload.extend_from_slice(&5u32.to_le_bytes());
+        payload.extend_from_slice(b"hello");
+        IncomingChunk {
+            key: ChunkKey { device: "dev".into(), spool: [1; 16], stream: "s".into(), seq },
+            records: 1,
+            codec: edge_proto::Codec::None,
+            raw_len: payload.len() as u32,
+            checksum: crc32c::crc32c(&payload),
+            created_ms: 1,
+            payload: payload.into(),
+        }
+    }
+
+    fn spawn_gated(store: Store, limits: BatchLimits) -> (StoreHandle, std::sync::mpsc::Sender<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (gate_tx, gate_rx) = std::sync::mpsc::channel();
+        let shared = Arc::new(Shared { stats: Mutex::new(store.stats()), ..Shared::default() });
+        shared.running.store(true, Ordering::SeqCst);
+        let thread_shared = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("edge-store".into())
+            .spawn(move || run(store, rx, &thread_shared, limits, Some(gate_rx)))
+            .expect("test can start a thread");
+        (StoreHandle { inner: Arc::new(Inner { tx, shared, thread: Mutex::new(Some(thread)) }) }, gate_tx)
+    }
+
+    #[test]
+    fn queued_requests_are_taken_in_batches_bounded_by_count_and_bytes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, _) = Store::open(StoreOptions::new(dir.path())).expect("open");
+        let limits = BatchLimits { max_chunks: 128, max_bytes: 9 * 100 };
+        let (handle, gate) = spawn_gated(store, limits);
+        let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+        let outcomes = rt.block_on(async {
+            let mut tasks = tokio::task::JoinSet::new();
+            for seq in 1..=200 {
+                let h = handle.clone();
+                tasks.spawn(async move { h.persist(chunk(seq)).await });
+            }
+            // Let every task queue its chunk, then let the store thread start.
+            while handle.stats().queued < 200 {
+                tokio::task::yield_now().await;
+            }
+            gate.send(()).expect("store thread waits at the gate");
+            tasks.join_all().await
+        });
+        assert!(outcomes.iter().all(|o| *o == PersistOutcome::Stored), "{outcomes:?}");
+        let stats = handle.stats();
+        // Each chunk has a 9-byte payload: 100 fit the byte bound, so 100 + 100.
+        assert_eq!(stats.fsyncs, 2);
+        assert_eq!(stats.batches, 2);
+        assert_eq!(stats.queued, 0);
+        handle.shutdown();
+    }
+
+    #[test]
+    fn the_handle_can_be_shared_across_tasks_and_threads() {
+        fn assert_shareable<T: Send + Sync + Clone + 'static>() {}
+        assert_shareable::<StoreHandle>();
+    }
+
+    #[test]
+    fn persist_after_shutdown_fails_instead_of_hanging() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, _) = Store::open(StoreOptions::new(dir.path())).expect("open");
+        let handle = StoreHandle::spawn(store);
+        let other = handle.clone();
+        handle.shutdown();
+        assert!(!other.is_running());
+        let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+        let outcome = rt.block_on(other.persist(chunk(1)));
+        assert!(matches!(outcome, PersistOutcome::Failed(StoreFailure::Io(_))), "{outcome:?}");
+        // The lock was released by the joined thread.
+        Store::open(StoreOptions::new(dir.path())).expect("reopen after shutdown");
+    }
+}

@@ -1,0 +1,200 @@
+//! In-memory dedup index: which `(device, spool, stream, seq)` keys are stored.
+//!
+//! Per `(device, spool, stream)` the stored seqs are kept as a set of disjoint, non-adjacent
+//! inclusive ranges. A stream whose seqs are gapless (the spool numbers them `1, 2, 3, ...`)
+//! costs one range however long it gets; seqs that arrive out of order from parallel uploads
+//! cost one range per gap until the gap fills, then the ranges merge again. The first range is
+//! the "low watermark"; the ranges above it are the sparse part.
+//!
+//! The index is rebuilt from the segment headers at open and only ever grows while the store
+//! runs, after the fsync that made the key durable.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::ChunkKey;
+
+/// Stored seqs of one stream, as disjoint inclusive ranges `start -> end`.
+#[derive(Debug, Clone, Default)]
+pub struct SeqSet {
+    ranges: BTreeMap<u64, u64>,
+}
+
+impl SeqSet {
+    /// Whether `seq` is in the set.
+    pub fn contains(&self, seq: u64) -> bool {
+        self.ranges.range(..=seq).next_back().is_some_and(|(_, &end)| end >= seq)
+    }
+
+    /// Adds `seq`; `false` if it was already there.
+    pub fn insert(&mut self, seq: u64) -> bool {
+        if self.contains(seq) {
+            return false;
+        }
+        // The range below ends before `seq` (else `contains` had been true), so `end + 1` cannot
+        // overflow; it touches `seq` only when it ends right at `seq - 1`.
+        let below =
+            self.ranges.range(..seq).next_back().map(|(&start, &end)| (start, end)).filter(|&(_, end)| end + 1 == seq);
+        let above = seq.checked_add(1).and_then(|next| self.ranges.get(&next).map(|&end| (next, end)));
+        match (below, above) {
+            (Some((start, _)), Some((next, end))) => {
+                self.ranges.remove(&next);
+                self.ranges.insert(start, end);
+            }
+            (Some((start, _)), None) => {
+                self.ranges.insert(start, seq);
+            }
+            (None, Some((next, end))) => {
+                self.ranges.remove(&next);
+                self.ranges.insert(seq, end);
+            }
+            (None, None) => {
+                self.ranges.insert(seq, seq);
+            }
+        }
+        true
+    }
+
+    /// Number of ranges (1 for a gapless stream): the memory this set costs.
+    pub fn range_count(&self) -> usize {
+        self.ranges.len()
+    }
+}
+
+/// The dedup index over all stored chunks.
+#[derive(Debug, Default)]
+pub struct DedupIndex {
+    devices: HashMap<String, HashMap<[u8; 16], HashMap<String, SeqSet>>>,
+    chunks: u64,
+    streams: u64,
+    ranges: u64,
+}
+
+impl DedupIndex {
+    /// Whether `key` is stored.
+    pub fn contains(&self, key: &ChunkKey) -> bool {
+        self.devices
+            .get(key.device.as_str())
+            .and_then(|spools| spools.get(&key.spool))
+            .and_then(|streams| streams.get(key.stream.as_str()))
+            .is_some_and(|set| set.contains(key.seq))
+    }
+
+    /// Records `key` as stored; `false` if it already was.
+    pub fn insert(&mut self, key: &ChunkKey) -> bool {
+        let spools = match self.devices.get_mut(key.device.as_str()) {
+            Some(s) => s,
+            None => self.devices.entry(key.device.clone()).or_default(),
+        };
+        let streams = spools.entry(key.spool).or_default();
+        let set = match streams.get_mut(key.stream.as_str()) {
+            Some(s) => s,
+            None => {
+                self.streams += 1;
+                streams.entry(key.stream.clone()).or_default()
+            }
+        };
+        let before = set.range_count() as u64;
+        let added = set.insert(key.seq);
+        if added {
+            self.chunks += 1;
+            // An insert adds a range, extends one, or merges two: the count moves by +1, 0 or -1.
+            self.ranges = self.ranges + set.range_count() as u64 - before;
+        }
+        added
+    }
+
+    /// Number of keys stored.
+    pub fn chunks(&self) -> u64 {
+        self.chunks
+    }
+
+    /// Number of `(device, spool, stream)` triples.
+    pub fn streams(&self) -> u64 {
+        self.streams
+    }
+
+    /// Total number of seq ranges over all streams (memory indicator).
+    pub fn ranges(&self) -> u64 {
+        self.ranges
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn gapless_seqs_cost_one_range_whatever_the_start() {
+        let mut s = SeqSet::default();
+        for seq in 1..=10_000 {
+            assert!(s.insert(seq));
+        }
+        assert_eq!(s.range_count(), 1);
+        assert!(!s.insert(5_000));
+        assert!(!s.contains(0));
+        assert!(s.contains(10_000));
+    }
+
+    #[test]
+    fn out_of_order_seqs_merge_once_the_gaps_fill() {
+        let mut s = SeqSet::default();
+        for seq in [5, 3, 1, 4] {
+            assert!(s.insert(seq));
+        }
+        assert_eq!(s.range_count(), 2);
+        assert!(s.insert(2));
+        assert_eq!(s.range_count(), 1);
+        assert!(s.insert(u64::MAX));
+        assert!(s.insert(u64::MAX - 1));
+        assert!(s.contains(u64::MAX));
+        assert_eq!(s.range_count(), 2);
+    }
+
+    #[test]
+    fn index_keys_differ_by_every_component() {
+        let mut idx = DedupIndex::default();
+        let k = ChunkKey { device: "d".into(), spool: [1; 16], stream: "s".into(), seq: 1 };
+        assert!(idx.insert(&k));
+        assert!(!idx.insert(&k));
+        for other in [
+            ChunkKey { device: "e".into(), ..k.clone() },
+            ChunkKey { spool: [2; 16], ..k.clone() },
+            ChunkKey { stream: "t".into(), ..k.clone() },
+            ChunkKey { seq: 2, ..k.clone() },
+        ] {
+            assert!(!idx.contains(&other));
+            assert!(idx.insert(&other));
+        }
+        assert_eq!(idx.chunks(), 5);
+        assert_eq!(idx.streams(), 4);
+        assert_eq!(idx.ranges(), 4, "seq 2 extended the first stream's range");
+        let k3 = ChunkKey { seq: 3, ..k.clone() };
+        let k5 = ChunkKey { seq: 5, ..k.clone() };
+        idx.insert(&k5);
+        assert_eq!(idx.ranges(), 5);
+        idx.insert(&k3);
+        idx.insert(&ChunkKey { seq: 4, ..k });
+        assert_eq!(idx.ranges(), 4, "seqs 1..=5 merged back into one range");
+    }
+
+    proptest! {
+        #[test]
+        fn seq_set_agrees_with_a_btreeset(seqs in proptest::collection::vec(0u64..64, 0..200)) {
+            let mut real = SeqSet::default();
+            let mut model = BTreeSet::new();
+            for seq in seqs {
+                prop_assert_eq!(real.insert(seq), model.insert(seq));
+                for probe in 0..66 {
+                    prop_assert_eq!(real.contains(probe), model.contains(&probe));
+                }
+            }
+            let runs = model.iter().zip(model.iter().skip(1)).filter(|&(a, b)| a + 1 != *b).count()
+                + usize::from(!model.is_empty());
+            prop_assert_eq!(real.range_count(), runs);
+        }
+    }
+}

@@ -1,0 +1,840 @@
+//! [`Store`]: open with recovery, and group-commit persist.
+//!
+//! The contract is written in the parent module; this file implements it. The order of
+//! operations in [`Store::persist`] is the durability argument: dedup check, one write, one
+//! `fdatasync` (plus the directory fsync for a new segment), and only then the index update.
+
+use std::collections::HashMap;
+use std::collections::hash_map::{Entry, RandomState};
+use std::fs::{self, File, OpenOptions};
+use std::hash::BuildHasher;
+use std::io::{self, IoSlice, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use super::format::{self, EntryFields, LOCK_FILE, MAX_NAME_LEN, SEGMENT_HEADER_LEN, SEGMENTS_DIR, SegmentHeader};
+use super::index::DedupIndex;
+use super::scan::{self, CommitResolver, EntryMeta, Reader, SegmentHead};
+use super::{
+    ChunkKey, IncomingChunk, PersistOutcome, RecoveryReport, StoreError, StoreFailure, StoreOptions, StoreStats,
+};
+
+/// The file sink: owns the data directory (under an exclusive lock) while open.
+///
+/// Single-threaded by design: one writer, batches in, outcomes out. Share it through
+/// [`super::StoreHandle`].
+#[derive(Debug)]
+pub struct Store {
+    opts: StoreOptions,
+    segments_dir: PathBuf,
+    /// The `segments` directory, kept open for fsync.
+    dir: File,
+    /// Holds the flock for as long as the store lives.
+    _lock: File,
+    active: Option<ActiveSegment>,
+    next_segment: u64,
+    next_commit: u64,
+    /// Newest commit known durable; written into every entry as `prev_commit`.
+    last_good_commit: u64,
+    index: DedupIndex,
+    stats: StoreStats,
+    pub(super) faults: Faults,
+}
+
+/// The segment being appended to.
+#[derive(Debug)]
+struct ActiveSegment {
+    number: u64,
+    path: PathBuf,
+    file: File,
+    salt: u64,
+    /// Bytes written and fsynced (the file has exactly this length between commits).
+    len: u64,
+    /// Created by this process and its directory entry not yet fsynced.
+    created: bool,
+}
+
+/// An entry to write: index into the batch, and its payload CRC.
+#[derive(Debug, Clone, Copy)]
+struct Planned {
+    idx: usize,
+    crc: u32,
+    len: u64,
+}
+
+impl Store {
+    /// Opens (creating if needed) the store in `opts.data_dir`, recovers it and rebuilds the
+    /// dedup index.
+    ///
+    /// Takes an exclusive `flock` on `<data_dir>/LOCK` ([`StoreError::Locked`] if held), scans
+    /// all segments, truncates a torn tail, verifies the newest commit, then fsyncs every
+    /// segment and the directories before returning.
+    pub fn open(opts: StoreOptions) -> Result<(Store, RecoveryReport), StoreError> {
+        let data_dir = opts.data_dir.clone();
+        fs::create_dir_all(&data_dir).map_err(io_at(&data_dir))?;
+        let lock = lock_data_dir(&data_dir)?;
+        let segments_dir = data_dir.join(SEGMENTS_DIR);
+        let dir_created = match fs::create_dir(&segments_dir) {
+            Ok(()) => true,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
+            Err(e) => return Err(io_at(&segments_dir)(e)),
+        };
+        let listing = scan::list_segments(&segments_dir)?;
+        let mut rec = Recovery::default();
+        let mut segs: Vec<OpenSegment> = Vec::with_capacity(listing.len());
+        let mut resolver = CommitResolver::<(usize, EntryMeta)>::default();
+        let last_idx = listing.len().checked_sub(1);
+
+        for (idx, (number, path)) in listing.into_iter().enumerate() {
+            let file = OpenOptions::new().read(true).write(true).open(&path).map_err(io_at(&path))?;
+            let len = file.metadata().map_err(io_at(&path))?.len();
+            let mut seg = OpenSegment { number, path, file: None, len, salt: None, cut: None };
+            let mut reader = Reader::new(&file, len);
+            match scan::read_segment_head(&mut reader).map_err(io_at(&seg.path))? {
+                SegmentHead::Empty => {}
+                SegmentHead::Invalid if Some(idx) == last_idx && len <= SEGMENT_HEADER_LEN => {
+                    tracing::warn!(path = %seg.path.display(), len, "segment header torn at creation; truncating");
+                    seg.cut = Some(0);
+                }
+                SegmentHead::Invalid => {
+                    tracing::error!(path = %seg.path.display(), len, "segment header unreadable; segment ignored and left in place");
+                    rec.report.unreadable_segments += 1;
+                    rec.report.corrupt_entries += 1;
+                    rec.report.corrupt_bytes += len;
+                }
+                SegmentHead::Valid(h) => {
+                    if h.number != number {
+                        tracing::warn!(path = %seg.path.display(), header_number = h.number, "segment header number differs from file name");
+                    }
+                    seg.salt = Some(h.salt);
+                    let summary = scan::scan_entries(&mut reader, h.salt, |meta| {
+                        let (c, p) = (meta.header.fields.commit, meta.header.fields.prev_commit);
+                        resolver.push(c, p, (idx, meta), &mut |(_, m): (usize, EntryMeta)| rec.accept(&m));
+                    })
+                    .map_err(io_at(&seg.path))?;
+                    for &(start, end) in &summary.corrupt {
+                        tracing::error!(path = %seg.path.display(), start, end, "corrupt region skipped");
+                    }
+                    rec.report.corrupt_entries += summary.corrupt.len() as u64;
+                    rec.report.corrupt_bytes += summary.corrupt_bytes();
+                    if let Some(tail) = summary.tail {
+                        if Some(idx) == last_idx {
+                            seg.cut = Some(tail);
+                        } else {
+                            tracing::error!(path = %seg.path.display(), start = tail, end = len, "unparseable tail in an older segment; left in place");
+                            rec.report.corrupt_entries += 1;
+                            rec.report.corrupt_bytes += len - tail;
+                        }
+                    }
+                }
+            }
+            if Some(idx) == last_idx {
+                seg.file = Some(file);
+            } else {
+                // Made durable now and closed, so a store of thousands of segments does not
+                // hold thousands of descriptors; the newest commit's segment is reopened below
+                // if it needs repair.
+                file.sync_data().map_err(io_at(&seg.path))?;
+            }
+            segs.push(seg);
+        }
+
+        rec.report.abandoned_entries = resolver.abandoned();
+        let max_commit = resolver.max_commit();
+        rec.settle_newest(resolver.into_unconfirmed(), &mut segs)?;
+
+        for seg in &mut segs {
+            if let Some(cut) = seg.cut.filter(|&c| c < seg.len) {
+                tracing::warn!(path = %seg.path.display(), from = cut, bytes = seg.len - cut, "truncating torn tail");
+                seg.file()?.set_len(cut).map_err(io_at(&seg.path))?;
+                rec.report.truncated_bytes += seg.len - cut;
+                seg.len = cut;
+            }
+            // The last segment, and any segment repaired above.
+            if let Some(file) = &seg.file {
+                file.sync_data().map_err(io_at(&seg.path))?;
+            }
+        }
+        File::open(&segments_dir).and_then(|d| d.sync_all()).map_err(io_at(&segments_dir))?;
+        if dir_created {
+            File::open(&data_dir).and_then(|d| d.sync_all()).map_err(io_at(&data_dir))?;
+        }
+        let dir = File::open(&segments_dir).map_err(io_at(&segments_dir))?;
+
+        let next_segment = segs.last().map_or(1, |s| s.number + 1);
+        let segment_count = segs.len();
+        let active = segs.pop().and_then(|s| s.into_active(opts.segment_max_bytes));
+
+        let mut report = rec.report;
+        report.segments = u32::try_from(segment_count).unwrap_or(u32::MAX);
+        report.chunks = rec.index.chunks();
+        report.bytes = rec.bytes;
+        tracing::info!(
+            dir = %data_dir.display(),
+            segments = report.segments,
+            chunks = report.chunks,
+            bytes = report.bytes,
+            truncated_bytes = report.truncated_bytes,
+            corrupt_entries = report.corrupt_entries,
+            abandoned_entries = report.abandoned_entries,
+            "store recovered"
+        );
+
+        let stats = StoreStats {
+            chunks: report.chunks,
+            bytes: report.bytes,
+            segments: report.segments,
+            active_segment: active.as_ref().map_or(0, |a| a.number),
+            streams: rec.index.streams(),
+            index_ranges: rec.index.ranges(),
+            ..StoreStats::default()
+        };
+        let store = Store {
+            opts,
+            segments_dir,
+            dir,
+            _lock: lock,
+            active,
+            next_segment,
+            next_commit: max_commit.max(rec.max_indexed_commit) + 1,
+            last_good_commit: rec.max_indexed_commit,
+            index: rec.index,
+            stats,
+            faults: Faults::new(),
+        };
+        Ok((store, report))
+    }
+
+    /// Persists a batch: dedups (against the store and within the batch), appends every new
+    /// chunk in one commit (two if the batch crosses a segment roll), fsyncs, then marks the
+    /// keys stored. Returns one outcome per chunk, in input order.
+    pub fn persist(&mut self, batch: Vec<IncomingChunk>) -> Vec<PersistOutcome> {
+        self.stats.batches += 1;
+        let mut outcomes: Vec<Option<PersistOutcome>> = vec![None; batch.len()];
+        let mut first_of: HashMap<&ChunkKey, usize> = HashMap::new();
+        let mut repeats: Vec<(usize, usize)> = Vec::new();
+        let mut plan: Vec<Planned> = Vec::new();
+        for (idx, chunk) in batch.iter().enumerate() {
+            let crc = match validate(chunk) {
+                Ok(crc) => crc,
+                Err(reason) => {
+                    tracing::warn!(device = %chunk.key.device, stream = %chunk.key.stream, seq = chunk.key.seq, %reason, "chunk rejected by store");
+                    outcomes[idx] = Some(PersistOutcome::Failed(StoreFailure::Rejected(reason)));
+                    continue;
+                }
+            };
+            if self.index.contains(&chunk.key) {
+                outcomes[idx] = Some(PersistOutcome::Duplicate);
+                continue;
+            }
+            match first_of.entry(&chunk.key) {
+                Entry::Occupied(first) => repeats.push((idx, *first.get())),
+                Entry::Vacant(slot) => {
+                    slot.insert(idx);
+                    let len = (format::entry_header_len(&chunk.key) + chunk.payload.len()) as u64;
+                    plan.push(Planned { idx, crc, len });
+                }
+            }
+        }
+
+        let mut rest = plan.as_slice();
+        while !rest.is_empty() {
+            let take = self.fit(rest);
+            let (now, later) = rest.split_at(take);
+            match self.commit(&batch, now) {
+                Ok(()) => {
+                    for p in now {
+                        outcomes[p.idx] = Some(PersistOutcome::Stored);
+                    }
+                    rest = later;
+                }
+                Err(failure) => {
+                    for p in rest {
+                        outcomes[p.idx] = Some(PersistOutcome::Failed(failure.clone()));
+                    }
+                    rest = &[];
+                }
+            }
+        }
+        // A repeat inside the batch is durable exactly when its first copy is.
+        for (idx, first) in repeats {
+            outcomes[idx] = Some(match &outcomes[first] {
+                Some(PersistOutcome::Failed(f)) => PersistOutcome::Failed(f.clone()),
+                _ => PersistOutcome::Duplicate,
+            });
+        }
+        let outcomes: Vec<PersistOutcome> = outcomes
+            .into_iter()
+            .map(|o| o.expect("every chunk got an outcome: rejected, duplicate, planned or repeat"))
+            .collect();
+        for o in &outcomes {
+            match o {
+                PersistOutcome::Stored => self.stats.stored += 1,
+                PersistOutcome::Duplicate => self.stats.duplicates += 1,
+                PersistOutcome::Failed(_) => self.stats.failed += 1,
+            }
+        }
+        outcomes
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> StoreStats {
+        self.stats.clone()
+    }
+
+    /// The options the store was opened with.
+    pub fn options(&self) -> &StoreOptions {
+        &self.opts
+    }
+
+    /// Whether `key` is durably stored.
+    pub fn contains(&self, key: &ChunkKey) -> bool {
+        self.index.contains(key)
+    }
+
+    /// How many of `plan`'s entries go into the next commit; rolls the segment first when the
+    /// current one is full. Always at least one.
+    fn fit(&mut self, plan: &[Planned]) -> usize {
+        let max = self.opts.segment_max_bytes;
+        if let Some(seg) = &self.active {
+            let has_entries = seg.len > SEGMENT_HEADER_LEN;
+            if has_entries && seg.len.saturating_add(plan[0].len) > max {
+                self.roll();
+            }
+        }
+        let mut used = self.active.as_ref().map_or(SEGMENT_HEADER_LEN, |s| s.len.max(SEGMENT_HEADER_LEN));
+        let mut take = 0;
+        for p in plan {
+            if take > 0 && used.saturating_add(p.len) > max {
+                break;
+            }
+            used = used.saturating_add(p.len);
+            take += 1;
+        }
+        take
+    }
+
+    /// Stops appending to the active segment; the next commit creates a new one.
+    fn roll(&mut self) {
+        if let Some(seg) = self.active.take() {
+            tracing::debug!(segment = seg.number, len = seg.len, "segment rolled");
+        }
+    }
+
+    /// Writes and fsyncs one commit. On error, cleans up and leaves no active segment.
+    fn commit(&mut self, batch: &[IncomingChunk], entries: &[Planned]) -> Result<(), StoreFailure> {
+        let commit = self.next_commit;
+        self.next_commit += 1;
+        if self.active.is_none()
+            && let Err(e) = self.create_segment()
+        {
+            return Err(self.fail(commit, &e, "creating segment"));
+        }
+        let seg = self.active.as_mut().expect("an active segment exists: created just above when missing");
+        let start_len = seg.len;
+        let stored_ms = now_ms();
+
+        let mut headers = Vec::with_capacity(entries.len() * 128 + SEGMENT_HEADER_LEN as usize);
+        if start_len == 0 {
+            headers.extend_from_slice(&SegmentHeader { number: seg.number, salt: seg.salt }.encode());
+        }
+        let mut ends = Vec::with_capacity(entries.len());
+        for p in entries {
+            let chunk = &batch[p.idx];
+            let fields = EntryFields {
+                commit,
+                prev_commit: self.last_good_commit,
+                records: chunk.records,
+                codec: chunk.codec,
+                raw_len: chunk.raw_len,
+                // `validate` rejected payloads of 4 GiB and more.
+                payload_len: chunk.payload.len() as u32,
+                payload_crc: p.crc,
+                created_ms: chunk.created_ms,
+                stored_ms,
+            };
+            format::encode_entry_header(&mut headers, seg.salt, &chunk.key, &fields);
+            ends.push(headers.len());
+        }
+        let mut slices = Vec::with_capacity(entries.len() * 2 + 1);
+        let mut from = 0;
+        if start_len == 0 {
+            slices.push(IoSlice::new(&headers[..SEGMENT_HEADER_LEN as usize]));
+            from = SEGMENT_HEADER_LEN as usize;
+        }
+        for (p, &end) in entries.iter().zip(&ends) {
+            slices.push(IoSlice::new(&headers[from..end]));
+            slices.push(IoSlice::new(&batch[p.idx].payload));
+            from = end;
+        }
+        let total: u64 = slices.iter().map(|s| s.len() as u64).sum();
+
+        let written = seg
+            .file
+            .seek(SeekFrom::Start(start_len))
+            .and_then(|_| self.faults.before_write(&mut seg.file, &slices))
+            .and_then(|()| write_all_vectored(&mut seg.file, &mut slices));
+        if let Err(e) = written {
+            return Err(self.fail(commit, &e, "writing"));
+        }
+        self.stats.fsyncs += 1;
+        let synced = self.faults.before_sync().and_then(|()| seg.file.sync_data());
+        if let Err(e) = synced {
+            return Err(self.fail(commit, &e, "fdatasync"));
+        }
+        if seg.created {
+            self.stats.dir_fsyncs += 1;
+            let dir_synced = self.faults.before_dir_sync().and_then(|()| self.dir.sync_all());
+            if let Err(e) = dir_synced {
+                return Err(self.fail(commit, &e, "fsync of segments directory"));
+            }
+            seg.created = false;
+        }
+
+        seg.len = start_len + total;
+        self.last_good_commit = commit;
+        for p in entries {
+            let chunk = &batch[p.idx];
+            if self.index.insert(&chunk.key) {
+                self.stats.chunks += 1;
+                self.stats.bytes += chunk.payload.len() as u64;
+            }
+        }
+        self.stats.commits += 1;
+        self.stats.last_failure = None;
+        self.stats.streams = self.index.streams();
+        self.stats.index_ranges = self.index.ranges();
+        Ok(())
+    }
+
+    fn create_segment(&mut self) -> io::Result<()> {
+        let number = self.next_segment;
+        // A number is never tried twice, even if creating it failed.
+        self.next_segment += 1;
+        let path = self.segments_dir.join(format::segment_file_name(number));
+        self.faults.before_create()?;
+        let file = OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
+        self.stats.segments += 1;
+        self.stats.active_segment = number;
+        tracing::debug!(segment = number, "segment created");
+        self.active = Some(ActiveSegment { number, path, file, salt: random_salt(), len: 0, created: true });
+        Ok(())
+    }
+
+    /// Handles a failed commit: truncates (or removes) what it wrote, drops the segment so the
+    /// next commit starts a new one, and classifies the error.
+    fn fail(&mut self, commit: u64, e: &io::Error, during: &str) -> StoreFailure {
+        let failure = StoreFailure::from_io(e);
+        tracing::error!(commit, error = %e, during, "store commit failed; nothing in it is reported stored");
+        self.stats.failed_commits += 1;
+        self.stats.last_failure = Some(failure.clone());
+        let Some(seg) = self.active.take() else {
+            return failure;
+        };
+        if self.faults.keep_failed_bytes() {
+            return failure;
+        }
+        if seg.len == 0 {
+            // Created by this commit: nothing in it was ever durable.
+            drop(seg.file);
+            match fs::remove_file(&seg.path) {
+                Ok(()) => self.stats.segments = self.stats.segments.saturating_sub(1),
+                Err(e) => {
+                    tracing::warn!(path = %seg.path.display(), error = %e, "could not remove the segment of a failed commit")
+                }
+            }
+        } else {
+            // Best effort: if this fails too, the next commit's prev_commit still marks this
+            // commit as failed for recovery and export.
+            let cut = seg.file.set_len(seg.len).and_then(|()| seg.file.sync_data());
+            if let Err(e) = cut {
+                tracing::warn!(path = %seg.path.display(), error = %e, "could not truncate the segment of a failed commit");
+            }
+        }
+        failure
+    }
+}
+
+/// Takes the exclusive lock on `<data_dir>/LOCK`.
+#[allow(
+    clippy::incompatible_msrv,
+    reason = "File::try_lock is stable since 1.89; the toolchain is 1.95 (workspace rust-version needs a bump)"
+)]
+fn lock_data_dir(data_dir: &Path) -> Result<File, StoreError> {
+    let path = data_dir.join(LOCK_FILE);
+    let file =
+        OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io_at(&path))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(fs::TryLockError::WouldBlock) => Err(StoreError::Locked(data_dir.to_path_buf())),
+        Err(fs::TryLockError::Error(e)) => Err(StoreError::Io { path, source: e }),
+    }
+}
+
+/// Checks what the store itself relies on and returns the payload CRC.
+fn validate(chunk: &IncomingChunk) -> Result<u32, String> {
+    if chunk.key.device.len() > MAX_NAME_LEN || chunk.key.stream.len() > MAX_NAME_LEN {
+        return Err(format!("device id or stream name longer than {MAX_NAME_LEN} bytes"));
+    }
+    if u32::try_from(chunk.payload.len()).is_err() {
+        return Err("payload of 4 GiB or more".into());
+    }
+    let crc = crc32c::crc32c(&chunk.payload);
+    if crc != chunk.checksum {
+        return Err(format!("payload checksum {crc:08x} differs from the announced {:08x}", chunk.checksum));
+    }
+    Ok(crc)
+}
+
+fn write_all_vectored(file: &mut File, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    while !slices.is_empty() {
+        match file.write_vectored(slices) {
+            Ok(0) => {
+                return Err(io::Error::new(io::ErrorKind::WriteZero, "segment write wrote nothing"));
+            }
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A salt nobody outside this process can predict: SipHash keyed from the OS RNG.
+fn random_salt() -> u64 {
+    RandomState::new().hash_one((now_ms(), std::process::id()))
+}
+
+fn io_at(path: &Path) -> impl Fn(io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io { path: path.to_path_buf(), source }
+}
+
+/// A segment during open.
+#[derive(Debug)]
+struct OpenSegment {
+    number: u64,
+    path: PathBuf,
+    /// Open for the last segment and for segments being repaired; closed otherwise.
+    file: Option<File>,
+    len: u64,
+    /// `Some` when the header is valid.
+    salt: Option<u64>,
+    /// Truncate to this length before serving.
+    cut: Option<u64>,
+}
+
+impl OpenSegment {
+    /// The file, opened read-write if it was closed.
+    fn file(&mut self) -> Result<&File, StoreError> {
+        if self.file.is_none() {
+            let file = OpenOptions::new().read(true).write(true).open(&self.path).map_err(io_at(&self.path))?;
+            self.file = Some(file);
+        }
+        Ok(self.file.as_ref().expect("the file was opened just above when it was closed"))
+    }
+
+    /// The last segment keeps being appended to if it is empty or has a valid header and room.
+    fn into_active(self, max: u64) -> Option<ActiveSegment> {
+        let salt = match (self.len, self.salt) {
+            (0, _) => random_salt(),
+            (_, Some(salt)) if self.len < max => salt,
+            _ => return None,
+        };
+        Some(ActiveSegment {
+            number: self.number,
+            path: self.path,
+            file: self.file?,
+            salt,
+            len: self.len,
+            created: false,
+        })
+    }
+}
+
+/// Index and report being rebuilt by open.
+#[derive(Debug, Default)]
+struct Recovery {
+    index: DedupIndex,
+    report: RecoveryReport,
+    bytes: u64,
+    max_indexed_commit: u64,
+}
+
+impl Recovery {
+    fn accept(&mut self, meta: &EntryMeta) {
+        if self.index.insert(&meta.header.key) {
+            self.bytes += u64::from(meta.header.fields.payload_len);
+        } else {
+            self.report.duplicate_entries += 1;
+        }
+        self.max_indexed_commit = self.max_indexed_commit.max(meta.header.fields.commit);
+    }
+
+    /// Verifies the payloads of the unconfirmed (newest) commit. Good entries are indexed;
+    /// bad ones at the end of their segment are cut, bad ones followed by a good one get their
+    /// magic zeroed.
+    fn settle_newest(&mut self, newest: Vec<(usize, EntryMeta)>, segs: &mut [OpenSegment]) -> Result<(), StoreError> {
+        let mut buf = Vec::new();
+        let mut checked: Vec<(usize, EntryMeta, bool)> = Vec::with_capacity(newest.len());
+        for (seg_idx, meta) in newest {
+            let seg = &mut segs[seg_idx];
+            let verified = scan::verify_payload(seg.file()?, &meta, &mut buf);
+            let ok = verified.map_err(io_at(&seg.path))?;
+            self.report.verified_entries += 1;
+            checked.push((seg_idx, meta, ok));
+        }
+        for i in 0..checked.len() {
+            let (seg_idx, ref meta, ok) = checked[i];
+            if ok {
+                self.accept(meta);
+                continue;
+            }
+            self.report.corrupt_entries += 1;
+            let seg = &mut segs[seg_idx];
+            let good_after = checked[i + 1..].iter().any(|(s, m, ok)| *s == seg_idx && *ok && m.offset > meta.offset);
+            if good_after {
+                tracing::error!(path = %seg.path.display(), offset = meta.offset, "newest commit has an entry with a bad payload; invalidating it");
+                seg.file()?.write_all_at(&[0u8; 8], meta.offset).map_err(io_at(&seg.path))?;
+            } else {
+                tracing::warn!(path = %seg.path.display(), offset = meta.offset, "newest commit ends in a torn entry");
+                seg.cut = Some(seg.cut.map_or(meta.offset, |c| c.min(meta.offset)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Fault injection for the unit tests (a no-op outside `cfg(test)`).
+#[cfg(not(test))]
+#[derive(Debug, Default)]
+pub(super) struct Faults;
+
+#[cfg(not(test))]
+impl Faults {
+    fn new() -> Self {
+        Faults
+    }
+    #[inline]
+    fn before_create(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+    #[inline]
+    fn before_write(&mut self, _: &mut File, _: &[IoSlice<'_>]) -> io::Result<()> {
+        Ok(())
+    }
+    #[inline]
+    fn before_sync(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+    #[inline]
+    fn before_dir_sync(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+    #[inline]
+    fn keep_failed_bytes(&self) -> bool {
+        false
+    }
+}
+
+/// Fault injection for the unit tests: each armed fault fires once.
+#[cfg(test)]
+#[derive(Debug, Default)]
+pub(super) struct Faults {
+    /// Fail creating the next segment with this errno.
+    pub create: Option<i32>,
+    /// Write this many bytes of the next commit, then fail with this errno.
+    pub write: Option<(usize, i32)>,
+    /// Fail the next fdatasync with this errno (after the write went through).
+    pub sync: Option<i32>,
+    /// Fail the next directory fsync with this errno.
+    pub dir_sync: Option<i32>,
+    /// Leave a failed commit's bytes in place (as if truncating had failed).
+    pub keep_failed_bytes: bool,
+}
+
+#[cfg(test)]
+impl Faults {
+    fn new() -> Self {
+        Self::default()
+    }
+    fn before_create(&mut self) -> io::Result<()> {
+        self.create.take().map_or(Ok(()), |errno| Err(io::Error::from_raw_os_error(errno)))
+    }
+    fn before_write(&mut self, file: &mut File, slices: &[IoSlice<'_>]) -> io::Result<()> {
+        let Some((n, errno)) = self.write.take() else {
+            return Ok(());
+        };
+        let all: Vec<u8> = slices.iter().flat_map(|s| s.iter().copied()).collect();
+        file.write_all(&all[..n.min(all.len())])?;
+        Err(io::Error::from_raw_os_error(errno))
+    }
+    fn before_sync(&mut self) -> io::Result<()> {
+        self.sync.take().map_or(Ok(()), |errno| Err(io::Error::from_raw_os_error(errno)))
+    }
+    fn before_dir_sync(&mut self) -> io::Result<()> {
+        self.dir_sync.take().map_or(Ok(()), |errno| Err(io::Error::from_raw_os_error(errno)))
+    }
+    fn keep_failed_bytes(&self) -> bool {
+        self.keep_failed_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::store::{ExportFilter, export};
+
+    fn chunk(seq: u64, body: &[u8]) -> IncomingChunk {
+        let mut payload = Vec::new();
+        payload.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        payload.extend_from_slice(body);
+        IncomingChunk {
+            key: ChunkKey { device: "dev".into(), spool: [1; 16], stream: "s".into(), seq },
+            records: 1,
+            codec: edge_proto::Codec::None,
+            raw_len: payload.len() as u32,
+            checksum: crc32c::crc32c(&payload),
+            created_ms: 1,
+            payload: payload.into(),
+        }
+    }
+
+    fn open(dir: &Path) -> (Store, RecoveryReport) {
+        Store::open(StoreOptions::new(dir)).expect("open store")
+    }
+
+    fn exported_seqs(dir: &Path) -> (Vec<u64>, crate::store::ExportReport) {
+        let mut seqs = Vec::new();
+        let report = export(dir, &ExportFilter::default(), |c| {
+            seqs.push(c.key.seq);
+            Ok(())
+        })
+        .expect("export");
+        (seqs, report)
+    }
+
+    fn segment_len(dir: &Path, number: u64) -> u64 {
+        fs::metadata(dir.join(SEGMENTS_DIR).join(format::segment_file_name(number))).expect("segment exists").len()
+    }
+
+    #[test]
+    fn enospc_during_a_write_is_disk_full_the_partial_entry_is_cut_and_a_later_persist_succeeds() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        assert_eq!(store.persist(vec![chunk(1, b"a")]), vec![PersistOutcome::Stored]);
+        let good_len = segment_len(dir.path(), 1);
+
+        store.faults.write = Some((50, libc::ENOSPC));
+        let out = store.persist(vec![chunk(2, b"b"), chunk(3, b"c")]);
+        assert_eq!(out, vec![PersistOutcome::Failed(StoreFailure::DiskFull); 2]);
+        assert_eq!(segment_len(dir.path(), 1), good_len, "partial write truncated away");
+        assert_eq!(store.stats().last_failure, Some(StoreFailure::DiskFull));
+        assert!(!store.contains(&chunk(2, b"b").key));
+
+        assert_eq!(store.persist(vec![chunk(2, b"b")]), vec![PersistOutcome::Stored]);
+        assert_eq!(store.stats().active_segment, 2, "the next batch went to a new segment");
+        assert_eq!(store.stats().last_failure, None);
+        drop(store);
+        let (_, report) = open(dir.path());
+        assert_eq!(report.chunks, 2);
+        assert_eq!(report.truncated_bytes, 0);
+        assert_eq!(exported_seqs(dir.path()).0, vec![1, 2]);
+    }
+
+    #[test]
+    fn a_failed_fsync_never_reports_stored_and_the_next_batch_uses_a_new_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        assert_eq!(store.persist(vec![chunk(1, b"a")]), vec![PersistOutcome::Stored]);
+        store.faults.sync = Some(libc::EIO);
+        let out = store.persist(vec![chunk(2, b"b")]);
+        assert!(matches!(&out[..], [PersistOutcome::Failed(StoreFailure::Io(_))]), "{out:?}");
+        assert!(store.active.is_none(), "the segment whose fsync failed is not written to again");
+        assert_eq!(store.persist(vec![chunk(2, b"b")]), vec![PersistOutcome::Stored]);
+        let stats = store.stats();
+        assert_eq!((stats.commits, stats.failed_commits, stats.segments), (2, 1, 2));
+    }
+
+    #[test]
+    fn a_repeat_of_a_failed_chunk_in_the_same_batch_is_not_reported_durable() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        store.faults.sync = Some(libc::EIO);
+        let out = store.persist(vec![chunk(1, b"a"), chunk(1, b"a")]);
+        assert!(out.iter().all(|o| !o.is_durable()), "{out:?}");
+        assert_eq!(
+            store.persist(vec![chunk(1, b"a"), chunk(1, b"a")]),
+            vec![PersistOutcome::Stored, PersistOutcome::Duplicate]
+        );
+    }
+
+    #[test]
+    fn entries_of_a_failed_commit_left_on_disk_are_ignored_once_a_later_commit_succeeds() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        assert_eq!(store.persist(vec![chunk(1, b"a")]), vec![PersistOutcome::Stored]);
+        let good_len = segment_len(dir.path(), 1);
+        store.faults.sync = Some(libc::EIO);
+        store.faults.keep_failed_bytes = true;
+        assert!(!store.persist(vec![chunk(2, b"b")])[0].is_durable());
+        assert!(segment_len(dir.path(), 1) > good_len, "the failed entry is still in the file");
+        store.faults.keep_failed_bytes = false;
+        assert_eq!(store.persist(vec![chunk(3, b"c")]), vec![PersistOutcome::Stored]);
+        drop(store);
+
+        let (mut store, report) = open(dir.path());
+        assert_eq!(report.abandoned_entries, 1);
+        assert_eq!(report.chunks, 2);
+        assert_eq!(store.persist(vec![chunk(2, b"b")]), vec![PersistOutcome::Stored], "seq 2 was never stored");
+        drop(store);
+        let (seqs, report) = exported_seqs(dir.path());
+        assert_eq!(seqs, vec![1, 2, 3]);
+        assert_eq!(report.abandoned, 1);
+        assert_eq!(report.duplicate_entries, 0);
+    }
+
+    #[test]
+    fn a_failed_directory_fsync_removes_the_new_segment_and_fails_the_batch() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        store.faults.dir_sync = Some(libc::EIO);
+        assert!(!store.persist(vec![chunk(1, b"a")])[0].is_durable());
+        assert_eq!(scan::list_segments(&dir.path().join(SEGMENTS_DIR)).expect("list").len(), 0);
+        assert_eq!(store.persist(vec![chunk(1, b"a")]), vec![PersistOutcome::Stored]);
+        assert_eq!(store.stats().segments, 1);
+        assert_eq!(store.stats().dir_fsyncs, 2);
+    }
+
+    #[test]
+    fn a_read_only_file_system_is_reported_as_such() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        store.faults.create = Some(libc::EROFS);
+        assert_eq!(store.persist(vec![chunk(1, b"a")]), vec![PersistOutcome::Failed(StoreFailure::ReadOnly)]);
+        assert_eq!(store.persist(vec![chunk(1, b"a")]), vec![PersistOutcome::Stored]);
+    }
+
+    #[test]
+    fn a_crash_before_the_fsync_of_a_new_segment_leaves_nothing_that_counts() {
+        // Simulate the state a power cut can leave: the segment header torn at creation.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        assert_eq!(store.persist(vec![chunk(1, b"a")]), vec![PersistOutcome::Stored]);
+        drop(store);
+        let torn = dir.path().join(SEGMENTS_DIR).join(format::segment_file_name(2));
+        fs::write(&torn, &SegmentHeader { number: 2, salt: 9 }.encode()[..20]).expect("write torn header");
+        let (mut store, report) = open(dir.path());
+        assert_eq!(report.truncated_bytes, 20);
+        assert_eq!(report.chunks, 1);
+        assert_eq!(store.persist(vec![chunk(2, b"b")]), vec![PersistOutcome::Stored]);
+        drop(store);
+        assert_eq!(exported_seqs(dir.path()).0, vec![1, 2]);
+    }
+}

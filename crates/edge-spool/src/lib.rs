@@ -1,0 +1,366 @@
+//! edge-spool: the agent's durable queue, a SQLite (WAL) database holding producer batches
+//! until the ingest server has acknowledged them.
+//!
+//! Producers hand the agent [`Batch`]es (already framed records, opaque bytes). [`Spool::append`]
+//! stores them, one transaction per call (group commit). Open batches of a stream are *sealed*
+//! into a chunk when they reach [`SpoolOptions::chunk_target_bytes`] or when the oldest of them
+//! is older than [`SpoolOptions::linger`]; sealing gives the chunk the stream's next sequence
+//! number. The uploader lists sealed chunks through a [`SpoolReader`], sends them, and calls
+//! [`Spool::ack`] once the server says a chunk is durable; only then are its rows deleted.
+//!
+//! The API is synchronous; the agent runs it on a blocking thread. There is one writer
+//! ([`Spool`]) per file and any number of readers ([`SpoolReader`]).
+//!
+//! # On-disk format (`PRAGMA user_version = 1`)
+//!
+//! One SQLite database file in WAL mode (`<path>`, `<path>-wal`, `<path>-shm`).
+//!
+//! * `meta(key TEXT PRIMARY KEY, value NOT NULL) WITHOUT ROWID`
+//!   * `spool_id`: 16 random bytes (BLOB), written once, in the transaction that creates the
+//!     schema. A file created anew (new SD card, factory reset, quarantine) gets a new identity,
+//!     so the server never mistakes its fresh sequence numbers for old ones.
+//!   * `dropped_chunks`, `dropped_records`: INTEGER counters of what
+//!     [`FullPolicy::DropOldest`] evicted, updated in the evicting transaction.
+//! * `streams(id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, next_seq INTEGER NOT NULL)`:
+//!   one row per stream ever seen, never deleted; `next_seq` is the sequence number the next
+//!   sealed chunk of that stream gets (starts at 1).
+//! * `chunks(id INTEGER PRIMARY KEY AUTOINCREMENT, stream_id, seq, records, bytes, first_ms,
+//!   sealed_ms, quarantine TEXT NULL, UNIQUE(stream_id, seq))`: one row per sealed chunk.
+//!   `AUTOINCREMENT` makes ids strictly increasing in sealing order and never reused, even after
+//!   the newest chunk is deleted. `quarantine` holds the reason once the chunk is quarantined.
+//! * `batches(id INTEGER PRIMARY KEY, stream_id, chunk_id NULL, data BLOB, records, crc32c,
+//!   commit_ms)`: one row per producer batch, in append order. `chunk_id` is NULL while the batch
+//!   is open; `crc32c` is the CRC-32C of `data`, computed at append and checked on every read.
+//!   A chunk's payload is the concatenation of its batches' `data` in `id` order.
+//! * Indexes: `batches(stream_id) WHERE chunk_id IS NULL` (open batches),
+//!   `batches(chunk_id) WHERE chunk_id IS NOT NULL` (a chunk's batches),
+//!   `chunks(stream_id, first_ms) WHERE quarantine IS NULL` (per-stream oldest data).
+//!
+//! Times (`commit_ms`, `first_ms`, `sealed_ms`) are the `now_ms` values the caller passed in
+//! (unix milliseconds); the spool reads no clock for them.
+//!
+//! # Commit sequence
+//!
+//! Every write call (`append`, `seal_*`, `ack`, `quarantine`, `purge_quarantined`) is one
+//! `BEGIN IMMEDIATE` ... `COMMIT`. At `COMMIT` SQLite appends the changed pages to `-wal` with a
+//! commit frame; under `synchronous=FULL` it then fsyncs `-wal` before `COMMIT` returns, under
+//! `NORMAL` it does not. Checkpoints (automatic, every ~1000 WAL pages, and when the last
+//! connection closes) copy WAL pages into the main file and fsync both in either mode; the WAL is
+//! then reset and kept at most 64 MiB (`journal_size_limit`). Rows are never changed outside
+//! such a transaction, so every crash point lands on a committed state.
+//!
+//! # Durability contract
+//!
+//! * When [`Spool::append`] returns `Ok`, every request reported [`AppendOutcome::Accepted`] is in
+//!   a committed transaction. With [`Durability::Full`] (`synchronous=FULL`) the WAL was fsynced
+//!   before `COMMIT` returned, so the batches survive a process crash *and* a power cut. With
+//!   [`Durability::Normal`] (`synchronous=NORMAL`) they survive a process crash; after a power
+//!   cut or OS crash the last transactions (those since the last WAL sync/checkpoint) may be
+//!   rolled back, but the database stays consistent.
+//! * A request reported [`AppendOutcome::Full`] stored none of its batches; the other requests of
+//!   the same call are unaffected. When `append` returns `Err`, the whole call was rolled back and
+//!   no request was accepted. (Caveat from SQLite: after an I/O error *during* `COMMIT` the
+//!   outcome is unknowable; such a transaction may reappear after a restart.)
+//! * Sealing happens inside a transaction together with the `streams.next_seq` bump, so a chunk's
+//!   id, sequence number and contents never change once sealed, and a sequence number is never
+//!   reused, across acks, drops, quarantines and reopens.
+//! * Rows are deleted only (a) by [`Spool::ack`], chunk and batches in one transaction;
+//!   (b) by [`FullPolicy::DropOldest`] eviction inside an `append` transaction, counted in `meta`
+//!   in that same transaction; (c) by [`Spool::purge_quarantined`]. Reading never deletes.
+//! * An ack may be lost in a crash (the process dies before `ack` commits, or a power cut rolls
+//!   it back under `Normal`). The chunk is then still in the spool after restart and is offered
+//!   again with the same id, stream, seq and bytes. That is safe because the server dedups by
+//!   (spool id, stream, seq).
+//! * [`Spool::open`] runs `PRAGMA quick_check`. A file that is not a SQLite database, fails the
+//!   check, is a SQLite database that is not a spool, or has no valid spool id, is moved aside
+//!   (with its `-wal`/`-shm`) as `<path>.corrupt-<unix-seconds>` and replaced by a fresh spool
+//!   with a new id, reported in [`OpenReport::quarantined`]. We prefer that over refusing to
+//!   start: an agent wedged on a bad file loses *all* data from then on, while the quarantined
+//!   file stays available for offline recovery. A file from a newer schema version is *not*
+//!   moved; `open` fails with [`SpoolError::UnsupportedSchema`] (a downgrade must not destroy
+//!   data).
+//! * Every batch carries a CRC-32C; [`SpoolReader::read`] fails with [`SpoolError::Corrupt`] on a
+//!   mismatch instead of serving bad bytes. The caller then calls [`Spool::quarantine`]: the chunk
+//!   stays on disk for inspection, is never offered again and no longer counts against
+//!   `max_bytes`.
+//!
+//! # Invariants
+//!
+//! * A batch is either open (`chunk_id IS NULL`) or belongs to exactly one chunk of its stream.
+//! * A chunk's `records`, `bytes` and `first_ms` equal the sum/sum/minimum over its batches.
+//! * For every stream, the chunks ever sealed carry exactly the seqs `1..next_seq`, each once.
+//! * Chunk ids increase strictly in sealing order and are never reused.
+//! * After every public call, whether it returned `Ok` or `Err`, the in-memory counters behind
+//!   [`Spool::stats`] equal the aggregates on disk (the working copy is swapped in only after
+//!   `COMMIT` succeeded).
+//! * After every accepted request, stored bytes (open + sealed, quarantine excluded) are
+//!   `<= max_bytes`, unless `max_bytes` was lowered at run time by [`Spool::set_limits`] (that
+//!   evicts nothing by itself).
+//!
+//! # Codemap
+//!
+//! * `lib.rs`: this contract and the public value types.
+//! * `error.rs`: [`SpoolError`].
+//! * `schema.rs`: DDL, pragmas, `user_version` migrations.
+//! * `recovery.rs`: opening a file, quick check, quarantine of a bad file.
+//! * `state.rs`: the in-memory counters.
+//! * `spool.rs`: the writer [`Spool`].
+//! * `reader.rs`: [`SpoolReader`].
+
+mod error;
+mod reader;
+mod recovery;
+mod schema;
+mod spool;
+mod state;
+
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use error::SpoolError;
+pub use reader::SpoolReader;
+pub use spool::Spool;
+
+/// The identity of one spool file, 16 random bytes drawn when the file is created.
+///
+/// `Display` gives 32 lowercase hex characters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SpoolId(pub [u8; 16]);
+
+impl SpoolId {
+    /// A fresh random identity.
+    pub fn random() -> Self {
+        SpoolId(rand::random())
+    }
+}
+
+impl fmt::Display for SpoolId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in self.0 {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// How hard `COMMIT` works before it returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Durability {
+    /// `synchronous=FULL`: the WAL is fsynced on every commit; survives power cuts.
+    #[default]
+    Full,
+    /// `synchronous=NORMAL`: survives process crashes; a power cut may roll back the last commits.
+    Normal,
+}
+
+/// What [`Spool::append`] does with a request that does not fit under `max_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum FullPolicy {
+    /// Refuse the request ([`AppendOutcome::Full`]); nothing already stored is touched.
+    #[default]
+    Reject,
+    /// Delete the oldest sealed chunks (counted in [`SpoolStats::dropped_chunks`] and
+    /// [`SpoolStats::dropped_records`]) until the request fits.
+    DropOldest,
+}
+
+/// Settings of a spool. Build with [`SpoolOptions::new`] and adjust the fields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpoolOptions {
+    /// The database file; its parent directory is created if missing.
+    pub path: PathBuf,
+    /// `synchronous` mode of the writer connection.
+    pub durability: Durability,
+    /// Cap on stored payload bytes (sum of batch data lengths, sealed and open, quarantine
+    /// excluded). SQLite overhead (pages, indexes, WAL) comes on top.
+    pub max_bytes: u64,
+    /// What to do with a request that does not fit.
+    pub full_policy: FullPolicy,
+    /// A stream's open batches are sealed into a chunk once they reach this many bytes.
+    pub chunk_target_bytes: u64,
+    /// ... or once the oldest open batch is at least this old (see [`Spool::seal_due`]).
+    pub linger: Duration,
+}
+
+impl SpoolOptions {
+    /// Defaults: [`Durability::Full`], 1 GiB, [`FullPolicy::Reject`], 1 MiB chunks, 50 ms linger.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        SpoolOptions {
+            path: path.into(),
+            durability: Durability::Full,
+            max_bytes: 1 << 30,
+            full_policy: FullPolicy::Reject,
+            chunk_target_bytes: 1 << 20,
+            linger: Duration::from_millis(50),
+        }
+    }
+}
+
+/// Records of one stream from one producer request. `data` is opaque and stored unchanged:
+/// concatenating batches must give a valid chunk payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    /// Stream name.
+    pub stream: String,
+    /// Already framed records.
+    pub data: Vec<u8>,
+    /// Number of records in `data`.
+    pub records: u32,
+}
+
+/// One producer request: all of its batches are stored, or none.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AppendRequest {
+    /// The batches, in order.
+    pub batches: Vec<Batch>,
+}
+
+impl AppendRequest {
+    /// Payload bytes of the request.
+    pub fn bytes(&self) -> u64 {
+        self.batches.iter().map(|b| len_u64(&b.data)).sum()
+    }
+}
+
+/// The fate of one [`AppendRequest`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AppendOutcome {
+    /// Committed at the configured durability.
+    Accepted,
+    /// Did not fit under `max_bytes`; none of its batches was stored.
+    Full,
+}
+
+/// Identifies a sealed chunk. Increases strictly in sealing order; never reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ChunkId(pub i64);
+
+impl fmt::Display for ChunkId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Metadata of a sealed chunk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkMeta {
+    /// Row id; sealing order.
+    pub id: ChunkId,
+    /// Stream name.
+    pub stream: String,
+    /// Per-stream sequence number, gapless from 1 in sealing order.
+    pub seq: u64,
+    /// Records in the chunk.
+    pub records: u32,
+    /// Payload bytes (sum of its batches' data lengths).
+    pub bytes: u64,
+    /// Commit time (unix ms as passed to `append`) of its oldest batch.
+    pub first_ms: u64,
+    /// Time (unix ms as passed in) it was sealed.
+    pub sealed_ms: u64,
+}
+
+/// What [`Spool::open`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpenReport {
+    /// A new spool (new [`SpoolId`]) was created: the file was missing, empty, or quarantined.
+    pub created: bool,
+    /// Where a corrupt file was moved to, if one was.
+    pub quarantined: Option<PathBuf>,
+    /// Open (not yet sealed) batches found.
+    pub open_batches: u64,
+    /// Sealed, not quarantined chunks found (they will be offered again).
+    pub sealed_chunks: u64,
+}
+
+/// Result of [`Spool::ack`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AckReport {
+    /// Chunks deleted.
+    pub acked: u32,
+    /// Ids not found (already acked, dropped, quarantined, or never existed).
+    pub unknown: u32,
+}
+
+/// Counters of the spool, kept in memory and true to disk after every call.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SpoolStats {
+    /// Sealed chunks waiting for an ack (quarantine excluded).
+    pub sealed_chunks: u64,
+    /// Payload bytes of those chunks.
+    pub sealed_bytes: u64,
+    /// Payload bytes of open batches.
+    pub open_bytes: u64,
+    /// Records in open batches.
+    pub open_records: u64,
+    /// `sealed_bytes + open_bytes`: what counts against `max_bytes`.
+    pub total_bytes: u64,
+    /// Commit time of the oldest stored batch (quarantine excluded).
+    pub oldest_ms: Option<u64>,
+    /// Records evicted by [`FullPolicy::DropOldest`], ever (durable).
+    pub dropped_records: u64,
+    /// Chunks evicted by [`FullPolicy::DropOldest`], ever (durable).
+    pub dropped_chunks: u64,
+    /// Chunks currently held in quarantine.
+    pub quarantined_chunks: u64,
+    /// Every stream ever seen, by name.
+    pub streams: Vec<StreamStats>,
+}
+
+/// Per-stream part of [`SpoolStats`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Stream name.
+    pub name: String,
+    /// Sequence number the next sealed chunk of this stream gets.
+    pub next_seq: u64,
+    /// Sealed chunks waiting for an ack.
+    pub sealed_chunks: u64,
+    /// Payload bytes stored for the stream (open + sealed, quarantine excluded).
+    pub bytes: u64,
+    /// Commit time of the stream's oldest stored batch.
+    pub oldest_ms: Option<u64>,
+}
+
+/// A chunk held in quarantine, as listed by [`SpoolReader::quarantined`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuarantinedChunk {
+    /// The chunk.
+    pub meta: ChunkMeta,
+    /// The reason given to [`Spool::quarantine`].
+    pub reason: String,
+}
+
+/// Length of a byte slice as u64 (lossless on every supported target).
+pub(crate) fn len_u64(data: &[u8]) -> u64 {
+    data.len() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spool_id_displays_as_32_lowercase_hex_chars() {
+        let id =
+            SpoolId([0x00, 0x01, 0xab, 0xcd, 0xef, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xff]);
+        assert_eq!(id.to_string(), "0001abcdef102030405060708090a0ff");
+        assert_eq!(id.to_string().len(), 32);
+    }
+
+    #[test]
+    fn random_spool_ids_differ() {
+        assert_ne!(SpoolId::random(), SpoolId::random());
+    }
+
+    #[test]
+    fn options_defaults_match_the_documented_values() {
+        let o = SpoolOptions::new("/x/spool.db");
+        assert_eq!(o.durability, Durability::Full);
+        assert_eq!(o.max_bytes, 1 << 30);
+        assert_eq!(o.full_policy, FullPolicy::Reject);
+        assert_eq!(o.chunk_target_bytes, 1 << 20);
+        assert_eq!(o.linger, Duration::from_millis(50));
+    }
+}

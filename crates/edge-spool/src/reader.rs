@@ -1,0 +1,137 @@
+//! The read side: [`SpoolReader`] lists sealed chunks and reads their bytes, verifying every
+//! batch's CRC-32C, over its own read-only connection (WAL readers never block the writer).
+
+use std::path::Path;
+
+use rusqlite::{Connection, OptionalExtension};
+
+use crate::error::ctx;
+use crate::schema;
+use crate::{ChunkId, ChunkMeta, QuarantinedChunk, SpoolError};
+
+/// A read-only connection to a spool file, made by [`Spool::reader`](crate::Spool::reader).
+/// `Send`; give each thread its own.
+#[derive(Debug)]
+pub struct SpoolReader {
+    conn: Connection,
+}
+
+const META_COLUMNS: &str = "c.id, s.name, c.seq, c.records, c.bytes, c.first_ms, c.sealed_ms";
+
+impl SpoolReader {
+    pub(crate) fn open(path: &Path) -> Result<SpoolReader, SpoolError> {
+        Ok(SpoolReader { conn: schema::open_reader(path)? })
+    }
+
+    /// Up to `limit` sealed, not quarantined chunks with an id greater than `after` (all if
+    /// `None`), ordered by id, which is sealing order.
+    ///
+    /// # Errors
+    /// SQLite errors; a row with values our schema cannot hold gives a
+    /// [`SpoolError::Sqlite`] conversion error.
+    pub fn sealed_after(&mut self, after: Option<ChunkId>, limit: usize) -> Result<Vec<ChunkMeta>, SpoolError> {
+        let after = after.map_or(i64::MIN, |c| c.0);
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let mut stmt = self
+            .conn
+            .prepare_cached(&format!(
+                "SELECT {META_COLUMNS} FROM chunks c JOIN streams s ON s.id = c.stream_id
+                 WHERE c.id > ?1 AND c.quarantine IS NULL ORDER BY c.id LIMIT ?2"
+            ))
+            .map_err(ctx("listing sealed chunks"))?;
+        let rows = stmt.query_map((after, limit), meta_from_row).map_err(ctx("listing sealed chunks"))?;
+        rows.collect::<Result<_, _>>().map_err(ctx("listing sealed chunks"))
+    }
+
+    /// The chunk's payload: its batches' data concatenated in append order, each checked
+    /// against its stored CRC-32C. Read in one read transaction, so it sees one snapshot.
+    ///
+    /// # Errors
+    /// [`SpoolError::ChunkGone`] if the chunk was deleted (acked, dropped, purged) in the
+    /// meantime; [`SpoolError::Corrupt`] if a checksum, size or record count does not match.
+    pub fn read(&mut self, meta: &ChunkMeta) -> Result<Vec<u8>, SpoolError> {
+        let id = meta.id;
+        let tx = self.conn.transaction().map_err(ctx("beginning a read transaction"))?;
+        let row: Option<(u64, u64)> = tx
+            .prepare_cached("SELECT records, bytes FROM chunks WHERE id = ?1")
+            .and_then(|mut s| s.query_row([id.0], |r| Ok((r.get(0)?, r.get(1)?))).optional())
+            .map_err(ctx("looking up a chunk"))?;
+        let Some((want_records, want_bytes)) = row else {
+            return Err(SpoolError::ChunkGone(id));
+        };
+        let corrupt = |detail: String| SpoolError::Corrupt { chunk: id, detail };
+        let mut out = Vec::with_capacity(usize::try_from(want_bytes).unwrap_or(0).min(64 << 20));
+        let mut records = 0u64;
+        let mut batches = 0u64;
+        {
+            let mut stmt = tx
+                .prepare_cached("SELECT id, data, records, crc32c FROM batches WHERE chunk_id = ?1 ORDER BY id")
+                .map_err(ctx("reading a chunk's batches"))?;
+            let mut rows = stmt.query([id.0]).map_err(ctx("reading a chunk's batches"))?;
+            while let Some(r) = rows.next().map_err(ctx("reading a chunk's batches"))? {
+                let batch: i64 = r.get(0).map_err(ctx("reading a chunk's batches"))?;
+                let data = r
+                    .get_ref(1)
+                    .map_err(ctx("reading a chunk's batches"))?
+                    .as_blob()
+                    .map_err(|e| corrupt(format!("batch {batch}: data is not a blob: {e}")))?;
+                let stored: u32 = r.get(3).map_err(|e| corrupt(format!("batch {batch}: bad crc32c column: {e}")))?;
+                let computed = crc32c::crc32c(data);
+                if stored != computed {
+                    return Err(corrupt(format!(
+                        "batch {batch}: crc32c stored {stored:08x}, computed {computed:08x} \
+                         over {len} bytes",
+                        len = data.len()
+                    )));
+                }
+                let n: u32 = r.get(2).map_err(|e| corrupt(format!("batch {batch}: bad records column: {e}")))?;
+                records += u64::from(n);
+                batches += 1;
+                out.extend_from_slice(data);
+            }
+        }
+        tx.finish().map_err(ctx("ending a read transaction"))?;
+        if batches == 0 {
+            return Err(corrupt("chunk has no batches".into()));
+        }
+        if crate::len_u64(&out) != want_bytes || records != want_records {
+            return Err(corrupt(format!(
+                "chunk row says {want_bytes} bytes / {want_records} records, \
+                 batches hold {len} bytes / {records} records",
+                len = out.len()
+            )));
+        }
+        Ok(out)
+    }
+
+    /// The chunks held in quarantine, by id, with their reasons.
+    ///
+    /// # Errors
+    /// SQLite errors.
+    pub fn quarantined(&mut self) -> Result<Vec<QuarantinedChunk>, SpoolError> {
+        let mut stmt = self
+            .conn
+            .prepare_cached(&format!(
+                "SELECT {META_COLUMNS}, c.quarantine
+                 FROM chunks c JOIN streams s ON s.id = c.stream_id
+                 WHERE c.quarantine IS NOT NULL ORDER BY c.id"
+            ))
+            .map_err(ctx("listing quarantined chunks"))?;
+        let rows = stmt
+            .query_map([], |r| Ok(QuarantinedChunk { meta: meta_from_row(r)?, reason: r.get(7)? }))
+            .map_err(ctx("listing quarantined chunks"))?;
+        rows.collect::<Result<_, _>>().map_err(ctx("listing quarantined chunks"))
+    }
+}
+
+fn meta_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ChunkMeta> {
+    Ok(ChunkMeta {
+        id: ChunkId(r.get(0)?),
+        stream: r.get(1)?,
+        seq: r.get(2)?,
+        records: r.get(3)?,
+        bytes: r.get(4)?,
+        first_ms: r.get(5)?,
+        sealed_ms: r.get(6)?,
+    })
+}

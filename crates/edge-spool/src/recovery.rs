@@ -1,0 +1,159 @@
+//! Opening the database file: quick check, migration, loading counters, and moving a bad file
+//! aside so the agent never wedges on it.
+//!
+//! A file is moved aside only for *corruption* (not a database, `quick_check` failures, rows
+//! our schema cannot hold, a foreign SQLite database, a missing spool id). Lock, permission and
+//! I/O errors are returned to the caller instead: they say nothing about the file's contents.
+//!
+//! Sidecars (`-wal`, `-shm`, `-journal`) are renamed *before* the main file. A crash between
+//! the renames then leaves either the old database without its WAL (checked again at the next
+//! open) or no database at all, never a fresh database next to a stale WAL.
+
+use std::ffi::OsString;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use rusqlite::Connection;
+
+use crate::error::ctx;
+use crate::schema::{self, META_SPOOL_ID, Migrated};
+use crate::state::State;
+use crate::{SpoolError, SpoolId, SpoolOptions};
+
+/// A ready writer connection and what was loaded from it.
+#[derive(Debug)]
+pub(crate) struct Opened {
+    pub conn: Connection,
+    pub id: SpoolId,
+    pub state: State,
+    pub created: bool,
+}
+
+/// The outcome of one attempt to open the file.
+enum Attempt {
+    Ready(Box<Opened>),
+    /// The file is bad; the reason.
+    Bad(String),
+}
+
+/// Opens (creating or replacing as needed) the spool at `opts.path`. Returns where a bad file
+/// was moved, if one was.
+pub(crate) fn open(opts: &SpoolOptions) -> Result<(Opened, Option<PathBuf>), SpoolError> {
+    let path = opts.path.as_path();
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fs::create_dir_all(parent).map_err(|source| SpoolError::Io { path: parent.to_owned(), source })?;
+    }
+    let detail = match attempt(opts)? {
+        Attempt::Ready(o) => return Ok((*o, None)),
+        Attempt::Bad(detail) => detail,
+    };
+    let moved = move_aside(path)?;
+    tracing::error!(
+        path = %path.display(),
+        moved_to = %moved.display(),
+        %detail,
+        "spool database is corrupt; moved it aside and created a new spool with a new identity"
+    );
+    match attempt(opts)? {
+        Attempt::Ready(o) => Ok((*o, Some(moved))),
+        Attempt::Bad(detail) => Err(SpoolError::Unrecoverable { path: path.to_owned(), detail }),
+    }
+}
+
+/// One attempt; the connection is closed before a `Bad` result is returned.
+fn attempt(opts: &SpoolOptions) -> Result<Attempt, SpoolError> {
+    match try_open(opts) {
+        Ok(a) => Ok(a),
+        Err(e) if e.is_corruption() => Ok(Attempt::Bad(error_chain(&e))),
+        Err(e) => Err(e),
+    }
+}
+
+fn try_open(opts: &SpoolOptions) -> Result<Attempt, SpoolError> {
+    let mut conn = Connection::open(&opts.path).map_err(ctx("opening the database"))?;
+    conn.busy_timeout(schema::BUSY_TIMEOUT).map_err(ctx("setting busy_timeout"))?;
+    if let Some(problems) = schema::quick_check(&conn)? {
+        return Ok(Attempt::Bad(format!("quick_check: {problems}")));
+    }
+    // Decide what the file is before writing anything to it (even the WAL switch is a write).
+    let (version, tables) = schema::inspect(&conn)?;
+    if version > schema::SCHEMA_VERSION {
+        return Err(SpoolError::UnsupportedSchema { found: version, supported: schema::SCHEMA_VERSION });
+    }
+    if version < 0 || (version == 0 && tables > 0) {
+        return Ok(Attempt::Bad(format!(
+            "a SQLite database that is not an edge spool \
+             (user_version {version}, {tables} schema objects)"
+        )));
+    }
+    schema::configure_writer(&conn, opts.durability)?;
+    let created = match schema::migrate(&mut conn)? {
+        Migrated::Created => true,
+        Migrated::Existing => false,
+        Migrated::Foreign => {
+            return Ok(Attempt::Bad("a SQLite database that is not an edge spool (user_version 0 with tables)".into()));
+        }
+    };
+    let raw: Vec<u8> = conn
+        .query_row("SELECT value FROM meta WHERE key = ?1", [META_SPOOL_ID], |r| r.get(0))
+        .map_err(ctx("reading the spool id"))?;
+    let Ok(bytes) = <[u8; 16]>::try_from(raw.as_slice()) else {
+        return Ok(Attempt::Bad(format!("spool id has {} bytes, expected 16", raw.len())));
+    };
+    let state = State::load(&conn)?;
+    Ok(Attempt::Ready(Box::new(Opened { conn, id: SpoolId(bytes), state, created })))
+}
+
+/// Renames `path` and its sidecars to `<path>.corrupt-<unix-seconds>[-n]` (sidecars keep their
+/// suffix, so SQLite finds the WAL next to the moved file) and returns the new main path.
+fn move_aside(path: &Path) -> Result<PathBuf, SpoolError> {
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let target = (0u32..)
+        .map(|n| {
+            let tag = if n == 0 { format!(".corrupt-{secs}") } else { format!(".corrupt-{secs}-{n}") };
+            with_suffix(path, &tag)
+        })
+        .find(|t| !t.exists() && !with_suffix(t, "-wal").exists())
+        .unwrap_or_else(|| with_suffix(path, ".corrupt"));
+    for sidecar in ["-wal", "-shm", "-journal"] {
+        let from = with_suffix(path, sidecar);
+        if from.exists() {
+            rename(&from, &with_suffix(&target, sidecar))?;
+        }
+    }
+    if path.exists() {
+        rename(path, &target)?;
+    }
+    if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        // Best effort: if the renames are lost in a power cut, the next open finds the same bad
+        // file and moves it again.
+        if let Err(e) = fs::File::open(dir).and_then(|d| d.sync_all()) {
+            tracing::warn!(dir = %dir.display(), error = %e, "could not fsync the spool directory");
+        }
+    }
+    Ok(target)
+}
+
+fn rename(from: &Path, to: &Path) -> Result<(), SpoolError> {
+    fs::rename(from, to).map_err(|source| SpoolError::Io { path: from.to_owned(), source })
+}
+
+/// `path` with `suffix` appended to its last component (`a/spool.db` + `-wal`).
+pub(crate) fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut s: OsString = path.as_os_str().to_owned();
+    s.push(suffix);
+    PathBuf::from(s)
+}
+
+/// `error: cause: cause` on one line, for logs and reports.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        src = s.source();
+    }
+    out
+}

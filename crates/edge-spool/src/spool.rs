@@ -1,0 +1,931 @@
+//! The writer: [`Spool`] owns the single write connection and the in-memory counters.
+//!
+//! Every public write is one `BEGIN IMMEDIATE` ... `COMMIT` transaction that works on a clone of
+//! the counters; the clone replaces the live counters only after `COMMIT` returned. On any error
+//! the transaction is rolled back (by `Transaction`'s drop, or by SQLite itself for `SQLITE_FULL`
+//! and I/O errors) and the counters are untouched, so the spool stays usable.
+
+use std::collections::BTreeSet;
+
+use rusqlite::{OptionalExtension, Transaction, TransactionBehavior};
+
+use crate::error::ctx;
+use crate::reader::SpoolReader;
+use crate::recovery;
+use crate::schema::{META_DROPPED_CHUNKS, META_DROPPED_RECORDS};
+use crate::state::{State, StreamState, min_opt};
+use crate::{
+    AckReport, AppendOutcome, AppendRequest, ChunkId, FullPolicy, OpenReport, SpoolError, SpoolId, SpoolOptions,
+    SpoolStats, len_u64,
+};
+
+/// The durable spool; the single writer of its file. `Send`, not `Sync`: put it behind a mutex
+/// or on a dedicated thread.
+#[derive(Debug)]
+pub struct Spool {
+    conn: rusqlite::Connection,
+    id: SpoolId,
+    opts: SpoolOptions,
+    state: State,
+}
+
+impl Spool {
+    /// Opens the spool at `opts.path`, creating the file (and its parent directory) if missing.
+    ///
+    /// A file that is not a SQLite database, fails `PRAGMA quick_check`, or is not a spool is
+    /// moved aside as `<path>.corrupt-<unix-seconds>` (with its `-wal`/`-shm`), logged with
+    /// `tracing::error!`, and replaced by a fresh spool with a new [`SpoolId`]; see
+    /// [`OpenReport::quarantined`]. Counters are loaded from the database, so accounting is right
+    /// after a restart.
+    ///
+    /// # Errors
+    /// [`SpoolError::UnsupportedSchema`] for a file from a newer version (left untouched);
+    /// [`SpoolError::Io`] / [`SpoolError::Sqlite`] when the file cannot be opened at all (locks,
+    /// permissions); [`SpoolError::Unrecoverable`] if even a fresh file is unusable.
+    pub fn open(opts: SpoolOptions) -> Result<(Spool, OpenReport), SpoolError> {
+        let (opened, quarantined) = recovery::open(&opts)?;
+        let report = OpenReport {
+            created: opened.created,
+            quarantined,
+            open_batches: opened.state.open_batches(),
+            sealed_chunks: opened.state.sealed_chunks(),
+        };
+        tracing::info!(
+            path = %opts.path.display(),
+            spool_id = %opened.id,
+            created = report.created,
+            open_batches = report.open_batches,
+            sealed_chunks = report.sealed_chunks,
+            "spool opened"
+        );
+        let spool = Spool { conn: opened.conn, id: opened.id, opts, state: opened.state };
+        Ok((spool, report))
+    }
+
+    /// The identity drawn when this file was created.
+    pub fn id(&self) -> SpoolId {
+        self.id
+    }
+
+    /// The options in force (including limits changed by [`Spool::set_limits`]).
+    pub fn options(&self) -> &SpoolOptions {
+        &self.opts
+    }
+
+    /// Stores the requests in one transaction (group commit) and returns one outcome per
+    /// request, in order. Returns only after `COMMIT` at the configured durability.
+    ///
+    /// Capacity is checked per request, in order: see [`FullPolicy`]. A request whose bytes
+    /// exceed `max_bytes` is always [`AppendOutcome::Full`]. After each batch, a stream whose open
+    /// bytes reach `chunk_target_bytes` is sealed, so a chunk holds at most about the target
+    /// plus one batch.
+    ///
+    /// # Errors
+    /// On `Err` nothing of the call was stored ([`SpoolError::DiskFull`] when the disk is full).
+    pub fn append(&mut self, reqs: &[AppendRequest], now_ms: u64) -> Result<Vec<AppendOutcome>, SpoolError> {
+        if reqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut st = self.state.clone();
+        let tx = begin(&mut self.conn)?;
+        let mut outcomes = Vec::with_capacity(reqs.len());
+        let mut dropped = Dropped::default();
+        for req in reqs {
+            if !make_room(&tx, &mut st, &self.opts, req.bytes(), &mut dropped)? {
+                outcomes.push(AppendOutcome::Full);
+                continue;
+            }
+            for batch in &req.batches {
+                let stream = stream_entry(&tx, &mut st, &batch.stream)?;
+                if stream.open_records + u64::from(batch.records) > u64::from(u32::MAX) {
+                    // Keeps a chunk's record count within ChunkMeta::records (u32).
+                    seal_stream(&tx, &mut st, &batch.stream, now_ms)?;
+                }
+                let stream = stream_entry(&tx, &mut st, &batch.stream)?;
+                tx.prepare_cached(
+                    "INSERT INTO batches (stream_id, chunk_id, data, records, crc32c, commit_ms)
+                     VALUES (?1, NULL, ?2, ?3, ?4, ?5)",
+                )
+                .and_then(|mut s| {
+                    s.execute((stream.id, &batch.data, batch.records, crc32c::crc32c(&batch.data), sql_u64(now_ms)))
+                })
+                .map_err(ctx("inserting a batch"))?;
+                stream.open_batches += 1;
+                stream.open_records += u64::from(batch.records);
+                stream.open_bytes += len_u64(&batch.data);
+                stream.oldest_open_ms = min_opt(stream.oldest_open_ms, Some(now_ms));
+                if stream.open_bytes >= self.opts.chunk_target_bytes {
+                    seal_stream(&tx, &mut st, &batch.stream, now_ms)?;
+                }
+            }
+            outcomes.push(AppendOutcome::Accepted);
+        }
+        if dropped.chunks > 0 {
+            for (key, n) in [(META_DROPPED_CHUNKS, dropped.chunks), (META_DROPPED_RECORDS, dropped.records)] {
+                tx.prepare_cached("UPDATE meta SET value = value + ?2 WHERE key = ?1")
+                    .and_then(|mut s| s.execute((key, sql_u64(n))))
+                    .map_err(ctx("counting dropped chunks"))?;
+            }
+            st.dropped_chunks += dropped.chunks;
+            st.dropped_records += dropped.records;
+            refresh_oldest_sealed(&tx, &mut st, &dropped.streams)?;
+        }
+        tx.commit().map_err(ctx("committing appended batches"))?;
+        self.state = st;
+        if dropped.chunks > 0 {
+            tracing::warn!(
+                chunks = dropped.chunks,
+                records = dropped.records,
+                max_bytes = self.opts.max_bytes,
+                "spool full: dropped the oldest chunks to make room"
+            );
+        }
+        Ok(outcomes)
+    }
+
+    /// Seals every stream whose oldest open batch is at least `linger` old at `now_ms` (or
+    /// whose oldest batch lies in the future of `now_ms`: the clock went backwards, and waiting
+    /// for it to catch up could hold data for hours). Returns the number of chunks sealed.
+    ///
+    /// # Errors
+    /// On `Err` nothing was sealed.
+    pub fn seal_due(&mut self, now_ms: u64) -> Result<u32, SpoolError> {
+        let linger = u64::try_from(self.opts.linger.as_millis()).unwrap_or(u64::MAX);
+        let due: Vec<String> = self
+            .state
+            .streams
+            .iter()
+            .filter(|(_, s)| s.oldest_open_ms.is_some_and(|t| now_ms < t || now_ms - t >= linger))
+            .map(|(name, _)| name.clone())
+            .collect();
+        self.seal_streams(&due, now_ms)
+    }
+
+    /// Seals every stream that has open batches (e.g. at shutdown). Returns the chunks sealed.
+    ///
+    /// # Errors
+    /// On `Err` nothing was sealed.
+    pub fn seal_all(&mut self, now_ms: u64) -> Result<u32, SpoolError> {
+        let all: Vec<String> =
+            self.state.streams.iter().filter(|(_, s)| s.open_batches > 0).map(|(name, _)| name.clone()).collect();
+        self.seal_streams(&all, now_ms)
+    }
+
+    fn seal_streams(&mut self, names: &[String], now_ms: u64) -> Result<u32, SpoolError> {
+        if names.is_empty() {
+            return Ok(0);
+        }
+        let mut st = self.state.clone();
+        let tx = begin(&mut self.conn)?;
+        let mut sealed = 0;
+        for name in names {
+            if seal_stream(&tx, &mut st, name, now_ms)? {
+                sealed += 1;
+            }
+        }
+        tx.commit().map_err(ctx("committing sealed chunks"))?;
+        self.state = st;
+        Ok(sealed)
+    }
+
+    /// Deletes the acknowledged chunks and their batches in one transaction. Ids not in the
+    /// spool (already acked, dropped, quarantined, unknown) are counted in
+    /// [`AckReport::unknown`], not treated as errors.
+    ///
+    /// # Errors
+    /// On `Err` nothing was deleted; the chunks will be offered again, which is safe.
+    pub fn ack(&mut self, chunks: &[ChunkId]) -> Result<AckReport, SpoolError> {
+        let mut report = AckReport::default();
+        if chunks.is_empty() {
+            return Ok(report);
+        }
+        let mut st = self.state.clone();
+        let tx = begin(&mut self.conn)?;
+        let mut touched = BTreeSet::new();
+        for &id in chunks {
+            match delete_chunk(&tx, &mut st, id)? {
+                Some(deleted) => {
+                    report.acked += 1;
+                    touched.insert(deleted.stream_id);
+                }
+                None => report.unknown += 1,
+            }
+        }
+        refresh_oldest_sealed(&tx, &mut st, &touched)?;
+        tx.commit().map_err(ctx("committing acks"))?;
+        self.state = st;
+        if report.unknown > 0 {
+            tracing::debug!(acked = report.acked, unknown = report.unknown, "ack for chunks not in the spool");
+        }
+        Ok(report)
+    }
+
+    /// Takes a chunk out of circulation, keeping its rows for inspection: it is never offered
+    /// again by [`SpoolReader::sealed_after`], acks for it count as unknown, and its bytes no
+    /// longer count against `max_bytes`. Quarantining an already quarantined chunk is a no-op.
+    ///
+    /// # Errors
+    /// [`SpoolError::ChunkGone`] if the chunk is not in the spool.
+    pub fn quarantine(&mut self, chunk: ChunkId, reason: &str) -> Result<(), SpoolError> {
+        let mut st = self.state.clone();
+        let tx = begin(&mut self.conn)?;
+        let row: Option<(i64, u64, bool)> = tx
+            .prepare_cached("SELECT stream_id, bytes, quarantine IS NOT NULL FROM chunks WHERE id = ?1")
+            .and_then(|mut s| s.query_row([chunk.0], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional())
+            .map_err(ctx("looking up a chunk to quarantine"))?;
+        let (stream_id, bytes) = match row {
+            None => return Err(SpoolError::ChunkGone(chunk)),
+            Some((_, _, true)) => return Ok(()),
+            Some((stream_id, bytes, false)) => (stream_id, bytes),
+        };
+        tx.prepare_cached("UPDATE chunks SET quarantine = ?2 WHERE id = ?1")
+            .and_then(|mut s| s.execute((chunk.0, reason)))
+            .map_err(ctx("quarantining a chunk"))?;
+        let stream = stream_by_id(&mut st, stream_id)?;
+        stream.sealed_chunks = stream.sealed_chunks.saturating_sub(1);
+        stream.sealed_bytes = stream.sealed_bytes.saturating_sub(bytes);
+        st.quarantined_chunks += 1;
+        refresh_oldest_sealed(&tx, &mut st, &BTreeSet::from([stream_id]))?;
+        tx.commit().map_err(ctx("committing a quarantine"))?;
+        self.state = st;
+        tracing::warn!(chunk = chunk.0, reason, "chunk quarantined");
+        Ok(())
+    }
+
+    /// Deletes every quarantined chunk and its batches. Returns how many chunks were deleted.
+    ///
+    /// # Errors
+    /// On `Err` nothing was deleted.
+    pub fn purge_quarantined(&mut self) -> Result<u64, SpoolError> {
+        let tx = begin(&mut self.conn)?;
+        tx.execute(
+            "DELETE FROM batches
+             WHERE chunk_id IN (SELECT id FROM chunks WHERE quarantine IS NOT NULL)",
+            [],
+        )
+        .map_err(ctx("purging quarantined batches"))?;
+        let n = tx
+            .execute("DELETE FROM chunks WHERE quarantine IS NOT NULL", [])
+            .map_err(ctx("purging quarantined chunks"))?;
+        tx.commit().map_err(ctx("committing a purge"))?;
+        self.state.quarantined_chunks = 0;
+        Ok(n as u64)
+    }
+
+    /// Changes the capacity limits at run time (config reload). They apply from the next
+    /// [`Spool::append`]; lowering `max_bytes` evicts nothing by itself. Not persisted: the
+    /// options passed to the next [`Spool::open`] apply after a restart.
+    pub fn set_limits(&mut self, max_bytes: u64, full_policy: FullPolicy) {
+        self.opts.max_bytes = max_bytes;
+        self.opts.full_policy = full_policy;
+    }
+
+    /// Counters, from memory (no I/O). True to disk after every call.
+    pub fn stats(&self) -> SpoolStats {
+        self.state.stats()
+    }
+
+    /// Opens a second, read-only connection to the same file, for the uploader.
+    ///
+    /// # Errors
+    /// When SQLite cannot open the file.
+    pub fn reader(&self) -> Result<SpoolReader, SpoolError> {
+        SpoolReader::open(&self.opts.path)
+    }
+
+    /// Test access to the raw connection (e.g. to impose `max_page_count`).
+    #[cfg(test)]
+    pub(crate) fn conn(&self) -> &rusqlite::Connection {
+        &self.conn
+    }
+}
+
+/// What DropOldest evicted during one `append`.
+#[derive(Debug, Default)]
+struct Dropped {
+    chunks: u64,
+    records: u64,
+    streams: BTreeSet<i64>,
+}
+
+/// A deleted chunk row.
+struct DeletedChunk {
+    stream_id: i64,
+    records: u64,
+}
+
+fn begin(conn: &mut rusqlite::Connection) -> Result<Transaction<'_>, SpoolError> {
+    conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(ctx("beginning a write transaction"))
+}
+
+/// SQLite stores integers as i64; times and counts beyond i64::MAX do not occur, so clamp.
+fn sql_u64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// Decides whether a request of `bytes` fits, evicting the oldest sealed chunks under
+/// DropOldest. Evicts nothing if the request could not fit even with every sealed chunk gone.
+fn make_room(
+    tx: &Transaction<'_>,
+    st: &mut State,
+    opts: &SpoolOptions,
+    bytes: u64,
+    dropped: &mut Dropped,
+) -> Result<bool, SpoolError> {
+    let max = opts.max_bytes;
+    if bytes > max {
+        return Ok(false);
+    }
+    if st.total_bytes().saturating_add(bytes) <= max {
+        return Ok(true);
+    }
+    if opts.full_policy == FullPolicy::Reject || st.open_bytes().saturating_add(bytes) > max {
+        return Ok(false);
+    }
+    while st.total_bytes().saturating_add(bytes) > max {
+        let oldest: Option<i64> = tx
+            .prepare_cached("SELECT id FROM chunks WHERE quarantine IS NULL ORDER BY id LIMIT 1")
+            .and_then(|mut s| s.query_row([], |r| r.get(0)).optional())
+            .map_err(ctx("finding the oldest chunk"))?;
+        let Some(id) = oldest else {
+            // The counters say sealed bytes exist but no chunk row does.
+            return Err(SpoolError::Inconsistent("sealed byte counter is positive but no sealed chunk exists".into()));
+        };
+        let Some(deleted) = delete_chunk(tx, st, ChunkId(id))? else {
+            return Err(SpoolError::Inconsistent(format!("chunk {id} vanished while dropping")));
+        };
+        dropped.chunks += 1;
+        dropped.records += deleted.records;
+        dropped.streams.insert(deleted.stream_id);
+    }
+    Ok(true)
+}
+
+/// Deletes a live (not quarantined) chunk and its batches, updating the counters except the
+/// per-stream oldest time (see [`refresh_oldest_sealed`]). `None` if there is no such chunk.
+fn delete_chunk(tx: &Transaction<'_>, st: &mut State, id: ChunkId) -> Result<Option<DeletedChunk>, SpoolError> {
+    let row: Option<(i64, u64, u64)> = tx
+        .prepare_cached("SELECT stream_id, records, bytes FROM chunks WHERE id = ?1 AND quarantine IS NULL")
+        .and_then(|mut s| s.query_row([id.0], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional())
+        .map_err(ctx("looking up a chunk"))?;
+    let Some((stream_id, records, bytes)) = row else {
+        return Ok(None);
+    };
+    tx.prepare_cached("DELETE FROM batches WHERE chunk_id = ?1")
+        .and_then(|mut s| s.execute([id.0]))
+        .map_err(ctx("deleting a chunk's batches"))?;
+    tx.prepare_cached("DELETE FROM chunks WHERE id = ?1")
+        .and_then(|mut s| s.execute([id.0]))
+        .map_err(ctx("deleting a chunk"))?;
+    let stream = stream_by_id(st, stream_id)?;
+    stream.sealed_chunks = stream.sealed_chunks.saturating_sub(1);
+    stream.sealed_bytes = stream.sealed_bytes.saturating_sub(bytes);
+    Ok(Some(DeletedChunk { stream_id, records }))
+}
+
+/// Re-reads the oldest sealed time of the given streams after chunks were removed.
+fn refresh_oldest_sealed(tx: &Transaction<'_>, st: &mut State, stream_ids: &BTreeSet<i64>) -> Result<(), SpoolError> {
+    for &sid in stream_ids {
+        let oldest: Option<u64> = tx
+            .prepare_cached("SELECT min(first_ms) FROM chunks WHERE stream_id = ?1 AND quarantine IS NULL")
+            .and_then(|mut s| s.query_row([sid], |r| r.get(0)))
+            .map_err(ctx("finding a stream's oldest chunk"))?;
+        stream_by_id(st, sid)?.oldest_sealed_ms = oldest;
+    }
+    Ok(())
+}
+
+/// The counters of stream `name`, inserting its `streams` row on first use.
+fn stream_entry<'s>(tx: &Transaction<'_>, st: &'s mut State, name: &str) -> Result<&'s mut StreamState, SpoolError> {
+    if !st.streams.contains_key(name) {
+        tx.prepare_cached("INSERT INTO streams (name, next_seq) VALUES (?1, 1)")
+            .and_then(|mut s| s.execute([name]))
+            .map_err(ctx("inserting a stream"))?;
+        let id = tx.last_insert_rowid();
+        st.names.insert(id, name.to_owned());
+        st.streams.insert(name.to_owned(), StreamState { id, next_seq: 1, ..StreamState::default() });
+    }
+    st.streams.get_mut(name).ok_or_else(|| SpoolError::Inconsistent(format!("stream {name:?} missing after insert")))
+}
+
+fn stream_by_id(st: &mut State, id: i64) -> Result<&mut StreamState, SpoolError> {
+    let missing = || SpoolError::Inconsistent(format!("stream id {id} is not in the counters"));
+    let name = st.names.get(&id).ok_or_else(missing)?;
+    st.streams.get_mut(name).ok_or_else(missing)
+}
+
+/// Seals the open batches of stream `name` into one chunk with the stream's next seq. Returns
+/// false if the stream had no open batches. The chunk's sizes come from the rows themselves.
+fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) -> Result<bool, SpoolError> {
+    let Some(stream) = st.streams.get_mut(name) else {
+        return Ok(false);
+    };
+    let (batches, records, bytes, first_ms): (u64, u64, u64, Option<u64>) = tx
+        .prepare_cached(
+            "SELECT count(*), coalesce(sum(records), 0), coalesce(sum(length(data)), 0),
+                    min(commit_ms)
+             FROM batches WHERE stream_id = ?1 AND chunk_id IS NULL",
+        )
+        .and_then(|mut s| s.query_row([stream.id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))))
+        .map_err(ctx("summing open batches"))?;
+    let Some(first_ms) = first_ms else {
+        return Ok(false);
+    };
+    let seq = stream.next_seq;
+    tx.prepare_cached(
+        "INSERT INTO chunks (stream_id, seq, records, bytes, first_ms, sealed_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )
+    .and_then(|mut s| {
+        s.execute((stream.id, sql_u64(seq), sql_u64(records), sql_u64(bytes), sql_u64(first_ms), sql_u64(now_ms)))
+    })
+    .map_err(ctx("inserting a chunk"))?;
+    let chunk_id = tx.last_insert_rowid();
+    tx.prepare_cached("UPDATE batches SET chunk_id = ?1 WHERE stream_id = ?2 AND chunk_id IS NULL")
+        .and_then(|mut s| s.execute((chunk_id, stream.id)))
+        .map_err(ctx("assigning batches to a chunk"))?;
+    tx.prepare_cached("UPDATE streams SET next_seq = ?1 WHERE id = ?2")
+        .and_then(|mut s| s.execute((sql_u64(seq + 1), stream.id)))
+        .map_err(ctx("advancing a stream's sequence"))?;
+    stream.next_seq = seq + 1;
+    stream.sealed_chunks += 1;
+    stream.sealed_bytes += bytes;
+    stream.oldest_sealed_ms = min_opt(stream.oldest_sealed_ms, Some(first_ms));
+    // Every open batch of the stream now belongs to the chunk.
+    debug_assert_eq!(
+        (stream.open_batches, stream.open_records, stream.open_bytes),
+        (batches, records, bytes),
+        "in-memory open counters of {name:?} must equal the rows"
+    );
+    stream.open_batches = 0;
+    stream.open_records = 0;
+    stream.open_bytes = 0;
+    stream.oldest_open_ms = None;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tempfile::TempDir;
+
+    use super::*;
+    use crate::{Batch, Durability};
+
+    fn batch(stream: &str, data: &[u8]) -> Batch {
+        Batch { stream: stream.into(), data: data.to_vec(), records: 1 }
+    }
+
+    fn req(batches: Vec<Batch>) -> AppendRequest {
+        AppendRequest { batches }
+    }
+
+    /// Options for a spool in a fresh temp dir; big chunks so nothing seals by size unless a
+    /// test asks for it.
+    fn setup() -> (TempDir, SpoolOptions) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let opts = SpoolOptions::new(dir.path().join("spool.db"));
+        (dir, opts)
+    }
+
+    fn open(opts: &SpoolOptions) -> (Spool, OpenReport) {
+        Spool::open(opts.clone()).expect("open spool")
+    }
+
+    fn all_sealed(spool: &Spool) -> Vec<crate::ChunkMeta> {
+        spool.reader().expect("reader").sealed_after(None, usize::MAX).expect("list")
+    }
+
+    fn read(spool: &Spool, meta: &crate::ChunkMeta) -> Result<Vec<u8>, SpoolError> {
+        spool.reader().expect("reader").read(meta)
+    }
+
+    fn count(spool: &Spool, sql: &str) -> i64 {
+        spool.conn().query_row(sql, [], |r| r.get(0)).expect("count query")
+    }
+
+    #[test]
+    fn accepted_append_is_visible_after_reopen() {
+        let (_dir, opts) = setup();
+        let (mut spool, report) = open(&opts);
+        assert!(report.created);
+        let out = spool
+            .append(&[req(vec![batch("a", b"one")]), req(vec![batch("a", b"two"), batch("b", b"x")])], 1_000)
+            .expect("append");
+        assert_eq!(out, vec![AppendOutcome::Accepted; 2]);
+        let before = spool.stats();
+        drop(spool);
+
+        let (mut spool, report) = open(&opts);
+        assert!(!report.created);
+        assert_eq!(report.quarantined, None);
+        assert_eq!(report.open_batches, 3);
+        assert_eq!(report.sealed_chunks, 0);
+        assert_eq!(spool.stats(), before);
+        assert_eq!(spool.seal_all(2_000).expect("seal"), 2);
+        let chunks = all_sealed(&spool);
+        assert_eq!(read(&spool, &chunks[0]).expect("read a"), b"onetwo");
+        assert_eq!(read(&spool, &chunks[1]).expect("read b"), b"x");
+        assert_eq!((chunks[0].records, chunks[0].first_ms, chunks[0].sealed_ms), (2, 1_000, 2_000));
+    }
+
+    #[test]
+    fn append_seals_a_stream_once_its_open_bytes_reach_the_target() {
+        let (_dir, mut opts) = setup();
+        opts.chunk_target_bytes = 100;
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", &[1; 60]), batch("b", &[2; 99])])], 10).expect("append");
+        assert!(all_sealed(&spool).is_empty());
+        spool.append(&[req(vec![batch("a", &[3; 40])])], 20).expect("append");
+        let chunks = all_sealed(&spool);
+        assert_eq!(chunks.len(), 1);
+        let c = &chunks[0];
+        assert_eq!((c.stream.as_str(), c.seq, c.bytes, c.records, c.first_ms, c.sealed_ms), ("a", 1, 100, 2, 10, 20));
+        let stats = spool.stats();
+        assert_eq!((stats.sealed_bytes, stats.open_bytes, stats.total_bytes), (100, 99, 199));
+    }
+
+    #[test]
+    fn a_chunk_holds_at_most_the_target_plus_one_batch() {
+        let (_dir, mut opts) = setup();
+        opts.chunk_target_bytes = 100;
+        let (mut spool, _) = open(&opts);
+        let batches = (0..10u8).map(|i| batch("a", &[i; 40])).collect();
+        spool.append(&[req(batches)], 1).expect("append");
+        let sizes: Vec<u64> = all_sealed(&spool).iter().map(|c| c.bytes).collect();
+        assert_eq!(sizes, vec![120, 120, 120]);
+        assert_eq!(spool.stats().open_bytes, 40);
+    }
+
+    #[test]
+    fn seal_due_seals_only_streams_whose_oldest_batch_is_older_than_linger() {
+        let (_dir, mut opts) = setup();
+        opts.linger = Duration::from_millis(50);
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"1")])], 1_000).expect("append");
+        spool.append(&[req(vec![batch("b", b"2")])], 1_030).expect("append");
+        spool.append(&[req(vec![batch("a", b"3")])], 1_040).expect("append");
+        assert_eq!(spool.seal_due(1_049).expect("seal"), 0);
+        assert_eq!(spool.seal_due(1_050).expect("seal"), 1);
+        assert_eq!(spool.seal_due(1_079).expect("seal"), 0);
+        assert_eq!(spool.seal_due(1_080).expect("seal"), 1);
+        assert_eq!(spool.seal_due(9_999).expect("seal"), 0, "nothing open any more");
+        let chunks = all_sealed(&spool);
+        let got: Vec<_> = chunks.iter().map(|c| (c.stream.as_str(), c.first_ms, c.sealed_ms, c.bytes)).collect();
+        assert_eq!(got, vec![("a", 1_000, 1_050, 2), ("b", 1_030, 1_080, 1)]);
+    }
+
+    #[test]
+    fn seal_due_seals_when_the_clock_went_backwards() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"1")])], 5_000).expect("append");
+        assert_eq!(spool.seal_due(4_000).expect("seal"), 1);
+    }
+
+    #[test]
+    fn sequence_numbers_are_gapless_per_stream_and_never_reused_after_ack_and_reopen() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        for t in 0..3 {
+            spool.append(&[req(vec![batch("a", b"a")])], t).expect("append");
+            spool.seal_all(t).expect("seal");
+        }
+        spool.append(&[req(vec![batch("b", b"b")])], 5).expect("append");
+        spool.seal_all(5).expect("seal");
+        let chunks = all_sealed(&spool);
+        let seqs: Vec<_> = chunks.iter().map(|c| (c.stream.as_str(), c.seq)).collect();
+        assert_eq!(seqs, vec![("a", 1), ("a", 2), ("a", 3), ("b", 1)]);
+        let ids: Vec<ChunkId> = chunks.iter().map(|c| c.id).collect();
+        assert_eq!(spool.ack(&ids).expect("ack").acked, 4);
+        drop(spool);
+
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"a"), batch("b", b"b")])], 9).expect("append");
+        spool.seal_all(9).expect("seal");
+        let seqs: Vec<_> = all_sealed(&spool).iter().map(|c| (c.stream.clone(), c.seq)).collect();
+        assert_eq!(seqs, vec![("a".to_string(), 4), ("b".to_string(), 2)]);
+        let next: Vec<_> = spool.stats().streams.iter().map(|s| (s.name.clone(), s.next_seq)).collect();
+        assert_eq!(next, vec![("a".to_string(), 5), ("b".to_string(), 3)]);
+    }
+
+    #[test]
+    fn chunk_ids_are_not_reused_after_the_newest_chunk_is_acked() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"a")])], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        let first = all_sealed(&spool)[0].id;
+        spool.ack(&[first]).expect("ack");
+        drop(spool);
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"a")])], 2).expect("append");
+        spool.seal_all(2).expect("seal");
+        assert!(all_sealed(&spool)[0].id > first);
+    }
+
+    #[test]
+    fn ack_of_unknown_or_repeated_ids_is_counted_not_an_error() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"a")])], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        let id = all_sealed(&spool)[0].id;
+        let report = spool.ack(&[id, id, ChunkId(9_999)]).expect("ack");
+        assert_eq!(report, AckReport { acked: 1, unknown: 2 });
+        assert_eq!(spool.ack(&[id]).expect("ack"), AckReport { acked: 0, unknown: 1 });
+        assert_eq!(spool.ack(&[]).expect("ack"), AckReport::default());
+    }
+
+    #[test]
+    fn ack_deletes_the_chunk_and_its_batches_and_a_later_read_reports_chunk_gone() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"a"), batch("a", b"b")]), req(vec![batch("b", b"c")])], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        let chunks = all_sealed(&spool);
+        let mut reader = spool.reader().expect("reader");
+        spool.ack(&[chunks[0].id]).expect("ack");
+        assert!(matches!(reader.read(&chunks[0]), Err(SpoolError::ChunkGone(id)) if id == chunks[0].id));
+        assert_eq!(reader.read(&chunks[1]).expect("other chunk"), b"c");
+        assert_eq!(count(&spool, "SELECT count(*) FROM batches"), 1);
+        assert_eq!(count(&spool, "SELECT count(*) FROM chunks"), 1);
+        let stats = spool.stats();
+        assert_eq!((stats.sealed_chunks, stats.sealed_bytes, stats.total_bytes), (1, 1, 1));
+    }
+
+    #[test]
+    fn restart_reoffers_unacked_chunks_unchanged() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"payload")])], 1).expect("append");
+        spool.seal_all(2).expect("seal");
+        let sent = all_sealed(&spool);
+        let bytes = read(&spool, &sent[0]).expect("read");
+        drop(spool); // crash before the ack is processed
+        let (spool, report) = open(&opts);
+        assert_eq!(report.sealed_chunks, 1);
+        let again = all_sealed(&spool);
+        assert_eq!(again, sent);
+        assert_eq!(read(&spool, &again[0]).expect("read"), bytes);
+    }
+
+    #[test]
+    fn reject_policy_answers_full_and_stores_nothing_when_the_request_does_not_fit() {
+        let (_dir, mut opts) = setup();
+        opts.max_bytes = 100;
+        let (mut spool, _) = open(&opts);
+        assert_eq!(spool.append(&[req(vec![batch("a", &[0; 80])])], 1).expect("append"), vec![AppendOutcome::Accepted]);
+        spool.seal_all(1).expect("seal");
+        let full = spool.append(&[req(vec![batch("a", &[0; 10]), batch("b", &[0; 11])])], 2).expect("append");
+        assert_eq!(full, vec![AppendOutcome::Full]);
+        assert_eq!(spool.append(&[req(vec![batch("a", &[0; 20])])], 3).expect("append"), vec![AppendOutcome::Accepted]);
+        let stats = spool.stats();
+        assert_eq!((stats.total_bytes, stats.dropped_chunks), (100, 0));
+        assert_eq!(count(&spool, "SELECT count(*) FROM batches"), 2);
+        assert_eq!(count(&spool, "SELECT count(*) FROM streams"), 1, "a Full request creates no stream");
+    }
+
+    #[test]
+    fn a_request_larger_than_max_bytes_is_full_under_both_policies() {
+        for policy in [FullPolicy::Reject, FullPolicy::DropOldest] {
+            let (_dir, mut opts) = setup();
+            opts.max_bytes = 100;
+            opts.full_policy = policy;
+            let (mut spool, _) = open(&opts);
+            spool.append(&[req(vec![batch("a", &[0; 10])])], 1).expect("append");
+            spool.seal_all(1).expect("seal");
+            let out = spool.append(&[req(vec![batch("a", &[0; 60]), batch("a", &[0; 41])])], 2).expect("append");
+            assert_eq!(out, vec![AppendOutcome::Full], "{policy:?}");
+            assert_eq!(spool.stats().sealed_chunks, 1, "{policy:?}: nothing evicted for a hopeless request");
+        }
+    }
+
+    #[test]
+    fn drop_oldest_evicts_the_oldest_sealed_chunks_and_counts_them_durably() {
+        let (_dir, mut opts) = setup();
+        opts.max_bytes = 100;
+        opts.chunk_target_bytes = 30;
+        opts.full_policy = FullPolicy::DropOldest;
+        let (mut spool, _) = open(&opts);
+        let three = |s| Batch { stream: s, data: vec![7; 30], records: 3 };
+        spool
+            .append(&[req(vec![three("a".into())]), req(vec![three("b".into())]), req(vec![three("a".into())])], 1)
+            .expect("append");
+        let before = all_sealed(&spool);
+        assert_eq!(before.len(), 3);
+        let out = spool.append(&[req(vec![batch("c", &[1; 40])])], 2).expect("append");
+        assert_eq!(out, vec![AppendOutcome::Accepted]);
+        let after = all_sealed(&spool);
+        assert_eq!(after.len(), 3, "one evicted, one new");
+        assert_eq!(after[0].id, before[1].id, "the oldest went first");
+        let stats = spool.stats();
+        assert_eq!((stats.dropped_chunks, stats.dropped_records, stats.total_bytes), (1, 3, 100));
+        assert!(matches!(read(&spool, &before[0]), Err(SpoolError::ChunkGone(_))));
+        drop(spool);
+        let (spool, _) = open(&opts);
+        let stats = spool.stats();
+        assert_eq!((stats.dropped_chunks, stats.dropped_records), (1, 3));
+    }
+
+    #[test]
+    fn drop_oldest_evicts_nothing_when_open_batches_alone_leave_no_room() {
+        let (_dir, mut opts) = setup();
+        opts.max_bytes = 100;
+        opts.full_policy = FullPolicy::DropOldest;
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", &[0; 50])])], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        spool.append(&[req(vec![batch("a", &[0; 40])])], 2).expect("append");
+        let out = spool.append(&[req(vec![batch("a", &[0; 70])])], 3).expect("append");
+        assert_eq!(out, vec![AppendOutcome::Full]);
+        let stats = spool.stats();
+        assert_eq!((stats.sealed_chunks, stats.dropped_chunks, stats.total_bytes), (1, 0, 90));
+    }
+
+    #[test]
+    fn a_full_request_in_a_group_stores_none_of_its_batches_while_the_others_are_accepted() {
+        let (_dir, mut opts) = setup();
+        opts.max_bytes = 100;
+        let (mut spool, _) = open(&opts);
+        let reqs = [
+            req(vec![batch("a", &[1; 30]), batch("a", &[2; 30])]),
+            req(vec![batch("a", &[3; 30]), batch("a", &[4; 30])]),
+            req(vec![batch("a", &[5; 10])]),
+        ];
+        let out = spool.append(&reqs, 1).expect("append");
+        assert_eq!(out, vec![AppendOutcome::Accepted, AppendOutcome::Full, AppendOutcome::Accepted]);
+        spool.seal_all(1).expect("seal");
+        let chunks = all_sealed(&spool);
+        let mut want = vec![1; 30];
+        want.extend([2; 30]);
+        want.extend([5; 10]);
+        assert_eq!(read(&spool, &chunks[0]).expect("read"), want);
+        assert_eq!(chunks[0].records, 3);
+    }
+
+    #[test]
+    fn quarantined_chunk_is_never_offered_again_and_not_counted_in_total_bytes() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"bad")])], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        spool.append(&[req(vec![batch("a", b"good")])], 2).expect("append");
+        spool.seal_all(2).expect("seal");
+        let chunks = all_sealed(&spool);
+        spool.quarantine(chunks[0].id, "server rejected it").expect("quarantine");
+        spool.quarantine(chunks[0].id, "again").expect("quarantine twice is a no-op");
+        assert!(matches!(spool.quarantine(ChunkId(777), "x"), Err(SpoolError::ChunkGone(ChunkId(777)))));
+        assert_eq!(all_sealed(&spool), vec![chunks[1].clone()]);
+        let stats = spool.stats();
+        assert_eq!((stats.quarantined_chunks, stats.sealed_chunks, stats.total_bytes), (1, 1, 4));
+        assert_eq!(stats.oldest_ms, Some(2));
+        assert_eq!(spool.ack(&[chunks[0].id]).expect("ack"), AckReport { acked: 0, unknown: 1 });
+        let q = spool.reader().expect("reader").quarantined().expect("list");
+        assert_eq!((q.len(), q[0].meta.id, q[0].reason.as_str()), (1, chunks[0].id, "server rejected it"));
+        assert_eq!(read(&spool, &chunks[0]).expect("still readable for inspection"), b"bad");
+        drop(spool);
+
+        let (mut spool, report) = open(&opts);
+        assert_eq!(report.sealed_chunks, 1);
+        assert_eq!(spool.stats().quarantined_chunks, 1);
+        assert_eq!(all_sealed(&spool).len(), 1);
+        assert_eq!(spool.purge_quarantined().expect("purge"), 1);
+        assert_eq!(spool.stats().quarantined_chunks, 0);
+        assert_eq!(count(&spool, "SELECT count(*) FROM batches"), 1);
+    }
+
+    #[test]
+    fn a_new_file_gets_a_new_spool_id_and_reopening_keeps_it() {
+        let (_dir, opts) = setup();
+        let (spool, report) = open(&opts);
+        assert!(report.created);
+        let id = spool.id();
+        drop(spool);
+        let (spool, report) = open(&opts);
+        assert!(!report.created);
+        assert_eq!(spool.id(), id);
+        drop(spool);
+        std::fs::remove_file(&opts.path).expect("remove spool file");
+        let (spool, report) = open(&opts);
+        assert!(report.created);
+        assert_ne!(spool.id(), id);
+        assert_eq!(spool.id().to_string().len(), 32);
+    }
+
+    #[test]
+    fn disk_full_rolls_back_keeps_counters_true_and_leaves_the_spool_usable() {
+        let (_dir, mut opts) = setup();
+        opts.chunk_target_bytes = 1_000;
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", &[1; 600])])], 1).expect("append");
+        let before = spool.stats();
+        let pages = count(&spool, "PRAGMA page_count");
+        spool.conn().pragma_update(None, "max_page_count", pages).expect("cap pages");
+        let err = spool.append(&[req(vec![batch("a", &[2; 600]), batch("b", &[3; 50_000])])], 2).expect_err("no room");
+        assert!(matches!(err, SpoolError::DiskFull), "{err:?}");
+        assert_eq!(spool.stats(), before);
+        assert!(spool.conn().is_autocommit(), "transaction rolled back");
+        spool.conn().pragma_update(None, "max_page_count", 1_000_000).expect("uncap");
+        spool.append(&[req(vec![batch("a", &[2; 600])])], 3).expect("append after space returned");
+        let chunks = all_sealed(&spool);
+        assert_eq!((chunks.len(), chunks[0].bytes, chunks[0].seq), (1, 1_200, 1));
+        let now = spool.stats();
+        drop(spool);
+        let (spool, _) = open(&opts);
+        assert_eq!(spool.stats(), now);
+    }
+
+    #[test]
+    fn stats_are_rebuilt_from_disk_on_reopen() {
+        let (_dir, mut opts) = setup();
+        opts.chunk_target_bytes = 50;
+        opts.max_bytes = 400;
+        opts.full_policy = FullPolicy::DropOldest;
+        let (mut spool, _) = open(&opts);
+        for t in 0..20u64 {
+            let stream = ["a", "b", "c"][(t % 3) as usize];
+            spool
+                .append(&[req(vec![Batch { stream: stream.into(), data: vec![t as u8; 37], records: 2 }])], 100 + t)
+                .expect("append");
+        }
+        let ids: Vec<ChunkId> = all_sealed(&spool).iter().map(|c| c.id).take(2).collect();
+        spool.ack(&ids[..1]).expect("ack");
+        spool.quarantine(ids[1], "test").expect("quarantine");
+        let stats = spool.stats();
+        assert!(stats.dropped_chunks > 0 && stats.open_bytes > 0 && stats.sealed_chunks > 0, "{stats:?}");
+        drop(spool);
+        let (spool, _) = open(&opts);
+        assert_eq!(spool.stats(), stats);
+    }
+
+    #[test]
+    fn durability_setting_selects_the_synchronous_pragma_and_wal() {
+        for (durability, want) in [(Durability::Full, 2), (Durability::Normal, 1)] {
+            let (_dir, mut opts) = setup();
+            opts.durability = durability;
+            let (spool, _) = open(&opts);
+            assert_eq!(count(&spool, "PRAGMA synchronous"), want);
+            let mode: String = spool.conn().query_row("PRAGMA journal_mode", [], |r| r.get(0)).expect("mode");
+            assert_eq!(mode, "wal");
+            assert_eq!(count(&spool, "PRAGMA user_version"), crate::schema::SCHEMA_VERSION);
+        }
+    }
+
+    #[test]
+    fn set_limits_applies_from_the_next_append() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", &[0; 50])])], 1).expect("append");
+        spool.set_limits(60, FullPolicy::DropOldest);
+        assert_eq!((spool.options().max_bytes, spool.options().full_policy), (60, FullPolicy::DropOldest));
+        assert_eq!(spool.append(&[req(vec![batch("a", &[0; 20])])], 2).expect("append"), vec![AppendOutcome::Full]);
+        spool.set_limits(100, FullPolicy::Reject);
+        assert_eq!(spool.append(&[req(vec![batch("a", &[0; 20])])], 3).expect("append"), vec![AppendOutcome::Accepted]);
+    }
+
+    #[test]
+    fn open_creates_the_missing_parent_directory() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let opts = SpoolOptions::new(dir.path().join("a/b/spool.db"));
+        let (_spool, report) = open(&opts);
+        assert!(report.created);
+        assert!(opts.path.exists());
+    }
+
+    #[test]
+    fn empty_calls_and_empty_requests_are_harmless() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        assert!(spool.append(&[], 1).expect("append").is_empty());
+        assert_eq!(spool.append(&[req(vec![])], 1).expect("append"), vec![AppendOutcome::Accepted]);
+        assert_eq!(spool.seal_all(1).expect("seal"), 0);
+        assert_eq!(spool.seal_due(1).expect("seal"), 0);
+        assert_eq!(spool.stats(), SpoolStats::default());
+    }
+
+    #[test]
+    fn a_reader_sees_chunks_sealed_after_it_was_opened() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        let mut reader = spool.reader().expect("reader");
+        assert!(reader.sealed_after(None, 10).expect("list").is_empty());
+        spool.append(&[req(vec![batch("a", b"1")])], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        spool.append(&[req(vec![batch("a", b"2")])], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        let first = reader.sealed_after(None, 1).expect("list");
+        assert_eq!(first.len(), 1);
+        let next = reader.sealed_after(Some(first[0].id), 10).expect("list");
+        assert_eq!((next.len(), next[0].seq), (1, 2));
+    }
+
+    #[test]
+    fn spool_and_reader_are_send() {
+        fn assert_send<T: Send>() {}
+        assert_send::<Spool>();
+        assert_send::<SpoolReader>();
+        assert_send::<SpoolError>();
+    }
+}

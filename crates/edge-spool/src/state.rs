@@ -1,0 +1,168 @@
+//! The in-memory counters behind [`Spool::stats`](crate::Spool::stats) and the capacity check.
+//!
+//! They are loaded from the database at open (accounting comes from disk, never from a guess)
+//! and kept up to date by the writer. Every write works on a clone and swaps it in only after
+//! `COMMIT` succeeded, so a rolled-back transaction leaves them untouched.
+
+use std::collections::{BTreeMap, HashMap};
+
+use rusqlite::Connection;
+
+use crate::error::ctx;
+use crate::schema::{META_DROPPED_CHUNKS, META_DROPPED_RECORDS};
+use crate::{SpoolError, SpoolStats, StreamStats};
+
+/// Counters of one stream.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct StreamState {
+    /// `streams.id`.
+    pub id: i64,
+    /// `streams.next_seq`.
+    pub next_seq: u64,
+    pub open_batches: u64,
+    pub open_records: u64,
+    pub open_bytes: u64,
+    /// Smallest `commit_ms` among open batches.
+    pub oldest_open_ms: Option<u64>,
+    /// Sealed, not quarantined chunks.
+    pub sealed_chunks: u64,
+    pub sealed_bytes: u64,
+    /// Smallest `first_ms` among sealed, not quarantined chunks.
+    pub oldest_sealed_ms: Option<u64>,
+}
+
+impl StreamState {
+    pub(crate) fn oldest_ms(&self) -> Option<u64> {
+        min_opt(self.oldest_open_ms, self.oldest_sealed_ms)
+    }
+}
+
+/// Counters of the whole spool.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct State {
+    /// By stream name.
+    pub streams: BTreeMap<String, StreamState>,
+    /// Stream name by `streams.id`.
+    pub names: HashMap<i64, String>,
+    pub dropped_chunks: u64,
+    pub dropped_records: u64,
+    pub quarantined_chunks: u64,
+}
+
+impl State {
+    /// Reads every counter from the database.
+    pub(crate) fn load(conn: &Connection) -> Result<State, SpoolError> {
+        let mut st = State::default();
+        {
+            let mut stmt = conn.prepare("SELECT id, name, next_seq FROM streams").map_err(ctx("loading streams"))?;
+            let rows = stmt
+                .query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get(2)?)))
+                .map_err(ctx("loading streams"))?;
+            for row in rows {
+                let (id, name, next_seq): (i64, String, u64) = row.map_err(ctx("loading streams"))?;
+                st.names.insert(id, name.clone());
+                st.streams.insert(name, StreamState { id, next_seq, ..StreamState::default() });
+            }
+        }
+        {
+            let mut stmt = conn
+                .prepare(
+                    "SELECT stream_id, count(*), sum(records), sum(length(data)), min(commit_ms)
+                     FROM batches WHERE chunk_id IS NULL GROUP BY stream_id",
+                )
+                .map_err(ctx("loading open batch counters"))?;
+            let mut rows = stmt.query([]).map_err(ctx("loading open batch counters"))?;
+            while let Some(r) = rows.next().map_err(ctx("loading open batch counters"))? {
+                let s = st.stream_by_id_mut(r.get(0).map_err(ctx("loading open batch counters"))?)?;
+                let get = |i| r.get::<_, u64>(i).map_err(ctx("loading open batch counters"));
+                s.open_batches = get(1)?;
+                s.open_records = get(2)?;
+                s.open_bytes = get(3)?;
+                s.oldest_open_ms = Some(get(4)?);
+            }
+        }
+        {
+            let mut stmt = conn
+                .prepare(
+                    "SELECT stream_id, count(*), sum(bytes), min(first_ms)
+                     FROM chunks WHERE quarantine IS NULL GROUP BY stream_id",
+                )
+                .map_err(ctx("loading chunk counters"))?;
+            let mut rows = stmt.query([]).map_err(ctx("loading chunk counters"))?;
+            while let Some(r) = rows.next().map_err(ctx("loading chunk counters"))? {
+                let s = st.stream_by_id_mut(r.get(0).map_err(ctx("loading chunk counters"))?)?;
+                s.sealed_chunks = r.get(1).map_err(ctx("loading chunk counters"))?;
+                s.sealed_bytes = r.get(2).map_err(ctx("loading chunk counters"))?;
+                s.oldest_sealed_ms = Some(r.get(3).map_err(ctx("loading chunk counters"))?);
+            }
+        }
+        st.quarantined_chunks = conn
+            .query_row("SELECT count(*) FROM chunks WHERE quarantine IS NOT NULL", [], |r| r.get(0))
+            .map_err(ctx("counting quarantined chunks"))?;
+        let meta = |key: &str| -> Result<u64, SpoolError> {
+            conn.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))
+                .map_err(ctx("loading meta counters"))
+        };
+        st.dropped_chunks = meta(META_DROPPED_CHUNKS)?;
+        st.dropped_records = meta(META_DROPPED_RECORDS)?;
+        Ok(st)
+    }
+
+    fn stream_by_id_mut(&mut self, id: i64) -> Result<&mut StreamState, SpoolError> {
+        let missing =
+            || SpoolError::Inconsistent(format!("a row references stream id {id}, which is not in `streams`"));
+        let name = self.names.get(&id).ok_or_else(missing)?;
+        self.streams.get_mut(name).ok_or_else(missing)
+    }
+
+    /// Stored payload bytes (open + sealed, quarantine excluded).
+    pub(crate) fn total_bytes(&self) -> u64 {
+        self.streams.values().map(|s| s.open_bytes + s.sealed_bytes).sum()
+    }
+
+    pub(crate) fn open_bytes(&self) -> u64 {
+        self.streams.values().map(|s| s.open_bytes).sum()
+    }
+
+    pub(crate) fn open_batches(&self) -> u64 {
+        self.streams.values().map(|s| s.open_batches).sum()
+    }
+
+    pub(crate) fn sealed_chunks(&self) -> u64 {
+        self.streams.values().map(|s| s.sealed_chunks).sum()
+    }
+
+    pub(crate) fn stats(&self) -> SpoolStats {
+        let mut out = SpoolStats {
+            dropped_records: self.dropped_records,
+            dropped_chunks: self.dropped_chunks,
+            quarantined_chunks: self.quarantined_chunks,
+            ..SpoolStats::default()
+        };
+        for (name, s) in &self.streams {
+            out.sealed_chunks += s.sealed_chunks;
+            out.sealed_bytes += s.sealed_bytes;
+            out.open_bytes += s.open_bytes;
+            out.open_records += s.open_records;
+            out.oldest_ms = min_opt(out.oldest_ms, s.oldest_ms());
+            out.streams.push(StreamStats {
+                name: name.clone(),
+                next_seq: s.next_seq,
+                sealed_chunks: s.sealed_chunks,
+                bytes: s.open_bytes + s.sealed_bytes,
+                oldest_ms: s.oldest_ms(),
+            });
+        }
+        out.total_bytes = out.sealed_bytes + out.open_bytes;
+        out
+    }
+}
+
+/// The smaller of two optional values; `None` only if both are.
+pub(crate) fn min_opt(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, None) => a,
+        (None, b) => b,
+    }
+}

@@ -1,0 +1,236 @@
+//! Known-error cases for the spool, each a named way a file on disk goes bad (garbage, truncation,
+//! a flipped byte, a stale WAL, a foreign or newer database) and what the spool must do about it:
+//! detect, quarantine, keep running, never serve bad bytes.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use edge_spool::{AppendRequest, Batch, ChunkMeta, Spool, SpoolError, SpoolOptions};
+use rusqlite::Connection;
+use tempfile::TempDir;
+
+fn setup() -> (TempDir, SpoolOptions) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let opts = SpoolOptions::new(dir.path().join("spool.db"));
+    (dir, opts)
+}
+
+/// Deterministic pseudo-random bytes (xorshift), so failures replay.
+fn noise(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn append_one(spool: &mut Spool, stream: &str, data: Vec<u8>, now_ms: u64) {
+    let req = AppendRequest { batches: vec![Batch { stream: stream.into(), data, records: 1 }] };
+    spool.append(&[req], now_ms).expect("append");
+}
+
+fn sealed(spool: &Spool) -> Vec<ChunkMeta> {
+    spool.reader().expect("reader").sealed_after(None, usize::MAX).expect("list")
+}
+
+/// Files in the spool's directory whose names contain `.corrupt-`.
+fn quarantined_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = fs::read_dir(dir)
+        .expect("read dir")
+        .map(|e| e.expect("dir entry").path())
+        .filter(|p| {
+            let name = p.to_string_lossy();
+            name.contains(".corrupt-") && !name.ends_with("-wal") && !name.ends_with("-shm")
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Builds a spool with `n` sealed chunks of 1 KiB each and closes it.
+fn spool_with_chunks(opts: &SpoolOptions, n: u64) -> edge_spool::SpoolId {
+    let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+    for i in 0..n {
+        append_one(&mut spool, "s", noise(i + 1, 1024), i);
+        spool.seal_all(i).expect("seal");
+    }
+    spool.id()
+}
+
+#[test]
+fn garbage_file_is_quarantined_and_replaced_by_a_fresh_spool() {
+    let (dir, opts) = setup();
+    let junk = noise(42, 8192);
+    fs::write(&opts.path, &junk).expect("write junk");
+
+    let (mut spool, report) = Spool::open(opts.clone()).expect("open");
+    assert!(report.created);
+    let moved = report.quarantined.expect("reported as quarantined");
+    assert_eq!(fs::read(&moved).expect("moved file"), junk, "the bad file is kept intact");
+    assert!(moved.to_string_lossy().starts_with(&format!("{}.corrupt-", opts.path.display())));
+    assert_eq!(quarantined_files(dir.path()), vec![moved]);
+    append_one(&mut spool, "s", b"works".to_vec(), 1);
+    assert_eq!(spool.seal_all(1).expect("seal"), 1);
+}
+
+#[test]
+fn two_quarantines_in_the_same_second_keep_both_files() {
+    let (dir, opts) = setup();
+    for seed in [1, 2] {
+        drop(Spool::open(opts.clone()).expect("open"));
+        fs::remove_file(&opts.path).expect("remove");
+        fs::write(&opts.path, noise(seed, 4096)).expect("write junk");
+        let (_spool, report) = Spool::open(opts.clone()).expect("open");
+        assert!(report.quarantined.is_some());
+    }
+    assert_eq!(quarantined_files(dir.path()).len(), 2);
+}
+
+#[test]
+fn truncated_database_file_is_quarantined() {
+    let (dir, opts) = setup();
+    let old_id = spool_with_chunks(&opts, 200);
+    assert!(!opts.path.with_extension("db-wal").exists(), "closing checkpointed the WAL");
+    let len = fs::metadata(&opts.path).expect("metadata").len();
+    let file = fs::OpenOptions::new().write(true).open(&opts.path).expect("open file");
+    file.set_len(len / 2).expect("truncate");
+    drop(file);
+
+    let (spool, report) = Spool::open(opts.clone()).expect("open");
+    assert!(report.created);
+    assert!(report.quarantined.is_some());
+    assert_ne!(spool.id(), old_id, "a replaced spool gets a new identity");
+    assert_eq!(report.sealed_chunks, 0);
+    assert_eq!(quarantined_files(dir.path()).len(), 1);
+}
+
+#[test]
+fn flipped_byte_in_a_batch_is_reported_as_corrupt_by_read_and_can_be_quarantined() {
+    let (_dir, opts) = setup();
+    let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+    append_one(&mut spool, "s", noise(7, 300), 1);
+    append_one(&mut spool, "s", noise(8, 300), 2);
+    spool.seal_all(3).expect("seal");
+    append_one(&mut spool, "s", noise(9, 300), 4);
+    spool.seal_all(5).expect("seal");
+    let chunks = sealed(&spool);
+
+    // Flip one bit of the second batch of the first chunk, behind the spool's back.
+    let raw = Connection::open(&opts.path).expect("raw connection");
+    let (batch_id, mut data): (i64, Vec<u8>) = raw
+        .query_row(
+            "SELECT id, data FROM batches WHERE chunk_id = ?1 ORDER BY id LIMIT 1 OFFSET 1",
+            [chunks[0].id.0],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .expect("batch row");
+    data[123] ^= 0x10;
+    raw.execute("UPDATE batches SET data = ?1 WHERE id = ?2", (&data, batch_id)).expect("flip");
+    drop(raw);
+
+    let mut reader = spool.reader().expect("reader");
+    match reader.read(&chunks[0]) {
+        Err(SpoolError::Corrupt { chunk, detail }) => {
+            assert_eq!(chunk, chunks[0].id);
+            assert!(detail.contains("crc32c"), "{detail}");
+        }
+        other => panic!("expected Corrupt, got {other:?}"),
+    }
+    assert_eq!(reader.read(&chunks[1]).expect("the other chunk is fine"), noise(9, 300));
+
+    spool.quarantine(chunks[0].id, "crc mismatch").expect("quarantine");
+    assert_eq!(sealed(&spool), vec![chunks[1].clone()]);
+    let stats = spool.stats();
+    assert_eq!((stats.quarantined_chunks, stats.total_bytes), (1, 300));
+}
+
+#[test]
+fn chunk_whose_batch_rows_vanished_is_reported_as_corrupt() {
+    let (_dir, opts) = setup();
+    let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+    append_one(&mut spool, "s", b"first".to_vec(), 1);
+    append_one(&mut spool, "s", b"second".to_vec(), 1);
+    spool.seal_all(1).expect("seal");
+    let chunk = sealed(&spool).remove(0);
+    let raw = Connection::open(&opts.path).expect("raw connection");
+    raw.execute("DELETE FROM batches WHERE id = (SELECT max(id) FROM batches)", []).expect("delete");
+    drop(raw);
+    let err = spool.reader().expect("reader").read(&chunk).expect_err("short chunk");
+    assert!(matches!(err, SpoolError::Corrupt { .. }), "{err:?}");
+}
+
+#[test]
+fn stale_wal_without_its_database_does_not_resurrect_old_data() {
+    let (dir, opts) = setup();
+    let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+    append_one(&mut spool, "s", b"old".to_vec(), 1);
+    let wal = dir.path().join("spool.db-wal");
+    let saved = fs::read(&wal).expect("WAL exists while the spool is open");
+    assert!(!saved.is_empty());
+    drop(spool);
+    fs::remove_file(&opts.path).expect("remove db");
+    fs::write(&wal, saved).expect("put the stale WAL back");
+
+    let (spool, report) = Spool::open(opts.clone()).expect("open");
+    assert!(report.created);
+    assert_eq!(report.open_batches, 0);
+    assert_eq!(spool.stats().total_bytes, 0);
+}
+
+#[test]
+fn empty_file_is_treated_as_a_new_spool() {
+    let (dir, opts) = setup();
+    fs::write(&opts.path, b"").expect("touch");
+    let (_spool, report) = Spool::open(opts.clone()).expect("open");
+    assert!(report.created);
+    assert_eq!(report.quarantined, None);
+    assert!(quarantined_files(dir.path()).is_empty());
+}
+
+#[test]
+fn foreign_sqlite_database_is_moved_aside_not_reused() {
+    let (dir, opts) = setup();
+    let raw = Connection::open(&opts.path).expect("raw connection");
+    raw.execute_batch("CREATE TABLE photos (id INTEGER PRIMARY KEY, jpeg BLOB);").expect("schema");
+    drop(raw);
+    let (_spool, report) = Spool::open(opts.clone()).expect("open");
+    assert!(report.created);
+    let moved = report.quarantined.expect("moved aside");
+    let raw = Connection::open(&moved).expect("moved file is still a database");
+    let n: i64 = raw.query_row("SELECT count(*) FROM photos", [], |r| r.get(0)).expect("table kept");
+    let mode: String = raw.query_row("PRAGMA journal_mode", [], |r| r.get(0)).expect("mode");
+    assert_eq!((n, mode.as_str()), (0, "delete"), "the foreign file was not modified");
+    drop(raw);
+    assert_eq!(quarantined_files(dir.path()).len(), 1);
+}
+
+#[test]
+fn newer_schema_version_is_refused_and_the_file_left_in_place() {
+    let (dir, opts) = setup();
+    spool_with_chunks(&opts, 1);
+    let raw = Connection::open(&opts.path).expect("raw connection");
+    raw.pragma_update(None, "user_version", 99).expect("bump version");
+    drop(raw);
+    match Spool::open(opts.clone()) {
+        Err(SpoolError::UnsupportedSchema { found: 99, supported: 1 }) => {}
+        other => panic!("expected UnsupportedSchema, got {:?}", other.map(|(_, r)| r)),
+    }
+    assert!(opts.path.exists());
+    assert!(quarantined_files(dir.path()).is_empty());
+}
+
+#[test]
+fn spool_id_of_the_wrong_length_gets_the_file_quarantined() {
+    let (_dir, opts) = setup();
+    let old = spool_with_chunks(&opts, 1);
+    let raw = Connection::open(&opts.path).expect("raw connection");
+    raw.execute("UPDATE meta SET value = x'0102' WHERE key = 'spool_id'", []).expect("damage id");
+    drop(raw);
+    let (spool, report) = Spool::open(opts.clone()).expect("open");
+    assert!(report.quarantined.is_some());
+    assert_ne!(spool.id(), old);
+}

@@ -1,0 +1,42 @@
+//! systemd `sd_notify` messages. Every function is a no-op when `NOTIFY_SOCKET` is unset, so the
+//! daemons call them unconditionally.
+
+use sd_notify::NotifyState;
+
+fn send(state: &[NotifyState<'_>]) {
+    if std::env::var_os("NOTIFY_SOCKET").is_none() {
+        return;
+    }
+    if let Err(e) = sd_notify::notify(false, state) {
+        tracing::warn!(error = %e, "sd_notify failed");
+    }
+}
+
+/// The daemon is ready: its durable state is open and it accepts work.
+pub fn ready() {
+    send(&[NotifyState::Ready]);
+}
+
+/// Liveness ping for `WatchdogSec`.
+pub fn watchdog() {
+    send(&[NotifyState::Watchdog]);
+}
+
+/// The daemon began an orderly shutdown.
+pub fn stopping() {
+    send(&[NotifyState::Stopping]);
+}
+
+/// A one-line status shown by `systemctl status`.
+pub fn status(text: &str) {
+    send(&[NotifyState::Status(text)]);
+}
+
+/// The watchdog interval systemd asked for, halved as systemd recommends; `None` when disabled.
+pub fn watchdog_interval() -> Option<std::time::Duration> {
+    let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok()?;
+    if usec == 0 {
+        return None;
+    }
+    Some(std::time::Duration::from_micros(usec / 2))
+}

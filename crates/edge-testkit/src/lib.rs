@@ -1,0 +1,218 @@
+//! Test-only helpers shared by the system tests in `tests/`: building and locating the two
+//! daemons, running them as real child processes (ready notification through a `NOTIFY_SOCKET`
+//! of the test's own, SIGKILL, SIGTERM), and certificate fixtures on disk.
+//!
+//! Never shipped: no daemon crate depends on this one.
+
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+/// Path of a workspace binary, built once per test process with the same profile as the tests.
+pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let dir = BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+            // target/<profile>/deps/<test-binary>
+            let profile_dir =
+                exe.parent().and_then(Path::parent).ok_or("unexpected test binary location")?.to_path_buf();
+            let release = profile_dir.file_name().is_some_and(|n| n == "release");
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let mut cmd = Command::new(cargo);
+            cmd.args(["build", "--quiet", "--bins", "-p", "edge-uploader", "-p", "edge-ingest"]);
+            if release {
+                cmd.arg("--release");
+            }
+            let status = cmd.status().map_err(|e| format!("running cargo build: {e}"))?;
+            if !status.success() {
+                return Err(format!("cargo build of the daemons failed: {status}"));
+            }
+            Ok(profile_dir)
+        })
+        .clone()
+        .map_err(|e| anyhow::anyhow!(e))?;
+    let path = dir.join(name);
+    if !path.is_file() {
+        bail!("{} was not built", path.display());
+    }
+    Ok(path)
+}
+
+/// Certificates for one ingest server and some devices, written under `dir`.
+#[derive(Debug, Clone)]
+pub struct PkiFixture {
+    pub server: edge_transport::ServerTls,
+    pub devices: Vec<(String, DeviceFiles)>,
+}
+
+/// A device's TLS files.
+#[derive(Debug, Clone)]
+pub struct DeviceFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+}
+
+impl PkiFixture {
+    /// Generates a CA, a server certificate for localhost/127.0.0.1 and one certificate per device.
+    pub fn generate(dir: &Path, devices: &[&str]) -> anyhow::Result<Self> {
+        let pki = edge_transport::pki::InMemoryPki::generate(&["localhost", "127.0.0.1"])?;
+        let server = pki.write_server_files(&dir.join("server"))?.server_tls();
+        let mut out = Vec::new();
+        for d in devices {
+            let f = pki.write_device_files(d, &dir.join(d))?;
+            out.push(((*d).to_owned(), DeviceFiles { cert: f.cert, key: f.key, ca: f.ca_cert }));
+        }
+        Ok(Self { server, devices: out })
+    }
+}
+
+/// A free UDP port on 127.0.0.1 (bound and released; fine for tests on one machine).
+pub fn free_udp_port() -> anyhow::Result<u16> {
+    let s = std::net::UdpSocket::bind("127.0.0.1:0")?;
+    Ok(s.local_addr()?.port())
+}
+
+/// A daemon running as a child process.
+#[derive(Debug)]
+pub struct Daemon {
+    name: String,
+    child: Option<Child>,
+    notify: UnixDatagram,
+    notify_path: PathBuf,
+    log: PathBuf,
+}
+
+impl Daemon {
+    /// Starts `binary args...` with `NOTIFY_SOCKET` pointing at a socket of ours; stderr goes to
+    /// `<log_dir>/<name>.log` (appended, so restarts keep history).
+    pub fn spawn(
+        name: &str,
+        binary: &Path,
+        args: &[&str],
+        log_dir: &Path,
+        envs: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
+        let notify_path = log_dir.join(format!("{name}.notify"));
+        let _stale = std::fs::remove_file(&notify_path);
+        let notify = UnixDatagram::bind(&notify_path).with_context(|| format!("binding {}", notify_path.display()))?;
+        let log = log_dir.join(format!("{name}.log"));
+        let stderr = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
+        let mut cmd = Command::new(binary);
+        cmd.args(args)
+            .env("NOTIFY_SOCKET", &notify_path)
+            .env("RUST_LOG", std::env::var("EDGE_TEST_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr);
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().with_context(|| format!("starting {}", binary.display()))?;
+        Ok(Self { name: name.to_owned(), child: Some(child), notify, notify_path, log })
+    }
+
+    /// Waits for the next `READY=1` (or fails if the process exits first).
+    pub fn wait_ready(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        self.wait_notify("READY=1", timeout)
+    }
+
+    /// Waits until a notify message containing `needle` arrives.
+    pub fn wait_notify(&mut self, needle: &str, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut buf = [0u8; 4096];
+        loop {
+            if let Some(child) = self.child.as_mut()
+                && let Some(status) = child.try_wait()?
+            {
+                bail!("{} exited with {status} before {needle}; log: {}", self.name, self.tail_log());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!("{} did not send {needle} within {timeout:?}; log: {}", self.name, self.tail_log());
+            }
+            // Short receive timeout so a crashed child is noticed promptly.
+            self.notify.set_read_timeout(Some(left.min(Duration::from_millis(200))))?;
+            match self.notify.recv(&mut buf) {
+                Ok(n) => {
+                    if String::from_utf8_lossy(&buf[..n]).lines().any(|l| l.trim() == needle) {
+                        return Ok(());
+                    }
+                }
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Every notify message received so far that was not consumed, in order.
+    pub fn drain_notify(&mut self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut buf = [0u8; 4096];
+        let _ = self.notify.set_nonblocking(true);
+        while let Ok(n) = self.notify.recv(&mut buf) {
+            out.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+        }
+        let _ = self.notify.set_nonblocking(false);
+        out
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill9(&mut self) -> anyhow::Result<()> {
+        if let Some(mut c) = self.child.take() {
+            c.kill()?;
+            c.wait()?;
+        }
+        Ok(())
+    }
+
+    /// SIGTERM, then wait for the exit status.
+    pub fn terminate(&mut self, timeout: Duration) -> anyhow::Result<std::process::ExitStatus> {
+        let mut c = self.child.take().context("not running")?;
+        let pid = i32::try_from(c.id()).context("pid")?;
+        // Unsafe code is denied in this workspace, so signal through the `kill` command.
+        let status = Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
+        if !status.success() {
+            bail!("kill -TERM {pid} failed");
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = c.try_wait()? {
+                return Ok(s);
+            }
+            if Instant::now() >= deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                bail!("{} did not exit within {timeout:?} after SIGTERM; log: {}", self.name, self.tail_log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The last lines of the daemon's log, for failure messages.
+    pub fn tail_log(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    /// Path of the log file.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_file(&self.notify_path);
+    }
+}

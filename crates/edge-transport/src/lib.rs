@@ -1,0 +1,122 @@
+//! edge-transport: the QUIC endpoints, the mutual-TLS configuration and the PKI helpers that
+//! connect an edge agent to the ingest server.
+//!
+//! # What lives here
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`tuning`] | [`Tuning`]: the quinn transport knobs that matter, with measured defaults |
+//! | [`tls`] | [`server_config`] / [`client_config`]: rustls + quinn configs for mutual TLS |
+//! | [`endpoint`] | [`server_endpoint`] / [`client_endpoint`]: UDP sockets with sized buffers |
+//! | [`peer`] | [`peer_device_id`]: the device identity taken from the client certificate |
+//! | [`pki`] | a small CA: `init`, `issue_device`, CRLs, and an in-memory variant for tests |
+//! | [`error`] | [`TransportError`], the error type of the configuration and endpoint functions |
+//!
+//! This crate holds no business policy: it does not know what a chunk is. The only protocol
+//! fact it knows is the ALPN identifier [`ALPN`].
+//!
+//! # TLS choices
+//!
+//! * **TLS 1.3 only.** QUIC (RFC 9001) is defined over TLS 1.3; offering anything older would
+//!   be dead configuration. Pinning the version explicitly also keeps a future change of rustls
+//!   defaults from widening what we accept.
+//! * **ring, chosen explicitly.** Every rustls and quinn object is built from
+//!   [`crypto_provider`] via the `*_with_provider` constructors. Nothing here calls
+//!   `CryptoProvider::install_default` or relies on a process-wide default, so the result does
+//!   not depend on which other crates happen to be linked in (a second provider linked in by a
+//!   dependency would otherwise make the default ambiguous and panic at first use).
+//! * **Mandatory client authentication.** The server verifies the client chain with
+//!   `WebPkiClientVerifier` over the configured client CA (plus CRLs). Anonymous clients are
+//!   refused with a `certificate_required` alert; the clientAuth EKU is enforced; a revoked
+//!   certificate is refused, and so is a CRL past its `nextUpdate`
+//!   (`enforce_revocation_expiration`). The device identity is the leaf's subject CN
+//!   ([`peer_device_id`]); clients never get to name themselves.
+//! * **Strict ALPN.** Both ends offer only [`ALPN`]; a peer with another or no ALPN fails the
+//!   handshake with `no_application_protocol`.
+//! * **Resumption and 0-RTT on.** The server keeps a bounded in-memory session cache
+//!   (stateful TLS 1.3 tickets; rustls accepts early data only with stateful resumption) and
+//!   sets `max_early_data_size = u32::MAX`, the only non-zero value QUIC allows. The client
+//!   keeps a resumption store and enables early data; 0-RTT is used only where the agent opts
+//!   in with `Connecting::into_0rtt`.
+//!
+//!   Why 0-RTT is safe here: 0-RTT data can be replayed by anyone who captured it. Our
+//!   tickets live only in the memory of the server process that issued them and are redeemed
+//!   once, so a captured first flight is accepted at most once, and never by another instance
+//!   or after a restart. But an attacker who races the real client can get its copy accepted
+//!   first; the client's own 0-RTT is then rejected (its streams fail with `ZeroRttRejected`)
+//!   and the agent must resend in 1-RTT, so the server sees the same data twice. That is harmless only because of the application layer:
+//!   every chunk upload is idempotent (it carries its own `(device, stream, seq)` identity)
+//!   and the server deduplicates on that identity durably before it acknowledges, so a chunk
+//!   is stored at most once and a replayed control message yields at most a duplicate ack.
+//!   Nothing non-idempotent may ever be sent in 0-RTT.
+//!
+//!   A resumed session carries the client certificate chain of its full handshake, so
+//!   [`peer_device_id`] works on resumed connections. A server that accepts 0.5-RTT
+//!   connections (`Connecting::into_0rtt` on the server) must not trust the identity before
+//!   `Connection::authenticated` resolves. The session cache belongs to one server config:
+//!   installing a new config (for example after a CRL reload via `Endpoint::set_server_config`)
+//!   invalidates every ticket, so a revoked device cannot resume its way past a new CRL.
+//!   A CRL is checked only at handshake; closing live connections of a revoked device is the
+//!   caller's job.
+
+//! # Performance choices
+//!
+//! See [`Tuning`]: GSO stays on, MTU discovery stays on, UDP socket buffers are 4 MiB, the
+//! per-stream and send windows are sized for WAN bandwidth-delay products, and the
+//! connection-level receive window is bounded (quinn's default is unbounded). Senders should
+//! use `SendStream::write_chunk(Bytes)` rather than `write_all`, which saves about a quarter of
+//! the sender's CPU.
+
+pub mod endpoint;
+pub mod error;
+pub mod peer;
+pub mod pki;
+pub mod tls;
+pub mod tuning;
+
+use std::sync::{Arc, OnceLock};
+
+pub use endpoint::{BoundSocket, bind_udp_socket, client_endpoint, server_endpoint};
+pub use error::{PemOrigin, TransportError};
+pub use peer::{IdentityError, device_id_from_cert_der, peer_device_id, tls_alert};
+pub use tls::{
+    ClientTls, ServerTls, client_config, client_config_from_pem, quic_client_config, rustls_client_config_from_pem,
+    server_config, server_config_from_pem, server_config_from_pem_with_crls,
+};
+pub use tuning::Tuning;
+
+/// The ALPN protocol identifier both ends must agree on: version 1 of the edge upload protocol.
+///
+/// Defined here rather than taken from `edge-proto` so that this crate does not depend on the
+/// protocol crate; the two must stay equal.
+pub const ALPN: &[u8] = b"edge/1";
+
+/// The rustls crypto provider used for every TLS object this crate builds: *ring*.
+///
+/// The provider is constructed once and shared. It is passed explicitly to every rustls
+/// builder; the process-wide default provider is neither read nor installed.
+pub fn crypto_provider() -> Arc<rustls::crypto::CryptoProvider> {
+    static PROVIDER: OnceLock<Arc<rustls::crypto::CryptoProvider>> = OnceLock::new();
+    Arc::clone(PROVIDER.get_or_init(|| Arc::new(rustls::crypto::ring::default_provider())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crypto_provider_is_ring_with_tls13_suites() {
+        let provider = crypto_provider();
+        assert!(
+            provider.cipher_suites.iter().any(|s| s.suite() == rustls::CipherSuite::TLS13_AES_128_GCM_SHA256),
+            "QUIC needs TLS13_AES_128_GCM_SHA256 for its initial packets"
+        );
+        // The same Arc is handed out every time: one provider per process.
+        assert!(Arc::ptr_eq(&provider, &crypto_provider()));
+    }
+
+    #[test]
+    fn alpn_is_edge_v1() {
+        assert_eq!(ALPN, b"edge/1");
+    }
+}

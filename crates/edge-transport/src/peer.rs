@@ -1,0 +1,133 @@
+//! What we learn about the peer of a connection: the device identity from the client
+//! certificate ([`peer_device_id`]) and, when a handshake failed, the TLS alert behind it
+//! ([`tls_alert`]).
+//!
+//! The device id is the subject common name of the verified leaf certificate, checked against
+//! the same grammar [`crate::pki::validate_device_id`] enforces when
+//! issuing. Nothing the client sends on a stream can change it.
+
+use rustls::AlertDescription;
+use rustls::pki_types::CertificateDer;
+
+use crate::pki::{self, PkiError};
+
+/// Why a connection's device identity could not be determined.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum IdentityError {
+    /// quinn has no peer identity: the handshake is not complete (0.5-RTT), or the peer sent
+    /// no certificate (impossible on a server built by this crate).
+    #[error("the peer has no identity yet: handshake incomplete or no client certificate")]
+    NoPeerIdentity,
+    /// The identity is not a rustls certificate chain (another crypto backend).
+    #[error("the peer identity is not a rustls certificate chain")]
+    UnexpectedIdentityType,
+    /// The peer's certificate chain is empty.
+    #[error("the peer certificate chain is empty")]
+    EmptyChain,
+    /// The leaf certificate does not parse as X.509.
+    #[error("the peer leaf certificate is not valid X.509: {0}")]
+    Parse(String),
+    /// The leaf's subject has no common name.
+    #[error("the peer leaf certificate subject has no common name (CN)")]
+    NoCommonName,
+    /// The leaf's subject has more than one common name, so the identity is ambiguous.
+    #[error("the peer leaf certificate subject has {0} common names; exactly one is required")]
+    MultipleCommonNames(usize),
+    /// The common name is not a text string.
+    #[error("the peer leaf certificate common name is not a text string: {0}")]
+    CommonNameEncoding(String),
+    /// The common name is text but not a valid device id.
+    #[error("the peer leaf certificate common name is not a valid device id: {0}")]
+    InvalidDeviceId(#[source] PkiError),
+}
+
+/// The device id of the peer of `conn`: the subject CN of its verified leaf certificate.
+///
+/// On the server, call it after the handshake completed (`Incoming`/`Connecting` resolved,
+/// or `Connection::authenticated` resolved when 0.5-RTT is in use). Resumed connections carry
+/// the chain of their original handshake, so they work too.
+pub fn peer_device_id(conn: &quinn::Connection) -> Result<String, IdentityError> {
+    let identity = conn.peer_identity().ok_or(IdentityError::NoPeerIdentity)?;
+    let chain =
+        identity.downcast::<Vec<CertificateDer<'static>>>().map_err(|_| IdentityError::UnexpectedIdentityType)?;
+    let leaf = chain.first().ok_or(IdentityError::EmptyChain)?;
+    device_id_from_cert_der(leaf.as_ref())
+}
+
+/// The device id in a DER certificate: its single subject CN, validated as a device id.
+pub fn device_id_from_cert_der(der: &[u8]) -> Result<String, IdentityError> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| IdentityError::Parse(e.to_string()))?;
+    let names: Vec<_> = cert.subject().iter_common_name().collect();
+    let name = match names.as_slice() {
+        [] => return Err(IdentityError::NoCommonName),
+        [one] => one,
+        many => return Err(IdentityError::MultipleCommonNames(many.len())),
+    };
+    let id = name.as_str().map_err(|e| IdentityError::CommonNameEncoding(e.to_string()))?;
+    pki::validate_device_id(id).map_err(IdentityError::InvalidDeviceId)?;
+    Ok(id.to_owned())
+}
+
+/// The TLS alert that ended a connection during the handshake, if any.
+///
+/// QUIC carries TLS alerts as CRYPTO_ERROR transport codes `0x100 + alert`. This works on both
+/// sides: the side that detected the problem sees a local `TransportError`, the other side a
+/// `ConnectionClosed` from the peer. For example a server refusing a client without
+/// certificate reports [`AlertDescription::CertificateRequired`], an unknown client CA
+/// [`AlertDescription::UnknownCA`], an expired or not-yet-valid certificate
+/// [`AlertDescription::CertificateExpired`], a revoked one
+/// [`AlertDescription::CertificateRevoked`], and an ALPN mismatch
+/// [`AlertDescription::NoApplicationProtocol`].
+pub fn tls_alert(err: &quinn::ConnectionError) -> Option<AlertDescription> {
+    let code = match err {
+        quinn::ConnectionError::TransportError(e) => e.code,
+        quinn::ConnectionError::ConnectionClosed(close) => close.error_code,
+        _ => return None,
+    };
+    let raw = u64::from(code);
+    if (0x100..=0x1ff).contains(&raw) { u8::try_from(raw - 0x100).ok().map(AlertDescription::from) } else { None }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pki::InMemoryPki;
+
+    fn der_of(pem_text: &str) -> Vec<u8> {
+        use rustls::pki_types::pem::PemObject;
+        CertificateDer::from_pem_slice(pem_text.as_bytes()).expect("certificate PEM").to_vec()
+    }
+
+    #[test]
+    fn device_id_is_the_subject_common_name() {
+        let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+        let (cert, _) = pki.issue_device("sensor-7.a_b").expect("device");
+        assert_eq!(device_id_from_cert_der(&der_of(&cert)).expect("device id"), "sensor-7.a_b");
+    }
+
+    #[test]
+    fn certificate_whose_common_name_is_not_a_device_id_is_refused() {
+        let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+        // The server certificate's CN contains a space, which no device id may contain.
+        let err = device_id_from_cert_der(&der_of(&pki.server_cert_pem)).expect_err("not a device");
+        assert!(matches!(err, IdentityError::InvalidDeviceId(_)), "{err}");
+    }
+
+    #[test]
+    fn garbage_is_not_a_certificate() {
+        let err = device_id_from_cert_der(b"not a certificate").expect_err("garbage");
+        assert!(matches!(err, IdentityError::Parse(_)), "{err}");
+    }
+
+    #[test]
+    fn crypto_error_codes_map_to_tls_alerts() {
+        let closed = quinn::ConnectionError::ConnectionClosed(quinn::ConnectionClose {
+            error_code: quinn::TransportErrorCode::crypto(116),
+            frame_type: None,
+            reason: Vec::new().into(),
+        });
+        assert_eq!(tls_alert(&closed), Some(AlertDescription::CertificateRequired));
+        assert_eq!(tls_alert(&quinn::ConnectionError::TimedOut), None);
+    }
+}

@@ -1,0 +1,418 @@
+//! Mutual-TLS configurations for both ends, as quinn configs: loading PEM (from files or
+//! memory), the rustls server and client configs, and their wrapping into QUIC configs with
+//! the transport from [`Tuning`].
+//!
+//! The TLS choices and why they are safe are described in the crate documentation: TLS 1.3
+//! only, the *ring* provider passed explicitly, mandatory client certificates verified against
+//! the client CA (+ CRLs, whose expiry is enforced), ALPN [`ALPN`] only,
+//! resumption and 0-RTT on because chunk uploads are idempotent and deduplicated durably.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use rustls::RootCertStore;
+use rustls::client::Resumption;
+use rustls::pki_types::pem::{self, PemObject};
+use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer, ServerName};
+use rustls::server::{ServerSessionMemoryCache, VerifierBuilderError, WebPkiClientVerifier};
+
+use crate::{ALPN, PemOrigin, TransportError, Tuning, crypto_provider};
+
+/// Resumption sessions the server remembers (per server config). Each entry holds the client
+/// certificate chain of the original handshake, about 2 KiB with our certificates. Tickets
+/// are single-use, so this bounds how many agents can resume after a reconnect wave.
+const SERVER_SESSION_CACHE_ENTRIES: usize = 4096;
+
+/// Resumption sessions the agent remembers. It talks to one server name, but a few spare
+/// slots cost nothing and let it hold tickets for a fallback name.
+const CLIENT_SESSION_CACHE_ENTRIES: usize = 32;
+
+/// Files for the ingest server's TLS identity and its view of clients.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerTls {
+    /// PEM certificate chain presented to agents, leaf first.
+    pub cert: PathBuf,
+    /// PEM private key of the leaf (PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// PEM certificates of the CA(s) that issue device certificates.
+    pub client_ca: PathBuf,
+    /// PEM CRLs issued by the client CA(s). Optional; when given, a revoked device is refused,
+    /// a CRL past its `nextUpdate` makes every handshake fail (it is enforced), and a device
+    /// whose issuer has no CRL in the list is refused as of unknown status.
+    pub crls: Vec<PathBuf>,
+}
+
+/// Files for the agent's TLS identity and its view of the server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientTls {
+    /// PEM device certificate chain, leaf first; the leaf's subject CN is the device id.
+    pub cert: PathBuf,
+    /// PEM private key of the device certificate.
+    pub key: PathBuf,
+    /// PEM certificates of the CA(s) that issue the server certificate.
+    pub server_ca: PathBuf,
+    /// The name the server certificate must be valid for (DNS name or IP literal). It is not
+    /// part of the quinn config: pass it to `Endpoint::connect_with`. [`client_config`]
+    /// checks that it is well formed.
+    pub server_name: String,
+}
+
+/// Builds the ingest server's QUIC config from files.
+///
+/// TLS 1.3 only, *ring*, mandatory client certificates verified against `tls.client_ca`
+/// (and `tls.crls`), ALPN [`ALPN`], stateful resumption, 0-RTT accepted
+/// (`max_early_data_size = u32::MAX`), transport from [`Tuning::server_transport`] (one
+/// bidirectional stream, `max_concurrent_uni_streams` chunk streams), migration allowed.
+pub fn server_config(tls: &ServerTls, tuning: &Tuning) -> Result<quinn::ServerConfig, TransportError> {
+    let cert = Pem::from_file("server certificate chain", &tls.cert)?;
+    let key = Pem::from_file("server private key", &tls.key)?;
+    let client_ca = Pem::from_file("client CA certificates", &tls.client_ca)?;
+    let crls =
+        tls.crls.iter().map(|path| Pem::from_file("client CA revocation list", path)).collect::<Result<Vec<_>, _>>()?;
+    build_server_config(&cert, &key, &client_ca, &crls, tuning)
+}
+
+/// Like [`server_config`], from PEM text in memory and without CRLs.
+pub fn server_config_from_pem(
+    cert_pem: &str,
+    key_pem: &str,
+    client_ca_pem: &str,
+    tuning: &Tuning,
+) -> Result<quinn::ServerConfig, TransportError> {
+    server_config_from_pem_with_crls(cert_pem, key_pem, client_ca_pem, &[], tuning)
+}
+
+/// Like [`server_config`], from PEM text in memory, with CRLs (each entry may hold several).
+pub fn server_config_from_pem_with_crls(
+    cert_pem: &str,
+    key_pem: &str,
+    client_ca_pem: &str,
+    crl_pems: &[&str],
+    tuning: &Tuning,
+) -> Result<quinn::ServerConfig, TransportError> {
+    let cert = Pem::from_memory("server certificate chain", "cert_pem", cert_pem);
+    let key = Pem::from_memory("server private key", "key_pem", key_pem);
+    let client_ca = Pem::from_memory("client CA certificates", "client_ca_pem", client_ca_pem);
+    let crls: Vec<Pem> =
+        crl_pems.iter().map(|text| Pem::from_memory("client CA revocation list", "crl_pems", text)).collect();
+    build_server_config(&cert, &key, &client_ca, &crls, tuning)
+}
+
+/// Builds the agent's QUIC config from files.
+///
+/// TLS 1.3 only, *ring*, the device certificate as client identity, the server verified
+/// against `tls.server_ca` (serverAuth EKU, name checked at connect time against the name
+/// passed to `connect_with`), ALPN [`ALPN`], a resumption store and early data
+/// enabled (0-RTT is used only when the caller opts in with `Connecting::into_0rtt`), and the
+/// transport from [`Tuning::client_transport`] (the server may open no streams).
+///
+/// Reuse the returned config for reconnects: the resumption store lives in it.
+pub fn client_config(tls: &ClientTls, tuning: &Tuning) -> Result<quinn::ClientConfig, TransportError> {
+    check_server_name(&tls.server_name)?;
+    let cert = Pem::from_file("device certificate chain", &tls.cert)?;
+    let key = Pem::from_file("device private key", &tls.key)?;
+    let server_ca = Pem::from_file("server CA certificates", &tls.server_ca)?;
+    let rustls_config = build_rustls_client_config(&cert, &key, &server_ca)?;
+    quic_client_config(rustls_config, tuning)
+}
+
+/// Like [`client_config`], from PEM text in memory. The server name is given to
+/// `Endpoint::connect_with`.
+pub fn client_config_from_pem(
+    cert_pem: &str,
+    key_pem: &str,
+    server_ca_pem: &str,
+    tuning: &Tuning,
+) -> Result<quinn::ClientConfig, TransportError> {
+    let rustls_config = rustls_client_config_from_pem(cert_pem, key_pem, server_ca_pem)?;
+    quic_client_config(rustls_config, tuning)
+}
+
+/// The rustls half of [`client_config_from_pem`], for callers (benchmarks, negative tests)
+/// that need to adjust it before wrapping it with [`quic_client_config`].
+pub fn rustls_client_config_from_pem(
+    cert_pem: &str,
+    key_pem: &str,
+    server_ca_pem: &str,
+) -> Result<rustls::ClientConfig, TransportError> {
+    let cert = Pem::from_memory("device certificate chain", "cert_pem", cert_pem);
+    let key = Pem::from_memory("device private key", "key_pem", key_pem);
+    let server_ca = Pem::from_memory("server CA certificates", "server_ca_pem", server_ca_pem);
+    build_rustls_client_config(&cert, &key, &server_ca)
+}
+
+/// Wraps a rustls client config for QUIC and attaches [`Tuning::client_transport`].
+pub fn quic_client_config(tls: rustls::ClientConfig, tuning: &Tuning) -> Result<quinn::ClientConfig, TransportError> {
+    let transport = tuning.client_transport()?;
+    let quic = QuicClientConfig::try_from(tls)?;
+    let mut config = quinn::ClientConfig::new(Arc::new(quic));
+    config.transport_config(Arc::new(transport));
+    Ok(config)
+}
+
+fn build_server_config(
+    cert: &Pem,
+    key: &Pem,
+    client_ca: &Pem,
+    crls: &[Pem],
+    tuning: &Tuning,
+) -> Result<quinn::ServerConfig, TransportError> {
+    let transport = tuning.server_transport()?;
+    let chain = cert.certificates()?;
+    let key_der = key.private_key()?;
+    let roots = client_ca.root_store()?;
+    let crl_ders = crls.iter().map(Pem::crls).collect::<Result<Vec<_>, _>>()?;
+
+    let provider = crypto_provider();
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots.clone()), Arc::clone(&provider))
+        .with_crls(crl_ders.iter().flatten().cloned())
+        .enforce_revocation_expiration()
+        .build()
+        .map_err(|source| verifier_error(source, client_ca, &roots, crls, &crl_ders))?;
+
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|source| TransportError::Rustls { context: "TLS 1.3-only protocol selection", source })?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key_der)
+        .map_err(|source| TransportError::BadIdentity { cert: cert.origin.clone(), key: key.origin.clone(), source })?;
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    // Stateful tickets: rustls accepts early data only without a stateless ticketer, and a
+    // stateful ticket can be redeemed once, which blunts replays of a captured first flight.
+    tls.session_storage = ServerSessionMemoryCache::new(SERVER_SESSION_CACHE_ENTRIES);
+    // QUIC allows only 0 or u32::MAX; u32::MAX turns 0-RTT on. Safe because uploads are
+    // idempotent and deduplicated durably by the server (see the crate docs).
+    tls.max_early_data_size = u32::MAX;
+
+    let quic = QuicServerConfig::try_from(tls)?;
+    let mut config = quinn::ServerConfig::with_crypto(Arc::new(quic));
+    config.transport_config(Arc::new(transport));
+    config.migration(true);
+    Ok(config)
+}
+
+/// Names the culprit of a verifier build failure: a specific CRL if one is unusable on its
+/// own, otherwise the client CA.
+fn verifier_error(
+    source: VerifierBuilderError,
+    client_ca: &Pem,
+    roots: &RootCertStore,
+    crls: &[Pem],
+    crl_ders: &[Vec<CertificateRevocationListDer<'static>>],
+) -> TransportError {
+    if matches!(source, VerifierBuilderError::InvalidCrl(_)) {
+        for (pem, ders) in crls.iter().zip(crl_ders) {
+            let alone = WebPkiClientVerifier::builder_with_provider(Arc::new(roots.clone()), crypto_provider())
+                .with_crls(ders.iter().cloned())
+                .build();
+            if let Err(source) = alone {
+                return TransportError::BadCrl { origin: pem.origin.clone(), source };
+            }
+        }
+    }
+    TransportError::ClientVerifier { origin: client_ca.origin.clone(), source }
+}
+
+fn build_rustls_client_config(cert: &Pem, key: &Pem, server_ca: &Pem) -> Result<rustls::ClientConfig, TransportError> {
+    let chain = cert.certificates()?;
+    let key_der = key.private_key()?;
+    let roots = server_ca.root_store()?;
+    let mut tls = rustls::ClientConfig::builder_with_provider(crypto_provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|source| TransportError::Rustls { context: "TLS 1.3-only protocol selection", source })?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key_der)
+        .map_err(|source| TransportError::BadIdentity { cert: cert.origin.clone(), key: key.origin.clone(), source })?;
+    tls.alpn_protocols = vec![ALPN.to_vec()];
+    tls.resumption = Resumption::in_memory_sessions(CLIENT_SESSION_CACHE_ENTRIES);
+    tls.enable_early_data = true;
+    Ok(tls)
+}
+
+fn check_server_name(name: &str) -> Result<(), TransportError> {
+    ServerName::try_from(name)
+        .map(drop)
+        .map_err(|source| TransportError::InvalidServerName { name: name.to_owned(), source })
+}
+
+/// PEM text together with where it came from and what it should contain.
+struct Pem {
+    what: &'static str,
+    origin: PemOrigin,
+    text: Vec<u8>,
+}
+
+impl Pem {
+    fn from_file(what: &'static str, path: &Path) -> Result<Self, TransportError> {
+        let text =
+            std::fs::read(path).map_err(|source| TransportError::ReadFile { what, path: path.to_owned(), source })?;
+        Ok(Self { what, origin: PemOrigin::File(path.to_owned()), text })
+    }
+
+    fn from_memory(what: &'static str, argument: &'static str, text: &str) -> Self {
+        Self { what, origin: PemOrigin::Memory(argument), text: text.as_bytes().to_vec() }
+    }
+
+    fn pem_error(&self, err: pem::Error) -> TransportError {
+        TransportError::Pem { what: self.what, origin: self.origin.clone(), detail: err.to_string() }
+    }
+
+    /// Every `CERTIFICATE` block, in order; at least one.
+    fn certificates(&self) -> Result<Vec<CertificateDer<'static>>, TransportError> {
+        let certs =
+            CertificateDer::pem_slice_iter(&self.text).collect::<Result<Vec<_>, _>>().map_err(|e| self.pem_error(e))?;
+        if certs.is_empty() {
+            return Err(TransportError::NoCertificate { what: self.what, origin: self.origin.clone() });
+        }
+        Ok(certs)
+    }
+
+    /// The first private key block.
+    fn private_key(&self) -> Result<PrivateKeyDer<'static>, TransportError> {
+        match PrivateKeyDer::from_pem_slice(&self.text) {
+            Ok(key) => Ok(key),
+            Err(pem::Error::NoItemsFound) => {
+                Err(TransportError::NoPrivateKey { what: self.what, origin: self.origin.clone() })
+            }
+            Err(e) => Err(self.pem_error(e)),
+        }
+    }
+
+    /// Every certificate as a trust anchor; at least one.
+    fn root_store(&self) -> Result<RootCertStore, TransportError> {
+        let mut roots = RootCertStore::empty();
+        for (index, cert) in self.certificates()?.into_iter().enumerate() {
+            roots.add(cert).map_err(|source| TransportError::BadCertificate {
+                what: self.what,
+                origin: self.origin.clone(),
+                index,
+                source,
+            })?;
+        }
+        Ok(roots)
+    }
+
+    /// Every `X509 CRL` block; at least one.
+    fn crls(&self) -> Result<Vec<CertificateRevocationListDer<'static>>, TransportError> {
+        let crls = CertificateRevocationListDer::pem_slice_iter(&self.text)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.pem_error(e))?;
+        if crls.is_empty() {
+            return Err(TransportError::NoCrl { what: self.what, origin: self.origin.clone() });
+        }
+        Ok(crls)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pki::InMemoryPki;
+
+    fn pki() -> InMemoryPki {
+        InMemoryPki::generate(&["localhost"]).expect("generate PKI")
+    }
+
+    #[test]
+    fn server_config_builds_from_memory() {
+        let pki = pki();
+        server_config_from_pem(&pki.server_cert_pem, &pki.server_key_pem, &pki.ca_pem, &Tuning::default())
+            .expect("server config");
+    }
+
+    #[test]
+    fn client_rustls_config_offers_alpn_a_client_certificate_and_early_data() {
+        let pki = pki();
+        let (cert, key) = pki.issue_device("dev-1").expect("device");
+        let tls = rustls_client_config_from_pem(&cert, &key, &pki.ca_pem).expect("client config");
+        assert_eq!(tls.alpn_protocols, vec![ALPN.to_vec()]);
+        assert!(tls.enable_early_data);
+        assert!(tls.client_auth_cert_resolver.has_certs());
+    }
+
+    #[test]
+    fn missing_key_in_pem_is_reported_naming_the_argument() {
+        let pki = pki();
+        let err = server_config_from_pem(&pki.server_cert_pem, &pki.server_cert_pem, &pki.ca_pem, &Tuning::default())
+            .expect_err("a certificate is not a key");
+        match err {
+            TransportError::NoPrivateKey { origin, .. } => {
+                assert_eq!(origin, PemOrigin::Memory("key_pem"));
+            }
+            other => panic!("expected NoPrivateKey, got {other}"),
+        }
+    }
+
+    #[test]
+    fn empty_client_ca_is_reported_as_no_certificate() {
+        let pki = pki();
+        let err = server_config_from_pem(&pki.server_cert_pem, &pki.server_key_pem, "", &Tuning::default())
+            .expect_err("no CA");
+        assert!(
+            matches!(err, TransportError::NoCertificate { origin: PemOrigin::Memory("client_ca_pem"), .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn key_of_another_certificate_is_refused_naming_both_inputs() {
+        let pki = pki();
+        let (_, device_key) = pki.issue_device("dev-1").expect("device");
+        let err = server_config_from_pem(&pki.server_cert_pem, &device_key, &pki.ca_pem, &Tuning::default())
+            .expect_err("mismatched key");
+        assert!(matches!(err, TransportError::BadIdentity { .. }), "{err}");
+        assert!(err.to_string().contains("cert_pem"), "{err}");
+        assert!(err.to_string().contains("key_pem"), "{err}");
+    }
+
+    #[test]
+    fn missing_file_is_reported_with_its_path() {
+        let tls = ServerTls {
+            cert: PathBuf::from("/nonexistent/edge/server.pem"),
+            key: PathBuf::from("/nonexistent/edge/server.key"),
+            client_ca: PathBuf::from("/nonexistent/edge/ca.pem"),
+            crls: Vec::new(),
+        };
+        let err = server_config(&tls, &Tuning::default()).expect_err("missing file");
+        match &err {
+            TransportError::ReadFile { path, what, .. } => {
+                assert_eq!(path, &tls.cert);
+                assert_eq!(*what, "server certificate chain");
+            }
+            other => panic!("expected ReadFile, got {other}"),
+        }
+        assert!(err.to_string().contains("/nonexistent/edge/server.pem"));
+    }
+
+    #[test]
+    fn garbage_crl_is_reported_naming_its_origin() {
+        let pki = pki();
+        let garbage = "-----BEGIN X509 CRL-----\nAAAA\n-----END X509 CRL-----\n";
+        let err = server_config_from_pem_with_crls(
+            &pki.server_cert_pem,
+            &pki.server_key_pem,
+            &pki.ca_pem,
+            &[garbage],
+            &Tuning::default(),
+        )
+        .expect_err("garbage CRL");
+        assert!(matches!(err, TransportError::BadCrl { origin: PemOrigin::Memory("crl_pems"), .. }), "{err}");
+    }
+
+    #[test]
+    fn malformed_server_name_is_refused_naming_the_field() {
+        let pki = pki();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let files = pki.write_device_files("dev-1", dir.path()).expect("device files");
+        let tls = ClientTls {
+            cert: files.cert,
+            key: files.key,
+            server_ca: files.ca_cert,
+            server_name: "not a host name!".to_owned(),
+        };
+        let err = client_config(&tls, &Tuning::default()).expect_err("bad server name");
+        assert!(matches!(err, TransportError::InvalidServerName { .. }), "{err}");
+        assert!(err.to_string().contains("server_name"), "{err}");
+    }
+}

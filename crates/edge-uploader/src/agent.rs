@@ -1,0 +1,213 @@
+//! The agent daemon: wires spool, intake and uploader together and runs the shutdown sequence.
+//!
+//! Start-up order: open the spool (recovering or quarantining a damaged file), start the spool
+//! thread, bind the intake sockets, report READY (the cloud need not be reachable), start the
+//! uploader. Shutdown order: STOPPING, intake answers 503 and stops accepting, the uploader stops
+//! opening streams and waits for acks of chunks in flight up to the grace period, the connection
+//! closes politely, the spool thread commits what it holds and exits. Nothing is lost whether or
+//! not the grace period was long enough: unacked chunks stay in the spool.
+
+use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use edge_spool::{Spool, SpoolStats};
+use tokio::net::{TcpListener, UnixListener};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::intake::{Intake, IntakeCounters};
+use crate::spool_task::{ReaderHandle, SpoolHandle, SpoolThread};
+use crate::uploader::{UploadCounters, UploaderOptions};
+
+/// A running agent.
+#[derive(Debug)]
+pub struct Agent {
+    spool: SpoolHandle,
+    spool_thread: Option<SpoolThread>,
+    intake: Arc<Intake>,
+    upload: Arc<UploadCounters>,
+    cancel_intake: CancellationToken,
+    cancel_upload: CancellationToken,
+    tasks: TaskTracker,
+    uploader: tokio::task::JoinHandle<anyhow::Result<()>>,
+    intake_socket: PathBuf,
+}
+
+impl Agent {
+    /// Opens the spool, binds the intake and starts uploading. Returns once the agent accepts
+    /// records (the moment to report READY).
+    pub async fn start(config: &Config) -> anyhow::Result<Agent> {
+        let opts = config.spool.clone();
+        let path = opts.path.clone();
+        let (spool, report) = tokio::task::spawn_blocking(move || Spool::open(opts))
+            .await
+            .context("spool open task")?
+            .with_context(|| format!("opening spool {}", path.display()))?;
+        if let Some(q) = &report.quarantined {
+            warn!(quarantined = %q.display(), "spool file was damaged; moved aside and a new spool was created");
+        }
+        info!(path = %path.display(), id = %spool.id(), created = report.created, sealed_chunks = report.sealed_chunks, "spool open");
+        let reader = ReaderHandle::new(spool.reader().context("opening spool reader")?);
+        let (spool, spool_thread) = SpoolHandle::spawn(spool).context("starting spool thread")?;
+
+        let upload = Arc::new(UploadCounters::default());
+        let intake = Arc::new(Intake {
+            spool: spool.clone(),
+            max_record_bytes: config.intake.max_record_bytes,
+            max_request_bytes: config.intake.max_request_bytes,
+            batch_target: usize::try_from(config.spool.chunk_target_bytes).unwrap_or(usize::MAX),
+            accepting: AtomicBool::new(true),
+            counters: Arc::new(IntakeCounters::default()),
+            upload: upload.clone(),
+        });
+        let cancel_intake = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        let unix = bind_unix(&config.intake.socket, config.intake.socket_mode)?;
+        let router = crate::intake::router(intake.clone());
+        {
+            let cancel = cancel_intake.clone();
+            let router = router.clone();
+            tasks.spawn(async move {
+                if let Err(e) = axum::serve(unix, router).with_graceful_shutdown(cancel.cancelled_owned()).await {
+                    warn!(error = %e, "intake (unix socket) stopped");
+                }
+            });
+        }
+        if let Some(addr) = config.intake.tcp {
+            let tcp = TcpListener::bind(addr).await.with_context(|| format!("binding intake.tcp {addr}"))?;
+            let cancel = cancel_intake.clone();
+            tasks.spawn(async move {
+                if let Err(e) = axum::serve(tcp, router).with_graceful_shutdown(cancel.cancelled_owned()).await {
+                    warn!(error = %e, "intake (tcp) stopped");
+                }
+            });
+        }
+        info!(socket = %config.intake.socket.display(), tcp = ?config.intake.tcp, "intake listening");
+
+        let client_config = edge_transport::client_config(&config.upload.tls, &config.upload.tuning)
+            .context("loading the agent's TLS files (upload.ca, upload.cert, upload.key)")?;
+        let cancel_upload = CancellationToken::new();
+        let uopts = UploaderOptions {
+            server: config.upload.server.clone(),
+            server_name: config.upload.server_name.clone(),
+            client_config,
+            bind: config.upload.bind,
+            max_in_flight: config.upload.max_in_flight,
+            backoff_min: config.upload.backoff_min,
+            backoff_max: config.upload.backoff_max,
+            compression: config.upload.compression,
+            limits: edge_proto::Limits::default(),
+            drain_grace: Duration::from_secs(5),
+            tuning: config.upload.tuning.clone(),
+        };
+        let uploader =
+            tokio::spawn(crate::uploader::run(uopts, spool.clone(), reader, upload.clone(), cancel_upload.clone()));
+        Ok(Agent {
+            spool,
+            spool_thread: Some(spool_thread),
+            intake,
+            upload,
+            cancel_intake,
+            cancel_upload,
+            tasks,
+            uploader,
+            intake_socket: config.intake.socket.clone(),
+        })
+    }
+
+    /// The spool's latest statistics.
+    pub fn spool_stats(&self) -> SpoolStats {
+        self.spool.stats()
+    }
+
+    /// Handle to the spool thread.
+    pub fn spool(&self) -> &SpoolHandle {
+        &self.spool
+    }
+
+    /// Upload counters.
+    pub fn upload(&self) -> &Arc<UploadCounters> {
+        &self.upload
+    }
+
+    /// Intake counters.
+    pub fn intake(&self) -> &Arc<IntakeCounters> {
+        &self.intake.counters
+    }
+
+    /// The shutdown sequence described in the module docs.
+    pub async fn shutdown(mut self) {
+        self.intake.accepting.store(false, Ordering::Release);
+        self.cancel_intake.cancel();
+        self.tasks.close();
+        if tokio::time::timeout(Duration::from_secs(5), self.tasks.wait()).await.is_err() {
+            warn!("intake connections still open after 5 s");
+        }
+        self.cancel_upload.cancel();
+        match self.uploader.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(error = %e, "uploader ended with an error"),
+            Err(e) => warn!(error = %e, "uploader task failed"),
+        }
+        let _ = std::fs::remove_file(&self.intake_socket);
+        let thread = self.spool_thread.take();
+        drop(self.intake);
+        drop(self.spool);
+        if let Some(t) = thread {
+            let _ = tokio::task::spawn_blocking(move || t.join()).await;
+        }
+    }
+}
+
+/// Runs the daemon until `shutdown` resolves.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    let agent = Agent::start(&config).await?;
+    edge_telemetry::notify::ready();
+    let watchdog = edge_telemetry::notify::watchdog_interval();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            () = async { match watchdog { Some(i) => tokio::time::sleep(i).await, None => std::future::pending().await } } => {
+                edge_telemetry::notify::watchdog();
+            }
+        }
+    }
+    edge_telemetry::notify::stopping();
+    info!("shutting down");
+    agent.shutdown().await;
+    info!("stopped");
+    Ok(())
+}
+
+/// Binds the intake socket, replacing a stale socket file but never another kind of file.
+fn bind_unix(path: &Path, mode: u32) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) => {
+            use std::os::unix::fs::FileTypeExt;
+            if !meta.file_type().is_socket() {
+                anyhow::bail!("intake.socket: {} exists and is not a socket; refusing to replace it", path.display());
+            }
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                anyhow::bail!("intake.socket: {} is in use by another process", path.display());
+            }
+            std::fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("checking {}", path.display())),
+    }
+    let listener = UnixListener::bind(path).with_context(|| format!("binding intake socket {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .with_context(|| format!("setting mode {mode:o} on {}", path.display()))?;
+    Ok(listener)
+}

@@ -1,0 +1,378 @@
+//! Agent configuration in two phases: a raw TOML schema (`RawConfig`, unknown keys are errors)
+//! and the validated runtime [`Config`] the daemon uses. Only this module knows about serde; the
+//! libraries receive plain option structs.
+//!
+//! Sources, later ones winning: built-in defaults, the TOML file, environment variables named
+//! `EDGE_UPLOADER__SECTION__KEY` (for example `EDGE_UPLOADER__SPOOL__MAX_BYTES=2GiB`).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use bytesize::ByteSize;
+use edge_spool::{Durability, FullPolicy, SpoolOptions};
+use serde::Deserialize;
+
+/// Default config file location.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/edge-uploader/edge-uploader.toml";
+/// Environment prefix for overrides.
+pub const ENV_PREFIX: &str = "EDGE_UPLOADER";
+
+/// The file as written by the operator.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawConfig {
+    pub intake: RawIntake,
+    pub spool: RawSpool,
+    pub upload: RawUpload,
+    pub log: RawLog,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawIntake {
+    pub socket: PathBuf,
+    pub socket_mode: String,
+    pub tcp: Option<String>,
+    pub max_record_bytes: ByteSize,
+    pub max_request_bytes: ByteSize,
+}
+
+impl Default for RawIntake {
+    fn default() -> Self {
+        Self {
+            socket: PathBuf::from("/run/edge-uploader/intake.sock"),
+            socket_mode: "0660".into(),
+            tcp: None,
+            max_record_bytes: ByteSize::mib(1),
+            max_request_bytes: ByteSize::mib(64),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawSpool {
+    pub path: PathBuf,
+    pub max_bytes: ByteSize,
+    pub full_policy: String,
+    pub durability: String,
+    pub chunk_target: ByteSize,
+    #[serde(with = "humantime_serde_compat")]
+    pub linger: Duration,
+    pub compression: String,
+    pub zstd_level: i32,
+}
+
+impl Default for RawSpool {
+    fn default() -> Self {
+        Self {
+            path: PathBuf::from("/var/lib/edge-uploader/spool.db"),
+            max_bytes: ByteSize::gib(1),
+            full_policy: "reject".into(),
+            durability: "full".into(),
+            chunk_target: ByteSize::kib(512),
+            linger: Duration::from_millis(20),
+            compression: "none".into(),
+            zstd_level: 3,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawUpload {
+    pub server: String,
+    pub server_name: Option<String>,
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub max_in_flight: u32,
+    #[serde(with = "humantime_serde_compat")]
+    pub backoff_min: Duration,
+    #[serde(with = "humantime_serde_compat")]
+    pub backoff_max: Duration,
+    pub bind: String,
+}
+
+impl Default for RawUpload {
+    fn default() -> Self {
+        Self {
+            server: "localhost:4433".into(),
+            server_name: None,
+            ca: PathBuf::from("/etc/edge-uploader/tls/ca.pem"),
+            cert: PathBuf::from("/etc/edge-uploader/tls/device.pem"),
+            key: PathBuf::from("/etc/edge-uploader/tls/device.key"),
+            max_in_flight: 32,
+            backoff_min: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(30),
+            bind: "0.0.0.0:0".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLog {
+    pub level: String,
+    pub format: String,
+}
+
+impl Default for RawLog {
+    fn default() -> Self {
+        Self { level: "info".into(), format: "text".into() }
+    }
+}
+
+/// Durations as humantime strings ("500ms", "2m 30s").
+mod humantime_serde_compat {
+    use serde::{Deserialize, Deserializer};
+    use std::time::Duration;
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s).map_err(|e| serde::de::Error::custom(format!("invalid duration {s:?}: {e}")))
+    }
+}
+
+/// Payload compression on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    /// Send raw record framing.
+    None,
+    /// zstd at the given level.
+    Zstd(i32),
+}
+
+/// Validated intake settings.
+#[derive(Debug, Clone)]
+pub struct IntakeConfig {
+    pub socket: PathBuf,
+    pub socket_mode: u32,
+    pub tcp: Option<SocketAddr>,
+    pub max_record_bytes: usize,
+    pub max_request_bytes: usize,
+}
+
+/// Validated upload settings.
+#[derive(Debug, Clone)]
+pub struct UploadConfig {
+    /// `host:port`, resolved at every connection attempt so a changed DNS answer is followed.
+    pub server: String,
+    pub server_name: String,
+    pub tls: edge_transport::ClientTls,
+    pub max_in_flight: u32,
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+    pub bind: SocketAddr,
+    pub compression: Compression,
+    pub tuning: edge_transport::Tuning,
+}
+
+/// The validated runtime configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub intake: IntakeConfig,
+    pub spool: SpoolOptions,
+    pub upload: UploadConfig,
+    pub log_level: String,
+    pub log_format: edge_telemetry::logging::LogFormat,
+    /// Where the config came from, for messages.
+    pub source: Option<PathBuf>,
+}
+
+/// Reads the file (if given or present at the default path), applies environment overrides and
+/// validates. `explicit` = the operator named the file, so its absence is an error.
+pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
+    let (path, explicit) = match path {
+        Some(p) => (p.to_path_buf(), true),
+        None => (PathBuf::from(DEFAULT_CONFIG_PATH), false),
+    };
+    let mut builder = config::Config::builder();
+    let exists = path.exists();
+    if explicit && !exists {
+        bail!("config file {} does not exist", path.display());
+    }
+    if exists {
+        // Parse with toml first: its errors carry the line and column, and unknown keys are
+        // reported with their section.
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str::<RawConfig>(&text)
+            .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.to_string().trim_end()))?;
+        builder = builder.add_source(config::File::from(path.as_path()).format(config::FileFormat::Toml));
+    }
+    builder = builder.add_source(
+        config::Environment::with_prefix(ENV_PREFIX).prefix_separator("__").separator("__").try_parsing(false),
+    );
+    let raw: RawConfig = builder.build().and_then(|c| c.try_deserialize()).map_err(|e| {
+        anyhow::anyhow!("{}: {e}", if exists { path.display().to_string() } else { "environment".into() })
+    })?;
+    validate(raw, exists.then_some(path))
+}
+
+/// Turns a raw config into a runtime config, naming the key on every error.
+pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Config> {
+    let full_policy = match raw.spool.full_policy.as_str() {
+        "reject" => FullPolicy::Reject,
+        "drop_oldest" => FullPolicy::DropOldest,
+        other => bail!("spool.full_policy: expected \"reject\" or \"drop_oldest\", got {other:?}"),
+    };
+    let durability = match raw.spool.durability.as_str() {
+        "full" => Durability::Full,
+        "normal" => Durability::Normal,
+        other => bail!("spool.durability: expected \"full\" or \"normal\", got {other:?}"),
+    };
+    let compression = match raw.spool.compression.as_str() {
+        "none" => Compression::None,
+        "zstd" => {
+            if !(1..=19).contains(&raw.spool.zstd_level) {
+                bail!("spool.zstd_level: expected 1..=19, got {}", raw.spool.zstd_level);
+            }
+            Compression::Zstd(raw.spool.zstd_level)
+        }
+        other => bail!("spool.compression: expected \"none\" or \"zstd\", got {other:?}"),
+    };
+    if raw.spool.max_bytes.as_u64() < raw.spool.chunk_target.as_u64() {
+        bail!(
+            "spool.max_bytes ({}) must be at least spool.chunk_target ({})",
+            raw.spool.max_bytes,
+            raw.spool.chunk_target
+        );
+    }
+    if raw.spool.chunk_target.as_u64() == 0 || raw.spool.chunk_target.as_u64() > 16 << 20 {
+        bail!("spool.chunk_target: expected 1 B..=16 MiB, got {}", raw.spool.chunk_target);
+    }
+    let max_record = usize::try_from(raw.intake.max_record_bytes.as_u64()).unwrap_or(usize::MAX);
+    if max_record == 0 || max_record > 16 << 20 {
+        bail!("intake.max_record_bytes: expected 1 B..=16 MiB, got {}", raw.intake.max_record_bytes);
+    }
+    let max_request = usize::try_from(raw.intake.max_request_bytes.as_u64()).unwrap_or(usize::MAX);
+    if max_request < max_record {
+        bail!("intake.max_request_bytes must be at least intake.max_record_bytes");
+    }
+    let socket_mode = u32::from_str_radix(raw.intake.socket_mode.trim_start_matches("0o"), 8).map_err(|_| {
+        anyhow::anyhow!("intake.socket_mode: expected an octal mode such as \"0660\", got {:?}", raw.intake.socket_mode)
+    })?;
+    let tcp = match raw.intake.tcp.as_deref() {
+        None | Some("") => None,
+        Some(s) => {
+            let addr: SocketAddr =
+                s.parse().map_err(|_| anyhow::anyhow!("intake.tcp: {s:?} is not an address like 127.0.0.1:8080"))?;
+            if !addr.ip().is_loopback() {
+                bail!("intake.tcp: {addr} is not a loopback address; the intake has no authentication");
+            }
+            Some(addr)
+        }
+    };
+    let bind: SocketAddr = raw
+        .upload
+        .bind
+        .parse()
+        .map_err(|_| anyhow::anyhow!("upload.bind: {:?} is not an address like 0.0.0.0:0", raw.upload.bind))?;
+    let server_name = match raw.upload.server_name.clone() {
+        Some(n) => n,
+        None => host_of(&raw.upload.server)
+            .ok_or_else(|| anyhow::anyhow!("upload.server: expected host:port, got {:?}", raw.upload.server))?,
+    };
+    if raw.upload.max_in_flight == 0 || raw.upload.max_in_flight > 1024 {
+        bail!("upload.max_in_flight: expected 1..=1024, got {}", raw.upload.max_in_flight);
+    }
+    if raw.upload.backoff_min.is_zero() || raw.upload.backoff_min > raw.upload.backoff_max {
+        bail!("upload.backoff_min must be above zero and at most upload.backoff_max");
+    }
+    for (key, p) in [("upload.ca", &raw.upload.ca), ("upload.cert", &raw.upload.cert), ("upload.key", &raw.upload.key)]
+    {
+        if !p.is_file() {
+            bail!("{key}: file {} does not exist or is not a regular file", p.display());
+        }
+    }
+    let log_format = match raw.log.format.as_str() {
+        "text" => edge_telemetry::logging::LogFormat::Text,
+        "json" => edge_telemetry::logging::LogFormat::Json,
+        other => bail!("log.format: expected \"text\" or \"json\", got {other:?}"),
+    };
+    edge_telemetry::logging::parse_filter(&raw.log.level).map_err(|e| anyhow::anyhow!("log.level: {e}"))?;
+
+    let mut spool = SpoolOptions::new(raw.spool.path.clone());
+    spool.durability = durability;
+    spool.max_bytes = raw.spool.max_bytes.as_u64();
+    spool.full_policy = full_policy;
+    spool.chunk_target_bytes = raw.spool.chunk_target.as_u64();
+    spool.linger = raw.spool.linger;
+
+    Ok(Config {
+        intake: IntakeConfig {
+            socket: raw.intake.socket,
+            socket_mode,
+            tcp,
+            max_record_bytes: max_record,
+            max_request_bytes: max_request,
+        },
+        spool,
+        upload: UploadConfig {
+            server: raw.upload.server,
+            server_name,
+            tls: edge_transport::ClientTls {
+                cert: raw.upload.cert,
+                key: raw.upload.key,
+                server_ca: raw.upload.ca,
+                server_name: String::new(),
+            },
+            max_in_flight: raw.upload.max_in_flight,
+            backoff_min: raw.upload.backoff_min,
+            backoff_max: raw.upload.backoff_max,
+            bind,
+            compression,
+            tuning: edge_transport::Tuning::default(),
+        },
+        log_level: raw.log.level,
+        log_format,
+        source,
+    })
+    .map(|mut c| {
+        c.upload.tls.server_name = c.upload.server_name.clone();
+        c
+    })
+}
+
+/// The host part of `host:port` (IPv6 literals in brackets).
+fn host_of(server: &str) -> Option<String> {
+    if let Some(rest) = server.strip_prefix('[') {
+        let (host, tail) = rest.split_once(']')?;
+        tail.strip_prefix(':')?.parse::<u16>().ok()?;
+        return Some(host.to_owned());
+    }
+    let (host, port) = server.rsplit_once(':')?;
+    port.parse::<u16>().ok()?;
+    (!host.is_empty()).then(|| host.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_of_handles_names_ipv4_and_ipv6() {
+        assert_eq!(host_of("ingest.example.com:4433").as_deref(), Some("ingest.example.com"));
+        assert_eq!(host_of("10.0.0.1:4433").as_deref(), Some("10.0.0.1"));
+        assert_eq!(host_of("[::1]:4433").as_deref(), Some("::1"));
+        assert_eq!(host_of("nohost"), None);
+        assert_eq!(host_of("host:notaport"), None);
+    }
+
+    #[test]
+    fn unknown_key_is_refused_with_its_name() {
+        let err = toml::from_str::<RawConfig>("[spool]\nmax_byte = \"1GiB\"\n").expect_err("unknown key");
+        assert!(err.to_string().contains("max_byte"), "{err}");
+    }
+
+    #[test]
+    fn sizes_and_durations_parse_in_human_form() {
+        let raw: RawConfig = toml::from_str("[spool]\nmax_bytes = \"2GiB\"\nlinger = \"500ms\"\n").expect("valid");
+        assert_eq!(raw.spool.max_bytes.as_u64(), 2 << 30);
+        assert_eq!(raw.spool.linger, Duration::from_millis(500));
+        let err = toml::from_str::<RawConfig>("[spool]\nlinger = \"soon\"\n").expect_err("bad duration");
+        assert!(err.to_string().contains("linger") || err.to_string().contains("soon"), "{err}");
+    }
+}

@@ -1,0 +1,230 @@
+//! Local intake: HTTP/1.1 on a Unix socket (and optionally on a loopback TCP port).
+//!
+//! `POST /v1/streams/{stream}` with `application/x-ndjson` (one record per non-empty line) or
+//! `application/octet-stream` (the body is one record). The answer is 200 with
+//! `{"records": N, "bytes": B}` only after the records are committed to the spool. Errors carry
+//! a JSON body `{"error": "...", "detail": "..."}`:
+//!
+//! | status | when |
+//! |---|---|
+//! | 400 | bad stream name, empty body, body not valid for its type |
+//! | 413 | a record over `max_record_bytes`, or a body over `max_request_bytes` |
+//! | 415 | a content type other than the two above |
+//! | 503 | the agent is shutting down |
+//! | 507 | the spool is full (policy `reject`) or its disk is; with `Retry-After` |
+//!
+//! A rejected request stores none of its records: the request is one all-or-nothing append.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use edge_proto::StreamName;
+use edge_proto::records::encode_record;
+use edge_spool::{AppendRequest, Batch};
+use http_body_util::BodyExt;
+use serde_json::json;
+
+use crate::spool_task::{AppendFailure, SpoolHandle};
+
+/// Seconds a producer is told to wait when the spool is full.
+const RETRY_AFTER_SECS: &str = "5";
+
+/// Intake limits and wiring.
+#[derive(Debug)]
+pub struct Intake {
+    pub spool: SpoolHandle,
+    pub max_record_bytes: usize,
+    pub max_request_bytes: usize,
+    /// Target size of one batch (the spool's chunk target), so large requests split into chunks.
+    pub batch_target: usize,
+    /// Cleared when shutdown begins: requests then get 503.
+    pub accepting: AtomicBool,
+    pub counters: Arc<IntakeCounters>,
+    /// Upload state, reported by `GET /v1/status`.
+    pub upload: Arc<crate::uploader::UploadCounters>,
+}
+
+/// What intake accepted, for metrics and the demo.
+#[derive(Debug, Default)]
+pub struct IntakeCounters {
+    pub records_total: AtomicU64,
+    pub bytes_total: AtomicU64,
+    pub requests_rejected_total: AtomicU64,
+}
+
+/// The HTTP routes.
+pub fn router(intake: Arc<Intake>) -> Router {
+    Router::new()
+        .route("/v1/streams/{stream}", post(post_records))
+        .route("/v1/status", get(status))
+        .layer(DefaultBodyLimit::disable())
+        .with_state(intake)
+}
+
+fn error(status: StatusCode, error: &str, detail: impl Into<String>) -> Response {
+    (status, axum::Json(json!({ "error": error, "detail": detail.into() }))).into_response()
+}
+
+/// `GET /v1/status`: spool and upload state as JSON (`"version": 1`).
+async fn status(State(intake): State<Arc<Intake>>) -> Response {
+    axum::Json(status_json(&intake)).into_response()
+}
+
+/// The status document shared by the HTTP route and the CLI.
+pub fn status_json(intake: &Intake) -> serde_json::Value {
+    let s = intake.spool.stats();
+    let u = &intake.upload;
+    let (p50, p99) = {
+        let l = u.latency_ms.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        (l.quantile(0.5), l.quantile(0.99))
+    };
+    let last_error = u.last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    json!({
+        "version": 1,
+        "spool": {
+            "id": intake.spool.id().to_string(),
+            "sealed_chunks": s.sealed_chunks,
+            "sealed_bytes": s.sealed_bytes,
+            "open_bytes": s.open_bytes,
+            "open_records": s.open_records,
+            "total_bytes": s.total_bytes,
+            "oldest_ms": s.oldest_ms,
+            "dropped_records": s.dropped_records,
+            "dropped_chunks": s.dropped_chunks,
+            "quarantined_chunks": s.quarantined_chunks,
+            "streams": s.streams.iter().map(|st| json!({
+                "name": st.name, "next_seq": st.next_seq, "sealed_chunks": st.sealed_chunks,
+                "bytes": st.bytes, "oldest_ms": st.oldest_ms,
+            })).collect::<Vec<_>>(),
+        },
+        "intake": {
+            "records_total": intake.counters.records_total.load(Ordering::Relaxed),
+            "bytes_total": intake.counters.bytes_total.load(Ordering::Relaxed),
+            "requests_rejected_total": intake.counters.requests_rejected_total.load(Ordering::Relaxed),
+        },
+        "upload": {
+            "connected": u.connected.load(Ordering::Relaxed),
+            "connects_total": u.connects_total.load(Ordering::Relaxed),
+            "in_flight": u.in_flight.load(Ordering::Relaxed),
+            "chunks_acked_total": u.chunks_acked_total.load(Ordering::Relaxed),
+            "chunks_duplicate_total": u.chunks_duplicate_total.load(Ordering::Relaxed),
+            "chunks_retry_total": u.chunks_retry_total.load(Ordering::Relaxed),
+            "chunks_rejected_total": u.chunks_rejected_total.load(Ordering::Relaxed),
+            "records_acked_total": u.records_acked_total.load(Ordering::Relaxed),
+            "bytes_acked_total": u.bytes_acked_total.load(Ordering::Relaxed),
+            "latency_p50_ms": p50,
+            "latency_p99_ms": p99,
+            "last_error": last_error,
+        },
+    })
+}
+
+async fn post_records(
+    State(intake): State<Arc<Intake>>,
+    Path(stream): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let resp = handle(&intake, &stream, &headers, body).await;
+    if !resp.status().is_success() {
+        intake.counters.requests_rejected_total.fetch_add(1, Ordering::Relaxed);
+    }
+    resp
+}
+
+async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) -> Response {
+    if !intake.accepting.load(Ordering::Acquire) {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", "the agent is shutting down; retry later");
+    }
+    let stream = match StreamName::new(stream) {
+        Ok(s) => s,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "bad_stream_name", format!("{stream:?}: {e}")),
+    };
+    let ctype = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("application/x-ndjson");
+    let mime = ctype.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let ndjson = match mime.as_str() {
+        "application/x-ndjson" | "application/ndjson" | "application/jsonl" => true,
+        "application/octet-stream" => false,
+        other => {
+            return error(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_content_type",
+                format!("{other:?}; use application/x-ndjson or application/octet-stream"),
+            );
+        }
+    };
+    let limited = http_body_util::Limited::new(body, intake.max_request_bytes);
+    let bytes = match limited.collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) => {
+            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                return error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "request_too_large",
+                    format!("body exceeds intake.max_request_bytes = {}", intake.max_request_bytes),
+                );
+            }
+            return error(StatusCode::BAD_REQUEST, "bad_body", format!("could not read the body: {e}"));
+        }
+    };
+    let records: Vec<&[u8]> = if ndjson {
+        bytes.split(|b| *b == b'\n').map(|l| l.strip_suffix(b"\r").unwrap_or(l)).filter(|l| !l.is_empty()).collect()
+    } else if bytes.is_empty() {
+        Vec::new()
+    } else {
+        vec![&bytes[..]]
+    };
+    if records.is_empty() {
+        return error(StatusCode::BAD_REQUEST, "empty_body", "the request carries no records");
+    }
+    if let Some((i, r)) = records.iter().enumerate().find(|(_, r)| r.len() > intake.max_record_bytes) {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "record_too_large",
+            format!("record {} is {} bytes; intake.max_record_bytes = {}", i + 1, r.len(), intake.max_record_bytes),
+        );
+    }
+
+    // Frame into batches of about the chunk target so one huge request still makes
+    // reasonably sized chunks.
+    let mut batches = Vec::new();
+    let mut cur = Vec::with_capacity(bytes.len().min(intake.batch_target) + 4 * records.len().min(4096));
+    let mut cur_records = 0u32;
+    let mut payload_bytes = 0u64;
+    for r in &records {
+        if cur_records > 0 && cur.len() + r.len() + 4 > intake.batch_target {
+            batches.push(Batch {
+                stream: stream.as_str().to_owned(),
+                data: std::mem::take(&mut cur),
+                records: cur_records,
+            });
+            cur_records = 0;
+        }
+        encode_record(&mut cur, r);
+        cur_records += 1;
+        payload_bytes += r.len() as u64;
+    }
+    batches.push(Batch { stream: stream.as_str().to_owned(), data: cur, records: cur_records });
+
+    let n = records.len() as u64;
+    match intake.spool.append(AppendRequest { batches }).await {
+        Ok(()) => {
+            intake.counters.records_total.fetch_add(n, Ordering::Relaxed);
+            intake.counters.bytes_total.fetch_add(payload_bytes, Ordering::Relaxed);
+            (StatusCode::OK, axum::Json(json!({ "records": n, "bytes": payload_bytes }))).into_response()
+        }
+        Err(f @ (AppendFailure::Full | AppendFailure::DiskFull)) => {
+            let mut resp = error(StatusCode::INSUFFICIENT_STORAGE, "spool_full", f.to_string());
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
+            resp
+        }
+        Err(AppendFailure::Closed) => error(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", "the spool is closed"),
+        Err(f @ AppendFailure::Storage(_)) => error(StatusCode::INTERNAL_SERVER_ERROR, "storage_error", f.to_string()),
+    }
+}

@@ -1,0 +1,17 @@
+//! edge-uploader: the edge agent.
+//!
+//! Producers post records to the local intake; the spool thread commits them to SQLite in group
+//! commits and seals them into chunks; the uploader sends chunks over parallel QUIC uni-streams
+//! to `edge-ingest` and deletes each one only after the server acked it as durable. See
+//! `ARCHITECTURE.md` at the repository root for the whole picture.
+
+pub mod agent;
+pub mod client;
+pub mod config;
+pub mod demo;
+pub mod intake;
+pub mod spool_task;
+pub mod uploader;
+
+/// Exit code for configuration errors (`EX_CONFIG`); systemd is told not to restart on it.
+pub const EXIT_CONFIG: i32 = 78;

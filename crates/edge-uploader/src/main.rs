@@ -1,0 +1,215 @@
+//! The `edge-uploader` command line: the daemon and the tools an operator needs next to it.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use bytes::Bytes;
+use clap::{Parser, Subcommand};
+use edge_uploader::{EXIT_CONFIG, config};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "edge-uploader",
+    version,
+    about = "Edge agent: spools sensor data durably and uploads it exactly once over QUIC"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the agent daemon.
+    Run {
+        /// Config file (default /etc/edge-uploader/edge-uploader.toml if present).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+    /// Validate the configuration and exit 0 (valid) or 78 (invalid).
+    CheckConfig {
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+    /// Send a file (or stdin) to the running agent's intake socket.
+    Push {
+        /// Stream name ([A-Za-z0-9_.-]{1,64}).
+        #[arg(long)]
+        stream: String,
+        /// Send the input as one record instead of one record per line.
+        #[arg(long)]
+        raw: bool,
+        /// Intake socket (default: from the config).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Input file; stdin when absent or "-".
+        file: Option<PathBuf>,
+    },
+    /// Start an ingest server and an agent locally, stream synthetic sensor data, verify delivery.
+    Demo {
+        /// Stop after this many records (default 100000 when --duration is not given).
+        #[arg(long)]
+        records: Option<u64>,
+        /// Stop producing after this many seconds.
+        #[arg(long)]
+        duration: Option<f64>,
+        /// Working directory, kept afterwards (default: a temporary one).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Print the final summary as one JSON object on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::CheckConfig { config } => match config::load(config.as_deref()) {
+            Ok(c) => {
+                println!("config ok{}", c.source.map(|p| format!(": {}", p.display())).unwrap_or_default());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("edge-uploader: invalid config: {e:#}");
+                ExitCode::from(EXIT_CONFIG as u8)
+            }
+        },
+        Command::Run { config } => {
+            let cfg = match config::load(config.as_deref()) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("edge-uploader: invalid config: {e:#}");
+                    return ExitCode::from(EXIT_CONFIG as u8);
+                }
+            };
+            if let Err(e) = edge_telemetry::logging::init(&cfg.log_level, cfg.log_format) {
+                eprintln!("edge-uploader: {e}");
+                return ExitCode::from(EXIT_CONFIG as u8);
+            }
+            report(runtime().and_then(|rt| rt.block_on(edge_uploader::agent::run(cfg, shutdown_signal()))))
+        }
+        Command::Push { stream, raw, socket, config, file } => {
+            report(runtime().and_then(|rt| rt.block_on(push(stream, raw, socket, config, file))))
+        }
+        Command::Demo { records, duration, dir, json } => {
+            let _ = edge_telemetry::logging::init("warn", edge_telemetry::logging::LogFormat::Text);
+            let opts = edge_uploader::demo::DemoOptions {
+                records,
+                duration: duration.map(Duration::from_secs_f64),
+                dir,
+                json,
+            };
+            match runtime().and_then(|rt| rt.block_on(edge_uploader::demo::run(opts))) {
+                Ok(s) => {
+                    if json {
+                        match serde_json::to_string(&s) {
+                            Ok(j) => println!("{j}"),
+                            Err(e) => eprintln!("edge-uploader: {e}"),
+                        }
+                    } else {
+                        edge_uploader::demo::print_human(&s);
+                    }
+                    let ok = s.records_stored == s.records_sent
+                        && s.duplicates_stored == 0
+                        && s.records_missing == 0
+                        && s.records_corrupt == 0;
+                    if ok {
+                        ExitCode::SUCCESS
+                    } else {
+                        eprintln!("edge-uploader: demo verification FAILED");
+                        ExitCode::FAILURE
+                    }
+                }
+                Err(e) => {
+                    eprintln!("edge-uploader: demo failed: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the tokio runtime")
+}
+
+fn report(r: anyhow::Result<()>) -> ExitCode {
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("edge-uploader: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGTERM; only Ctrl-C will stop the agent");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+async fn push(
+    stream: String,
+    raw: bool,
+    socket: Option<PathBuf>,
+    config: Option<PathBuf>,
+    file: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    let socket = match socket {
+        Some(s) => s,
+        None => {
+            // Only the socket path is needed; read it without requiring TLS files to exist.
+            let path = config.unwrap_or_else(|| PathBuf::from(config::DEFAULT_CONFIG_PATH));
+            match std::fs::read_to_string(&path) {
+                Ok(text) => {
+                    toml::from_str::<config::RawConfig>(&text)
+                        .with_context(|| format!("parsing {}", path.display()))?
+                        .intake
+                        .socket
+                }
+                Err(_) => config::RawConfig::default().intake.socket,
+            }
+        }
+    };
+    let data = match file.as_deref() {
+        None => read_stdin()?,
+        Some(p) if p.as_os_str() == "-" => read_stdin()?,
+        Some(p) => std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+    };
+    let ctype = if raw { "application/octet-stream" } else { "application/x-ndjson" };
+    let mut client = edge_uploader::client::IntakeClient::new(&socket);
+    let resp = client.post(&stream, ctype, Bytes::from(data)).await?;
+    if resp.status == 200 {
+        println!(
+            "accepted {} records ({} bytes) on stream {stream}",
+            resp.records(),
+            resp.body.get("bytes").and_then(serde_json::Value::as_u64).unwrap_or(0)
+        );
+        Ok(())
+    } else {
+        anyhow::bail!("intake refused the data (HTTP {}): {}", resp.status, resp.body)
+    }
+}
+
+fn read_stdin() -> anyhow::Result<Vec<u8>> {
+    let mut v = Vec::new();
+    std::io::stdin().read_to_end(&mut v).context("reading stdin")?;
+    Ok(v)
+}

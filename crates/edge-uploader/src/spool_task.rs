@@ -1,0 +1,272 @@
+//! The spool writer thread: the only owner of the writing SQLite connection.
+//!
+//! Intake requests and upload acks arrive on a channel. The thread takes everything queued at
+//! that moment and commits it in one transaction (group commit), so a thousand small concurrent
+//! producer requests cost one fsync, not a thousand. It also seals chunks whose linger expired
+//! and wakes the uploader whenever new chunks are sealed.
+
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use edge_spool::{
+    AppendOutcome, AppendRequest, ChunkId, FullPolicy, Spool, SpoolError, SpoolId, SpoolReader, SpoolStats,
+};
+use tokio::sync::{Notify, oneshot};
+use tracing::{error, warn};
+
+/// Largest amount of request bytes put in one transaction.
+const MAX_GROUP_BYTES: u64 = 64 << 20;
+
+/// Why an append did not go through.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum AppendFailure {
+    /// The spool is at its configured size and the policy is `reject`, or nothing can be dropped.
+    #[error("spool is full")]
+    Full,
+    /// The disk under the spool is full.
+    #[error("disk under the spool is full")]
+    DiskFull,
+    /// The spool thread has stopped (shutdown).
+    #[error("spool is closed")]
+    Closed,
+    /// Any other storage error.
+    #[error("spool error: {0}")]
+    Storage(String),
+}
+
+enum Cmd {
+    Append { req: AppendRequest, bytes: u64, reply: oneshot::Sender<Result<(), AppendFailure>> },
+    Ack { ids: Vec<ChunkId> },
+    Quarantine { id: ChunkId, reason: String },
+    SetLimits { max_bytes: u64, policy: FullPolicy },
+    SealAll { reply: oneshot::Sender<()> },
+}
+
+/// Handle to the spool thread; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct SpoolHandle {
+    tx: mpsc::Sender<Cmd>,
+    stats: Arc<Mutex<SpoolStats>>,
+    sealed: Arc<Notify>,
+    id: SpoolId,
+}
+
+/// Joins the spool thread when the last handle is gone.
+#[derive(Debug)]
+pub struct SpoolThread {
+    join: Option<JoinHandle<()>>,
+}
+
+impl SpoolThread {
+    /// Waits for the thread to commit what it has and exit. All handles must be dropped first.
+    pub fn join(mut self) {
+        if let Some(j) = self.join.take()
+            && j.join().is_err()
+        {
+            error!("spool thread panicked");
+        }
+    }
+}
+
+impl SpoolHandle {
+    /// Starts the thread owning `spool`.
+    pub fn spawn(spool: Spool) -> std::io::Result<(SpoolHandle, SpoolThread)> {
+        let (tx, rx) = mpsc::channel();
+        let stats = Arc::new(Mutex::new(spool.stats()));
+        let sealed = Arc::new(Notify::new());
+        let id = spool.id();
+        let handle = SpoolHandle { tx, stats: stats.clone(), sealed: sealed.clone(), id };
+        let join = std::thread::Builder::new()
+            .name("edge-spool".into())
+            .spawn(move || writer_loop(spool, rx, stats, sealed))?;
+        Ok((handle, SpoolThread { join: Some(join) }))
+    }
+
+    /// The spool's identity, sent to the server in Hello.
+    pub fn id(&self) -> SpoolId {
+        self.id
+    }
+
+    /// Appends one producer request; resolves after the group commit that included it.
+    pub async fn append(&self, req: AppendRequest) -> Result<(), AppendFailure> {
+        let bytes = req.batches.iter().map(|b| b.data.len() as u64).sum();
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Cmd::Append { req, bytes, reply }).map_err(|_| AppendFailure::Closed)?;
+        rx.await.map_err(|_| AppendFailure::Closed)?
+    }
+
+    /// Deletes acknowledged chunks (batched with whatever else is queued).
+    pub fn ack(&self, ids: Vec<ChunkId>) {
+        if self.tx.send(Cmd::Ack { ids }).is_err() {
+            warn!("spool closed before an ack could be recorded; the chunk will be offered again");
+        }
+    }
+
+    /// Sets a chunk aside for good (the server refuses its bytes, or they are corrupt).
+    pub fn quarantine(&self, id: ChunkId, reason: String) {
+        let _closed = self.tx.send(Cmd::Quarantine { id, reason });
+    }
+
+    /// Applies new capacity limits at run time.
+    pub fn set_limits(&self, max_bytes: u64, policy: FullPolicy) {
+        let _closed = self.tx.send(Cmd::SetLimits { max_bytes, policy });
+    }
+
+    /// Seals every open batch now (used by the demo's final drain and by shutdown).
+    pub async fn seal_all(&self) {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Cmd::SealAll { reply }).is_ok() {
+            let _closed = rx.await;
+        }
+    }
+
+    /// The latest statistics snapshot (refreshed after every group commit).
+    pub fn stats(&self) -> SpoolStats {
+        self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Resolves when new chunks were sealed since the last call.
+    pub async fn sealed(&self) {
+        self.sealed.notified().await;
+    }
+
+    /// Wakes waiters of [`SpoolHandle::sealed`] (after a reconnect, to re-scan).
+    pub fn wake(&self) {
+        self.sealed.notify_one();
+    }
+}
+
+fn now_ms() -> u64 {
+    u64::try_from(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0),
+    )
+    .unwrap_or(u64::MAX)
+}
+
+fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, stats: Arc<Mutex<SpoolStats>>, sealed: Arc<Notify>) {
+    let tick = (spool.options().linger / 2).clamp(Duration::from_millis(1), Duration::from_millis(50));
+    let mut appends: Vec<(AppendRequest, oneshot::Sender<Result<(), AppendFailure>>)> = Vec::new();
+    let mut acks: Vec<ChunkId> = Vec::new();
+    let mut seal_waiters: Vec<oneshot::Sender<()>> = Vec::new();
+    let mut last_sealed = spool.stats().sealed_chunks;
+    let mut open = true;
+    if last_sealed > 0 {
+        sealed.notify_one();
+    }
+    while open {
+        let mut group_bytes = 0u64;
+        let mut take = |cmd: Cmd, spool: &mut Spool, group_bytes: &mut u64| match cmd {
+            Cmd::Append { req, bytes, reply } => {
+                *group_bytes += bytes;
+                appends.push((req, reply));
+            }
+            Cmd::Ack { ids } => acks.extend(ids),
+            Cmd::Quarantine { id, reason } => {
+                if let Err(e) = spool.quarantine(id, &reason) {
+                    error!(chunk = id.0, error = %e, "could not quarantine chunk");
+                }
+            }
+            Cmd::SetLimits { max_bytes, policy } => spool.set_limits(max_bytes, policy),
+            Cmd::SealAll { reply } => seal_waiters.push(reply),
+        };
+        match rx.recv_timeout(tick) {
+            Ok(cmd) => take(cmd, &mut spool, &mut group_bytes),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => open = false,
+        }
+        while group_bytes < MAX_GROUP_BYTES {
+            match rx.try_recv() {
+                Ok(cmd) => take(cmd, &mut spool, &mut group_bytes),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    open = false;
+                    break;
+                }
+            }
+        }
+        let now = now_ms();
+        if !appends.is_empty() {
+            let (reqs, replies): (Vec<_>, Vec<_>) = std::mem::take(&mut appends).into_iter().unzip();
+            match spool.append(&reqs, now) {
+                Ok(outcomes) => {
+                    for (reply, outcome) in replies.into_iter().zip(outcomes) {
+                        let r = match outcome {
+                            AppendOutcome::Accepted => Ok(()),
+                            AppendOutcome::Full => Err(AppendFailure::Full),
+                        };
+                        let _gone = reply.send(r);
+                    }
+                }
+                Err(e) => {
+                    let failure = match e {
+                        SpoolError::DiskFull => AppendFailure::DiskFull,
+                        other => AppendFailure::Storage(other.to_string()),
+                    };
+                    warn!(error = %failure, requests = replies.len(), "group commit failed; producers get an error and nothing is stored");
+                    for reply in replies {
+                        let _gone = reply.send(Err(failure.clone()));
+                    }
+                }
+            }
+        }
+        if !acks.is_empty() {
+            let ids = std::mem::take(&mut acks);
+            if let Err(e) = spool.ack(&ids) {
+                // The chunks stay in the spool and are offered again; the server dedups them.
+                warn!(error = %e, chunks = ids.len(), "could not delete acknowledged chunks");
+            }
+        }
+        let seal = if seal_waiters.is_empty() || !open { spool.seal_due(now) } else { spool.seal_all(now) };
+        if let Err(e) = seal {
+            warn!(error = %e, "sealing failed");
+        }
+        for w in seal_waiters.drain(..) {
+            let _gone = w.send(());
+        }
+        let snapshot = spool.stats();
+        if snapshot.sealed_chunks > last_sealed {
+            sealed.notify_one();
+        }
+        last_sealed = snapshot.sealed_chunks;
+        *stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = snapshot;
+    }
+}
+
+/// The uploader's read side: a second connection used from blocking tasks.
+#[derive(Debug, Clone)]
+pub struct ReaderHandle {
+    reader: Arc<Mutex<SpoolReader>>,
+}
+
+impl ReaderHandle {
+    /// Wraps a reader connection.
+    pub fn new(reader: SpoolReader) -> Self {
+        Self { reader: Arc::new(Mutex::new(reader)) }
+    }
+
+    /// Sealed chunks after `after`, with their payloads (or the read error for each).
+    pub async fn next(
+        &self,
+        after: Option<ChunkId>,
+        limit: usize,
+    ) -> Result<Vec<(edge_spool::ChunkMeta, Result<Vec<u8>, SpoolError>)>, SpoolError> {
+        let reader = self.reader.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut r = reader.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let metas = r.sealed_after(after, limit)?;
+            Ok(metas
+                .into_iter()
+                .map(|m| {
+                    let data = r.read(&m);
+                    (m, data)
+                })
+                .collect())
+        })
+        .await
+        .unwrap_or_else(|join| {
+            Err(SpoolError::Io { path: "reader task".into(), source: std::io::Error::other(join.to_string()) })
+        })
+    }
+}

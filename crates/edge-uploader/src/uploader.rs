@@ -1,0 +1,586 @@
+//! The uploader: keeps one QUIC connection to the ingest server and up to `max_in_flight`
+//! chunks on parallel uni-streams, deletes a chunk from the spool only after its ack, and
+//! reconnects with exponential backoff and jitter.
+//!
+//! Per connection:
+//! 1. open the control bi-stream, run the client session's handshake (Hello → Welcome);
+//! 2. a control task feeds control bytes to the session and hands each ack to the task waiting
+//!    for it;
+//! 3. the scheduler reads sealed chunks from the spool in sealing order, skipping those in
+//!    flight, and starts one send task per chunk: open a uni-stream, write header and payload
+//!    with `write_chunk`, finish, await the ack;
+//! 4. when the connection ends, every chunk that was not acked is simply still in the spool:
+//!    the next connection starts scanning from the oldest sealed chunk again.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use edge_proto::client::{ClientEvent, ClientSession};
+use edge_proto::{AckStatus, ChunkHeader, Codec, ErrorCode, Limits, StreamName};
+use edge_spool::{ChunkId, ChunkMeta, SpoolError};
+use rand::Rng;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::config::Compression;
+use crate::spool_task::{ReaderHandle, SpoolHandle};
+
+/// Everything the uploader needs, already validated.
+#[derive(Debug, Clone)]
+pub struct UploaderOptions {
+    /// `host:port` of the ingest server; resolved at every attempt.
+    pub server: String,
+    /// Name checked against the server certificate.
+    pub server_name: String,
+    pub client_config: quinn::ClientConfig,
+    pub bind: SocketAddr,
+    pub max_in_flight: u32,
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+    pub compression: Compression,
+    pub limits: Limits,
+    /// How long shutdown waits for acks of chunks in flight.
+    pub drain_grace: Duration,
+    pub tuning: edge_transport::Tuning,
+}
+
+/// Live upload state, read by metrics, `status` and the demo.
+#[derive(Debug, Default)]
+pub struct UploadCounters {
+    pub connected: AtomicBool,
+    pub connects_total: AtomicU64,
+    pub chunks_acked_total: AtomicU64,
+    pub chunks_duplicate_total: AtomicU64,
+    pub chunks_retry_total: AtomicU64,
+    pub chunks_rejected_total: AtomicU64,
+    pub records_acked_total: AtomicU64,
+    /// Raw payload bytes of acked chunks (before compression).
+    pub bytes_acked_total: AtomicU64,
+    /// Bytes put on the wire for chunk payloads.
+    pub wire_bytes_total: AtomicU64,
+    pub in_flight: AtomicU64,
+    pub last_error: Mutex<Option<String>>,
+    /// End-to-end latency samples (oldest record's commit → ack), milliseconds.
+    pub latency_ms: Mutex<LatencySamples>,
+}
+
+impl UploadCounters {
+    fn set_error(&self, e: impl Into<String>) {
+        *self.last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e.into());
+    }
+}
+
+/// A bounded reservoir of latency samples with exact quantiles over what it holds.
+#[derive(Debug, Default)]
+pub struct LatencySamples {
+    samples: Vec<u32>,
+    seen: u64,
+}
+
+impl LatencySamples {
+    const CAP: usize = 100_000;
+
+    /// Records one sample, keeping a uniform reservoir once full.
+    pub fn record(&mut self, ms: u32) {
+        self.seen += 1;
+        if self.samples.len() < Self::CAP {
+            self.samples.push(ms);
+        } else {
+            let j = rand::rng().random_range(0..self.seen);
+            if let Some(slot) = usize::try_from(j).ok().and_then(|j| self.samples.get_mut(j)) {
+                *slot = ms;
+            }
+        }
+    }
+
+    /// The `q` quantile (0..=1) in milliseconds, `None` before any sample.
+    pub fn quantile(&self, q: f64) -> Option<u32> {
+        if self.samples.is_empty() {
+            return None;
+        }
+        let mut v = self.samples.clone();
+        v.sort_unstable();
+        let idx = ((v.len() - 1) as f64 * q.clamp(0.0, 1.0)).round() as usize;
+        v.get(idx).copied()
+    }
+}
+
+fn now_ms() -> u64 {
+    u64::try_from(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0),
+    )
+    .unwrap_or(u64::MAX)
+}
+
+/// Runs until `cancel` fires, then drains chunks in flight for up to `drain_grace`.
+pub async fn run(
+    opts: UploaderOptions,
+    spool: SpoolHandle,
+    reader: ReaderHandle,
+    counters: Arc<UploadCounters>,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
+    let endpoint = edge_transport::client_endpoint(opts.bind, &opts.tuning)?;
+    let mut backoff = Backoff::new(opts.backoff_min, opts.backoff_max);
+    while !cancel.is_cancelled() {
+        let attempt = tokio::select! {
+            () = cancel.cancelled() => break,
+            r = connect(&endpoint, &opts) => r,
+        };
+        match attempt {
+            Ok(conn) => {
+                counters.connects_total.fetch_add(1, Ordering::Relaxed);
+                counters.connected.store(true, Ordering::Release);
+                info!(server = %opts.server, remote = %conn.remote_address(), "connected to ingest");
+                let result = Connection::new(&conn, &opts, &spool, &reader, &counters, &cancel).run().await;
+                counters.connected.store(false, Ordering::Release);
+                match result {
+                    Ok(progress) => {
+                        if progress {
+                            backoff.reset();
+                        }
+                        conn.close(ErrorCode::NoError.to_u32().into(), b"bye");
+                    }
+                    Err(e) => {
+                        warn!(server = %opts.server, error = %e, "connection ended");
+                        counters.set_error(e.to_string());
+                        if let ConnError::Protocol(p) = &e {
+                            conn.close(p.code().to_u32().into(), p.to_string().as_bytes());
+                        } else if e.made_progress() {
+                            backoff.reset();
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                debug!(server = %opts.server, error = %e, "connect failed");
+                counters.set_error(format!("connect to {}: {e}", opts.server));
+            }
+        }
+        if cancel.is_cancelled() {
+            break;
+        }
+        let delay = backoff.next_delay();
+        debug!(?delay, "reconnecting after backoff");
+        tokio::select! {
+            () = cancel.cancelled() => break,
+            () = tokio::time::sleep(delay) => {}
+        }
+    }
+    // Polite close: let the peer learn we are gone rather than time us out.
+    let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
+    Ok(())
+}
+
+async fn connect(endpoint: &quinn::Endpoint, opts: &UploaderOptions) -> anyhow::Result<quinn::Connection> {
+    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(&opts.server).await?.collect();
+    let want_v4 = opts.bind.is_ipv4();
+    let addr = addrs
+        .iter()
+        .find(|a| a.is_ipv4() == want_v4)
+        .or_else(|| addrs.first())
+        .copied()
+        .ok_or_else(|| anyhow::anyhow!("{} resolved to no address", opts.server))?;
+    let connecting = endpoint.connect_with(opts.client_config.clone(), addr, &opts.server_name)?;
+    Ok(connecting.await?)
+}
+
+/// Exponential backoff with full jitter.
+#[derive(Debug)]
+struct Backoff {
+    min: Duration,
+    max: Duration,
+    cur: Duration,
+}
+
+impl Backoff {
+    fn new(min: Duration, max: Duration) -> Self {
+        Self { min, max, cur: min }
+    }
+
+    fn reset(&mut self) {
+        self.cur = self.min;
+    }
+
+    fn next_delay(&mut self) -> Duration {
+        let cap = self.cur;
+        self.cur = (self.cur * 2).min(self.max);
+        let lo = self.min.as_micros().min(cap.as_micros()) as u64;
+        let hi = cap.as_micros() as u64;
+        Duration::from_micros(rand::rng().random_range(lo / 2..=hi.max(lo / 2)))
+    }
+}
+
+/// Why a connection ended.
+#[derive(Debug, thiserror::Error)]
+enum ConnError {
+    #[error("protocol error: {0}")]
+    Protocol(#[from] edge_proto::ProtoError),
+    #[error("connection lost: {0}")]
+    Lost(#[from] quinn::ConnectionError),
+    #[error("control stream: {0}")]
+    Control(String),
+    #[error("spool: {0}")]
+    Spool(#[from] SpoolError),
+    #[error("connection lost after progress: {0}")]
+    LostAfterProgress(String),
+}
+
+impl ConnError {
+    fn made_progress(&self) -> bool {
+        matches!(self, ConnError::LostAfterProgress(_))
+    }
+}
+
+type AckKey = (StreamName, u64);
+
+struct CtlState {
+    session: ClientSession,
+    waiters: HashMap<AckKey, tokio::sync::oneshot::Sender<AckStatus>>,
+    goaway: bool,
+}
+
+struct Connection<'a> {
+    conn: &'a quinn::Connection,
+    opts: &'a UploaderOptions,
+    spool: &'a SpoolHandle,
+    reader: &'a ReaderHandle,
+    counters: &'a Arc<UploadCounters>,
+    cancel: &'a CancellationToken,
+}
+
+enum SendOutcome {
+    Acked(AckStatus),
+    /// The connection went away before the ack; the chunk stays in the spool.
+    Lost(String),
+    /// The chunk cannot be sent as stored (bad stream name in the spool).
+    Unsendable(String),
+}
+
+impl<'a> Connection<'a> {
+    fn new(
+        conn: &'a quinn::Connection,
+        opts: &'a UploaderOptions,
+        spool: &'a SpoolHandle,
+        reader: &'a ReaderHandle,
+        counters: &'a Arc<UploadCounters>,
+        cancel: &'a CancellationToken,
+    ) -> Self {
+        Self { conn, opts, spool, reader, counters, cancel }
+    }
+
+    /// Returns `Ok(true)` if at least one chunk was acked on this connection.
+    async fn run(self) -> Result<bool, ConnError> {
+        let (mut ctl_send, mut ctl_recv) = self.conn.open_bi().await?;
+        let agent = format!("edge-uploader/{}", env!("CARGO_PKG_VERSION"));
+        let mut session = ClientSession::new(self.spool.id().0, agent, self.opts.limits.clone(), Instant::now());
+        while let Some(bytes) = session.poll_transmit() {
+            ctl_send.write_all(&bytes).await.map_err(|e| ConnError::Control(e.to_string()))?;
+        }
+        // Handshake.
+        let deadline = tokio::time::Instant::now() + self.opts.limits.handshake_timeout;
+        let mut buf = vec![0u8; 4096];
+        let server_in_flight = loop {
+            let n = tokio::select! {
+                r = ctl_recv.read(&mut buf) => r.map_err(|e| ConnError::Control(e.to_string()))?,
+                () = tokio::time::sleep_until(deadline) => return Err(edge_proto::ProtoError::HandshakeTimeout.into()),
+            };
+            let Some(n) = n else { return Err(ConnError::Control("server closed the control stream".into())) };
+            session.handle_control_bytes(Instant::now(), &buf[..n])?;
+            let mut welcome = None;
+            while let Some(ev) = session.poll_event() {
+                match ev {
+                    ClientEvent::Connected { device, max_in_flight, .. } => {
+                        info!(%device, max_in_flight, "session established");
+                        welcome = Some(max_in_flight);
+                    }
+                    ClientEvent::GoAway { code } => {
+                        return Err(ConnError::Control(format!("server going away: {code}")));
+                    }
+                    ClientEvent::Ack { .. } => {}
+                }
+            }
+            if let Some(w) = welcome {
+                break w;
+            }
+        };
+        let max_in_flight = self.opts.max_in_flight.min(server_in_flight.max(1)) as usize;
+        let state = Arc::new(Mutex::new(CtlState { session, waiters: HashMap::new(), goaway: false }));
+        let goaway = Arc::new(tokio::sync::Notify::new());
+
+        // Control reader: acks and GoAway.
+        let ctl_state = state.clone();
+        let ctl_goaway = goaway.clone();
+        let mut control = tokio::spawn(async move {
+            let mut buf = vec![0u8; 16 * 1024];
+            let result: Result<(), ConnError> = loop {
+                match ctl_recv.read(&mut buf).await {
+                    Ok(Some(n)) => {
+                        let mut st = lock(&ctl_state);
+                        if let Err(e) = st.session.handle_control_bytes(Instant::now(), &buf[..n]) {
+                            break Err(e.into());
+                        }
+                        while let Some(ev) = st.session.poll_event() {
+                            match ev {
+                                ClientEvent::Ack { stream, seq, status } => {
+                                    if let Some(w) = st.waiters.remove(&(stream, seq)) {
+                                        let _gone = w.send(status);
+                                    }
+                                }
+                                ClientEvent::GoAway { code } => {
+                                    info!(%code, "server asked us to go away");
+                                    st.goaway = true;
+                                    ctl_goaway.notify_one();
+                                }
+                                ClientEvent::Connected { .. } => {}
+                            }
+                        }
+                    }
+                    Ok(None) => break Err(ConnError::Control("server finished the control stream".into())),
+                    Err(e) => break Err(ConnError::Control(e.to_string())),
+                }
+            };
+            // Wake every sender: their acks will not come on this connection.
+            lock(&ctl_state).waiters.clear();
+            result
+        });
+
+        let mut tasks: JoinSet<(ChunkMeta, SendOutcome)> = JoinSet::new();
+        let mut in_flight: HashSet<ChunkId> = HashSet::new();
+        let mut cursor: Option<ChunkId> = None;
+        let mut progress = false;
+        let mut drain_deadline: Option<tokio::time::Instant> = None;
+        let mut retry_at: Option<tokio::time::Instant> = None;
+        let mut retry_backoff = Backoff::new(self.opts.backoff_min, self.opts.backoff_max);
+        let mut exhausted = false;
+        let end: Result<(), ConnError> = loop {
+            if drain_deadline.is_none() && (self.cancel.is_cancelled() || lock(&state).goaway) {
+                drain_deadline = Some(tokio::time::Instant::now() + self.opts.drain_grace);
+            }
+            let draining = drain_deadline.is_some();
+            if draining && tasks.is_empty() {
+                break Ok(());
+            }
+            // Fill the window.
+            if !draining && !exhausted && retry_at.is_none() && in_flight.len() < max_in_flight {
+                let room = max_in_flight - in_flight.len();
+                // A rescan from the start sees the chunks in flight again: ask for enough.
+                let limit = room + if cursor.is_none() { in_flight.len() } else { 0 };
+                let fetched = self.reader.next(cursor, limit).await?;
+                if fetched.len() < limit {
+                    exhausted = true;
+                }
+                for (meta, data) in fetched {
+                    cursor = Some(meta.id);
+                    if in_flight.contains(&meta.id) {
+                        continue;
+                    }
+                    let raw = match data {
+                        Ok(d) => d,
+                        Err(SpoolError::ChunkGone(_)) => continue,
+                        Err(SpoolError::Corrupt { chunk, detail }) => {
+                            error!(chunk = chunk.0, stream = %meta.stream, seq = meta.seq, %detail, "spool chunk is corrupt; quarantined, it will not be uploaded");
+                            self.spool.quarantine(chunk, format!("corrupt in spool: {detail}"));
+                            continue;
+                        }
+                        Err(e) => return Err(e.into()),
+                    };
+                    in_flight.insert(meta.id);
+                    self.counters.in_flight.fetch_add(1, Ordering::Relaxed);
+                    tasks.spawn(send_chunk(
+                        self.conn.clone(),
+                        state.clone(),
+                        meta,
+                        raw,
+                        self.opts.compression,
+                        self.counters.clone(),
+                    ));
+                }
+                continue;
+            }
+            tokio::select! {
+                () = self.cancel.cancelled(), if !draining => {}
+                () = goaway.notified(), if !draining => {}
+                () = async { if let Some(t) = drain_deadline { tokio::time::sleep_until(t).await } }, if draining => {
+                    warn!(in_flight = in_flight.len(), "drain grace period over; unacked chunks stay in the spool");
+                    break Ok(());
+                }
+                () = self.spool.sealed(), if !draining && exhausted => { exhausted = false; }
+                () = async { if let Some(t) = retry_at { tokio::time::sleep_until(t).await } }, if retry_at.is_some() => {
+                    retry_at = None;
+                    cursor = None;
+                    exhausted = false;
+                }
+                r = &mut control => {
+                    let e = match r {
+                        Ok(Err(e)) => e,
+                        Ok(Ok(())) => ConnError::Control("control task ended".into()),
+                        Err(join) => ConnError::Control(join.to_string()),
+                    };
+                    break Err(e);
+                }
+                e = self.conn.closed() => break Err(e.into()),
+                Some(joined) = tasks.join_next() => {
+                    let Ok((meta, outcome)) = joined else { continue };
+                    in_flight.remove(&meta.id);
+                    self.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    match outcome {
+                        SendOutcome::Acked(AckStatus::Stored | AckStatus::Duplicate) => {
+                            progress = true;
+                            retry_backoff.reset();
+                            self.spool.ack(vec![meta.id]);
+                            let c = &self.counters;
+                            c.chunks_acked_total.fetch_add(1, Ordering::Relaxed);
+                            c.records_acked_total.fetch_add(u64::from(meta.records), Ordering::Relaxed);
+                            c.bytes_acked_total.fetch_add(meta.bytes, Ordering::Relaxed);
+                            let lat = now_ms().saturating_sub(meta.first_ms);
+                            c.latency_ms.lock().unwrap_or_else(std::sync::PoisonError::into_inner).record(u32::try_from(lat).unwrap_or(u32::MAX));
+                        }
+                        SendOutcome::Acked(AckStatus::Retry(reason)) => {
+                            self.counters.chunks_retry_total.fetch_add(1, Ordering::Relaxed);
+                            let delay = retry_backoff.next_delay();
+                            warn!(stream = %meta.stream, seq = meta.seq, ?reason, ?delay, "server asked to retry the chunk later");
+                            retry_at.get_or_insert(tokio::time::Instant::now() + delay);
+                        }
+                        SendOutcome::Acked(AckStatus::Rejected(reason)) => {
+                            self.counters.chunks_rejected_total.fetch_add(1, Ordering::Relaxed);
+                            error!(stream = %meta.stream, seq = meta.seq, ?reason, "server rejected the chunk for good; quarantined");
+                            self.spool.quarantine(meta.id, format!("rejected by server: {reason:?}"));
+                        }
+                        SendOutcome::Unsendable(why) => {
+                            error!(stream = %meta.stream, seq = meta.seq, %why, "chunk cannot be sent; quarantined");
+                            self.spool.quarantine(meta.id, why);
+                        }
+                        SendOutcome::Lost(why) => debug!(stream = %meta.stream, seq = meta.seq, %why, "chunk not acked on this connection"),
+                    }
+                }
+            }
+        };
+        tasks.abort_all();
+        control.abort();
+        self.counters.in_flight.fetch_sub(in_flight.len() as u64, Ordering::Relaxed);
+        match end {
+            Ok(()) => Ok(progress),
+            Err(ConnError::Lost(e)) if progress => Err(ConnError::LostAfterProgress(e.to_string())),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+async fn send_chunk(
+    conn: quinn::Connection,
+    state: Arc<Mutex<CtlState>>,
+    meta: ChunkMeta,
+    raw: Vec<u8>,
+    compression: Compression,
+    counters: Arc<UploadCounters>,
+) -> (ChunkMeta, SendOutcome) {
+    let outcome = send_chunk_inner(&conn, &state, &meta, raw, compression, &counters).await;
+    (meta, outcome)
+}
+
+async fn send_chunk_inner(
+    conn: &quinn::Connection,
+    state: &Mutex<CtlState>,
+    meta: &ChunkMeta,
+    raw: Vec<u8>,
+    compression: Compression,
+    counters: &UploadCounters,
+) -> SendOutcome {
+    let stream = match StreamName::new(&meta.stream) {
+        Ok(s) => s,
+        Err(e) => return SendOutcome::Unsendable(format!("stream name {:?} in spool: {e}", meta.stream)),
+    };
+    let Ok(raw_len) = u32::try_from(raw.len()) else {
+        return SendOutcome::Unsendable(format!("chunk of {} bytes is over 4 GiB", raw.len()));
+    };
+    let (codec, payload) = match compression {
+        Compression::Zstd(level) => match edge_proto::records::compress_payload(&raw, level) {
+            Ok(c) if c.len() < raw.len() => (Codec::Zstd, c),
+            _ => (Codec::None, raw),
+        },
+        Compression::None => (Codec::None, raw),
+    };
+    let header = ChunkHeader {
+        stream: stream.clone(),
+        seq: meta.seq,
+        records: meta.records,
+        raw_len,
+        payload_len: u32::try_from(payload.len()).unwrap_or(u32::MAX),
+        codec,
+        checksum: crc32c::crc32c(&payload),
+        created_ms: meta.first_ms,
+    };
+    let rx = {
+        let mut st = lock(state);
+        if let Err(e) = st.session.chunk_sent(&stream, meta.seq) {
+            return SendOutcome::Lost(e.to_string());
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        st.waiters.insert((stream, meta.seq), tx);
+        rx
+    };
+    let mut head = Vec::with_capacity(64);
+    header.encode(&mut head);
+    let wire = payload.len() as u64;
+    let sent = async {
+        let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
+        s.write_chunk(Bytes::from(head)).await.map_err(|e| e.to_string())?;
+        s.write_chunk(Bytes::from(payload)).await.map_err(|e| e.to_string())?;
+        s.finish().map_err(|e| e.to_string())?;
+        Ok::<(), String>(())
+    }
+    .await;
+    if let Err(e) = sent {
+        let mut st = lock(state);
+        st.session.chunk_abandoned(&header.stream, meta.seq);
+        st.waiters.remove(&(header.stream.clone(), meta.seq));
+        return SendOutcome::Lost(e);
+    }
+    counters.wire_bytes_total.fetch_add(wire, Ordering::Relaxed);
+    match rx.await {
+        Ok(status) => SendOutcome::Acked(status),
+        Err(_) => SendOutcome::Lost("connection ended before the ack".into()),
+    }
+}
+
+fn lock(state: &Mutex<CtlState>) -> std::sync::MutexGuard<'_, CtlState> {
+    state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_the_cap_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
+        let mut last_cap = Duration::ZERO;
+        for _ in 0..10 {
+            let d = b.next_delay();
+            assert!(d <= Duration::from_secs(1), "{d:?} over the cap");
+            last_cap = b.cur;
+        }
+        assert_eq!(last_cap, Duration::from_secs(1));
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_millis(100));
+    }
+
+    #[test]
+    fn latency_quantiles_come_from_the_samples() {
+        let mut s = LatencySamples::default();
+        assert_eq!(s.quantile(0.5), None);
+        for ms in 1..=100 {
+            s.record(ms);
+        }
+        assert_eq!(s.quantile(0.0), Some(1));
+        assert_eq!(s.quantile(1.0), Some(100));
+        let p50 = s.quantile(0.5).expect("samples");
+        assert!((50..=51).contains(&p50), "{p50}");
+    }
+}

@@ -1,0 +1,104 @@
+//! Shared set-up for the system tests: a working directory with certificates and config files,
+//! and helpers to start the two daemons.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use edge_testkit::{Daemon, PkiFixture, bin, free_udp_port};
+
+/// How long a daemon may take to report READY.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One test's world: directory, certificates, configs.
+pub struct World {
+    pub dir: tempfile::TempDir,
+    pub agent_config: PathBuf,
+    pub ingest_config: PathBuf,
+}
+
+impl World {
+    /// Certificates for `device`, an ingest config and an agent config pointing at it.
+    pub fn new(device: &str, agent_extra: &str) -> anyhow::Result<World> {
+        let dir = tempfile::Builder::new().prefix("edge-system-").tempdir()?;
+        let port = free_udp_port()?;
+        let pki = PkiFixture::generate(&dir.path().join("pki"), &[device])?;
+        let d = dir.path();
+        let ingest_config = d.join("edge-ingest.toml");
+        std::fs::write(
+            &ingest_config,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace = \"2s\"\n\n\
+                 [tls]\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n\n\
+                 [store]\ndata_dir = {:?}\n",
+                pki.server.cert,
+                pki.server.key,
+                pki.server.client_ca,
+                d.join("ingest"),
+            ),
+        )?;
+        let dev = &pki.devices[0].1;
+        let agent_config = d.join("edge-uploader.toml");
+        std::fs::write(
+            &agent_config,
+            format!(
+                "[intake]\nsocket = {:?}\n\n\
+                 [spool]\npath = {:?}\nmax_bytes = \"4GiB\"\nlinger = \"20ms\"\n\n\
+                 [upload]\nserver = \"127.0.0.1:{port}\"\nserver_name = \"localhost\"\nca = {:?}\ncert = {:?}\nkey = {:?}\n\
+                 backoff_min = \"50ms\"\nbackoff_max = \"1s\"\n{agent_extra}\n",
+                d.join("agent/intake.sock"),
+                d.join("agent/spool.db"),
+                dev.ca,
+                dev.cert,
+                dev.key,
+            ),
+        )?;
+        Ok(World { dir, agent_config, ingest_config })
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn intake_socket(&self) -> PathBuf {
+        self.path().join("agent/intake.sock")
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.path().join("ingest")
+    }
+
+    /// Starts the ingest server and waits for READY.
+    pub fn start_ingest(&self) -> anyhow::Result<Daemon> {
+        let cfg = self.ingest_config.to_string_lossy().into_owned();
+        let mut d = Daemon::spawn("ingest", &bin("edge-ingest")?, &["run", "--config", &cfg], self.path(), &[])?;
+        d.wait_ready(READY_TIMEOUT)?;
+        Ok(d)
+    }
+
+    /// Starts the agent and waits for READY.
+    pub fn start_agent(&self) -> anyhow::Result<Daemon> {
+        let cfg = self.agent_config.to_string_lossy().into_owned();
+        let mut d = Daemon::spawn("agent", &bin("edge-uploader")?, &["run", "--config", &cfg], self.path(), &[])?;
+        d.wait_ready(READY_TIMEOUT)?;
+        Ok(d)
+    }
+
+    /// Runs `edge-ingest export --format raw` and splits the output into records.
+    pub fn export_raw(&self, stream: &str) -> anyhow::Result<Vec<Vec<u8>>> {
+        let data_dir = self.data_dir().to_string_lossy().into_owned();
+        let out = std::process::Command::new(bin("edge-ingest")?)
+            .args(["export", "--data-dir", &data_dir, "--stream", stream, "--format", "raw"])
+            .output()?;
+        anyhow::ensure!(out.status.success(), "export failed: {}", String::from_utf8_lossy(&out.stderr));
+        let mut recs = Vec::new();
+        let mut rest = &out.stdout[..];
+        while !rest.is_empty() {
+            anyhow::ensure!(rest.len() >= 4, "export output truncated");
+            let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+            anyhow::ensure!(rest.len() >= 4 + len, "export output truncated inside a record");
+            recs.push(rest[4..4 + len].to_vec());
+            rest = &rest[4 + len..];
+        }
+        Ok(recs)
+    }
+}

@@ -1,0 +1,7 @@
+//! System tests: the real `edge-uploader` and `edge-ingest` binaries as separate processes,
+//! talking QUIC with mutual TLS over loopback, with real SQLite and real fsync.
+//!
+//! One test binary (ripgrep style); each module is one area.
+
+mod common;
+mod crash_loop;
