@@ -15,7 +15,7 @@ pub const DEFAULT_CONFIG_PATH: &str = "/etc/edge-ingest/edge-ingest.toml";
 pub const ENV_PREFIX: &str = "EDGE_INGEST";
 
 /// The file as written by the operator.
-#[derive(Debug, Clone, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawConfig {
     pub server: RawServer,
@@ -24,7 +24,7 @@ pub struct RawConfig {
     pub log: RawLog,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawServer {
     pub listen: String,
@@ -46,7 +46,7 @@ impl Default for RawServer {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawTls {
     pub cert: PathBuf,
@@ -66,7 +66,7 @@ impl Default for RawTls {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawStore {
     pub data_dir: PathBuf,
@@ -79,7 +79,7 @@ impl Default for RawStore {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawLog {
     pub level: String,
@@ -188,4 +188,26 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
         log_format,
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn example_config_documents_the_defaults() {
+        let text = include_str!("../../../config/edge-ingest.toml");
+        let raw: RawConfig = toml::from_str(text).expect("config/edge-ingest.toml parses");
+        assert_eq!(raw, RawConfig::default());
+    }
+
+    #[test]
+    fn unknown_key_is_refused_with_its_name() {
+        let err = toml::from_str::<RawConfig>(
+            "[server]
+listen_addr = \"0.0.0.0:1\"\n",
+        )
+        .expect_err("unknown key");
+        assert!(err.to_string().contains("listen_addr"), "{err}");
+    }
 }

@@ -34,7 +34,8 @@ pub fn init(level: &str, format: LogFormat) -> Result<(), LogInitError> {
         Ok(env) if !env.is_empty() => parse_filter(&env)?,
         _ => parse_filter(level)?,
     };
-    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none();
+    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     let _already_set = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),

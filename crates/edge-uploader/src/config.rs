@@ -20,7 +20,7 @@ pub const DEFAULT_CONFIG_PATH: &str = "/etc/edge-uploader/edge-uploader.toml";
 pub const ENV_PREFIX: &str = "EDGE_UPLOADER";
 
 /// The file as written by the operator.
-#[derive(Debug, Clone, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawConfig {
     pub intake: RawIntake,
@@ -29,7 +29,7 @@ pub struct RawConfig {
     pub log: RawLog,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawIntake {
     pub socket: PathBuf,
@@ -51,7 +51,7 @@ impl Default for RawIntake {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawSpool {
     pub path: PathBuf,
@@ -80,7 +80,7 @@ impl Default for RawSpool {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawUpload {
     pub server: String,
@@ -112,7 +112,7 @@ impl Default for RawUpload {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawLog {
     pub level: String,
@@ -351,6 +351,13 @@ fn host_of(server: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn example_config_documents_the_defaults() {
+        let text = include_str!("../../../config/edge-uploader.toml");
+        let raw: RawConfig = toml::from_str(text).expect("config/edge-uploader.toml parses");
+        assert_eq!(raw, RawConfig::default());
+    }
 
     #[test]
     fn host_of_handles_names_ipv4_and_ipv6() {

@@ -1,0 +1,713 @@
+//! A rogue client that sends malformed and oversized frames is refused with the exact close code
+//! the protocol names, while the server keeps serving other agents.
+//!
+//! Everything is real: an in-process [`Server`] on 127.0.0.1 (ephemeral port) over QUIC with
+//! mutual TLS, a file store in a temporary directory, and two device certificates from one
+//! in-memory CA. The honest agent (`honest-1`) speaks `edge/1` through a real
+//! [`ClientSession`]; the rogue (`rogue-1`, one fresh connection per attack) writes hand-made
+//! bytes. The honest agent uploads before, during (concurrently with) and after the attacks, and
+//! the store's export is the judge of what was persisted.
+//!
+//! No test sleeps to synchronise: each waits for an event (an ack, `Connection::closed`,
+//! `SendStream::stopped`), and every wait is bounded by [`bounded`] so a hang fails the test.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use edge_ingest::server::{Server, ServerCounters, ServerOptions};
+use edge_ingest::store::{ChunkKey, ExportFilter, ExportReport, Store, StoreHandle, StoreOptions, export};
+use edge_proto::client::{ClientEvent, ClientSession};
+use edge_proto::records::encode_record;
+use edge_proto::{
+    AckStatus, CHUNK_MAGIC, ChunkHeader, Codec, ControlFrame, ErrorCode, Limits, RejectReason, StreamName, VERSION,
+};
+use edge_transport::pki::InMemoryPki;
+use edge_transport::{Tuning, client_config_from_pem, client_endpoint, server_config_from_pem, server_endpoint};
+use quinn::{ConnectionError, Endpoint, RecvStream, SendStream, VarInt, WriteError};
+use tempfile::TempDir;
+
+/// Short, so the timeout cases finish quickly; long enough for an honest Hello on a busy host.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_millis(500);
+/// Upper bound of every wait in these tests.
+const BOUND: Duration = Duration::from_secs(20);
+const SERVER_NAME: &str = "localhost";
+const HONEST: &str = "honest-1";
+const ROGUE: &str = "rogue-1";
+const HONEST_SPOOL: [u8; 16] = [0x11; 16];
+const ROGUE_SPOOL: [u8; 16] = [0x66; 16];
+const HONEST_STREAM: &str = "honest.metrics";
+
+// === The rogue's repertoire ===
+
+/// One misbehaviour, each sent on its own connection with the rogue's certificate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Attack {
+    /// Control frame header declaring a 1 GiB Hello body.
+    OneGibControlFrame,
+    /// Control frame of type 0x7f.
+    UnknownFrameType,
+    /// An HTTP request on the control stream.
+    HttpGarbage,
+    /// A version-1 Hello whose body ends inside `spool_id`.
+    TruncatedHello,
+    /// A Welcome, a frame only the server may send.
+    WelcomeFromAgent,
+    /// Two valid Hellos in a row.
+    SecondHello,
+    /// A well-formed Hello announcing version 2.
+    FutureVersionHello,
+    /// A version-2 Hello whose body this version cannot parse.
+    FutureLayoutHello,
+    /// After the handshake, a chunk stream that does not start with `EDGC`.
+    BadChunkMagic,
+    /// After the handshake, a chunk header declaring `max_chunk_payload + 1` payload bytes.
+    OversizedChunkPayload,
+    /// After the handshake, a chunk prefix with `header_len = max_chunk_header + 1`.
+    OversizedChunkHeader,
+    /// After the handshake, a chunk prefix with `header_len = u16::MAX`.
+    MaxChunkHeaderLen,
+    /// TLS handshake, then nothing at all: no control stream.
+    SilentClient,
+    /// Control stream opened with the first 3 bytes of a Hello, then nothing.
+    StalledHello,
+}
+
+impl Attack {
+    const ALL: [Attack; 14] = [
+        Attack::OneGibControlFrame,
+        Attack::UnknownFrameType,
+        Attack::HttpGarbage,
+        Attack::TruncatedHello,
+        Attack::WelcomeFromAgent,
+        Attack::SecondHello,
+        Attack::FutureVersionHello,
+        Attack::FutureLayoutHello,
+        Attack::BadChunkMagic,
+        Attack::OversizedChunkPayload,
+        Attack::OversizedChunkHeader,
+        Attack::MaxChunkHeaderLen,
+        Attack::SilentClient,
+        Attack::StalledHello,
+    ];
+
+    /// The close code `edge-proto` assigns to what the server detects (see `ProtoError::code`).
+    fn expected_code(self) -> ErrorCode {
+        match self {
+            // `FrameDecoder` refuses the declared body length from the 5-byte header.
+            Attack::OneGibControlFrame => ErrorCode::FrameTooLarge,
+            // UnknownFrameType(0x7f), UnknownFrameType(b'G'), Truncated, UnexpectedFrame x2.
+            Attack::UnknownFrameType
+            | Attack::HttpGarbage
+            | Attack::TruncatedHello
+            | Attack::WelcomeFromAgent
+            | Attack::SecondHello => ErrorCode::ProtocolViolation,
+            // The session's version check, and the decoder's "unparseable future Hello" rule.
+            Attack::FutureVersionHello | Attack::FutureLayoutHello => ErrorCode::UnsupportedVersion,
+            // `ChunkHeader::decode`: BadMagic.
+            Attack::BadChunkMagic => ErrorCode::ProtocolViolation,
+            // `ChunkHeader::validate`: PayloadTooLarge, whose code is FrameTooLarge. The server
+            // closes rather than answering `Rejected(TooLarge)`.
+            Attack::OversizedChunkPayload => ErrorCode::FrameTooLarge,
+            // `ChunkHeader::decode` refuses `header_len` from the 6-byte prefix.
+            Attack::OversizedChunkHeader | Attack::MaxChunkHeaderLen => ErrorCode::FrameTooLarge,
+            Attack::SilentClient | Attack::StalledHello => ErrorCode::HandshakeTimeout,
+        }
+    }
+
+    /// Connects, misbehaves, and returns the connection with every stream still open, so that
+    /// nothing but the server's reaction can end it.
+    async fn launch(self, dialer: &Dialer) -> (quinn::Connection, Held) {
+        let conn = dialer.connect().await;
+        let mut held = Held::default();
+        match self {
+            Attack::OneGibControlFrame => {
+                let mut frame = vec![0x01];
+                frame.extend_from_slice(&(1u32 << 30).to_le_bytes());
+                frame.extend_from_slice(&VERSION.to_le_bytes());
+                frame.extend_from_slice(&ROGUE_SPOOL);
+                held.control(&conn, &frame).await;
+            }
+            Attack::UnknownFrameType => held.control(&conn, &[0x7f, 4, 0, 0, 0, 1, 2, 3, 4]).await,
+            Attack::HttpGarbage => held.control(&conn, b"GET / HTTP/1.1\r\nHost: ingest\r\n\r\n").await,
+            Attack::TruncatedHello => {
+                let mut frame = vec![0x01, 10, 0, 0, 0];
+                frame.extend_from_slice(&VERSION.to_le_bytes());
+                frame.extend_from_slice(&[0xaa; 8]);
+                held.control(&conn, &frame).await;
+            }
+            Attack::WelcomeFromAgent => {
+                let welcome = ControlFrame::Welcome {
+                    version: VERSION,
+                    device: ROGUE.into(),
+                    max_chunk_payload: u32::MAX,
+                    max_in_flight: u32::MAX,
+                };
+                held.control(&conn, &encode(&welcome)).await;
+            }
+            Attack::SecondHello => {
+                let mut frames = hello(VERSION);
+                frames.extend_from_slice(&hello(VERSION));
+                held.control(&conn, &frames).await;
+            }
+            Attack::FutureVersionHello => held.control(&conn, &hello(2)).await,
+            Attack::FutureLayoutHello => held.control(&conn, &[0x01, 3, 0, 0, 0, 2, 0, 0xee]).await,
+            Attack::BadChunkMagic => {
+                held.agent = Some(Agent::connect(&conn, ROGUE_SPOOL).await);
+                let mut bytes = b"EDGX".to_vec();
+                bytes.extend_from_slice(&chunk("rogue.magic", 0).wire()[4..]);
+                held.uni(&conn, &bytes).await;
+            }
+            Attack::OversizedChunkPayload => {
+                held.agent = Some(Agent::connect(&conn, ROGUE_SPOOL).await);
+                let too_big = Limits::default().max_chunk_payload + 1;
+                let header = ChunkHeader { raw_len: too_big, payload_len: too_big, ..chunk("rogue.big", 0).header };
+                let mut bytes = Vec::new();
+                header.encode(&mut bytes);
+                bytes.extend_from_slice(&[0u8; 4096]);
+                held.uni(&conn, &bytes).await;
+            }
+            Attack::OversizedChunkHeader | Attack::MaxChunkHeaderLen => {
+                held.agent = Some(Agent::connect(&conn, ROGUE_SPOOL).await);
+                let header_len = if self == Attack::MaxChunkHeaderLen {
+                    u16::MAX
+                } else {
+                    u16::try_from(Limits::default().max_chunk_header + 1).expect("default limit fits a u16")
+                };
+                let mut bytes = CHUNK_MAGIC.to_vec();
+                bytes.extend_from_slice(&header_len.to_le_bytes());
+                bytes.extend_from_slice(&[0x42; 64]);
+                held.uni(&conn, &bytes).await;
+            }
+            Attack::SilentClient => {}
+            Attack::StalledHello => held.control(&conn, &hello(VERSION)[..3]).await,
+        }
+        (conn, held)
+    }
+
+    /// Launches the attack and returns how the server ended the connection.
+    async fn run(self, dialer: &Dialer) -> ConnectionError {
+        let (conn, held) = bounded(&format!("{self:?}: connect and misbehave"), self.launch(dialer)).await;
+        let closed = bounded(&format!("{self:?}: server closes the connection"), conn.closed()).await;
+        drop(held);
+        closed
+    }
+}
+
+/// Asserts that the server closed the connection with exactly `expected`.
+fn assert_closed_with(what: &str, err: &ConnectionError, expected: ErrorCode) {
+    match err {
+        ConnectionError::ApplicationClosed(close) => {
+            let got = u32::try_from(close.error_code.into_inner()).ok().and_then(ErrorCode::from_u32);
+            assert_eq!(
+                close.error_code,
+                VarInt::from_u32(expected.to_u32()),
+                "{what}: closed with {got:?} ({}), expected {expected:?}; reason {:?}",
+                close.error_code,
+                String::from_utf8_lossy(&close.reason),
+            );
+        }
+        other => panic!("{what}: expected an application close with {expected:?}, got {other:?}"),
+    }
+}
+
+/// Streams an attack keeps open until the server reacts.
+#[derive(Default)]
+struct Held {
+    agent: Option<Agent>,
+    sends: Vec<SendStream>,
+    recvs: Vec<RecvStream>,
+}
+
+impl Held {
+    /// Opens the control stream and writes `bytes` on it.
+    async fn control(&mut self, conn: &quinn::Connection, bytes: &[u8]) {
+        let (mut send, recv) = conn.open_bi().await.expect("the server allows one control stream");
+        write_unless_closed(&mut send, bytes).await;
+        self.sends.push(send);
+        self.recvs.push(recv);
+    }
+
+    /// Opens a chunk stream and writes `bytes` on it, without finishing it.
+    async fn uni(&mut self, conn: &quinn::Connection, bytes: &[u8]) {
+        let mut send = conn.open_uni().await.expect("the server allows chunk streams");
+        write_unless_closed(&mut send, bytes).await;
+        self.sends.push(send);
+    }
+}
+
+/// Writes `bytes`; the server may already have closed the connection, which the caller observes
+/// through `Connection::closed`.
+async fn write_unless_closed(send: &mut SendStream, bytes: &[u8]) {
+    match send.write_all(bytes).await {
+        Ok(()) | Err(WriteError::ConnectionLost(_)) => {}
+        Err(e) => panic!("writing the rogue bytes failed: {e}"),
+    }
+}
+
+// === The honest agent ===
+
+/// A chunk as the agent sends it, and the records the export must give back.
+#[derive(Debug, Clone)]
+struct TestChunk {
+    header: ChunkHeader,
+    payload: Vec<u8>,
+    records: Vec<Vec<u8>>,
+}
+
+impl TestChunk {
+    /// Header then payload: the whole uni-stream.
+    fn wire(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.header.encode(&mut out);
+        out.extend_from_slice(&self.payload);
+        out
+    }
+
+    fn key(&self) -> (StreamName, u64) {
+        (self.header.stream.clone(), self.header.seq)
+    }
+}
+
+/// A valid, uncompressed chunk of three records derived from its key.
+fn chunk(stream: &str, seq: u64) -> TestChunk {
+    let records: Vec<Vec<u8>> = (0..3).map(|i| format!("{stream}/{seq}#{i}").into_bytes()).collect();
+    let mut payload = Vec::new();
+    for r in &records {
+        encode_record(&mut payload, r);
+    }
+    let len = u32::try_from(payload.len()).expect("test payloads are tiny");
+    let header = ChunkHeader {
+        stream: StreamName::new(stream).expect("test stream names are valid"),
+        seq,
+        records: u32::try_from(records.len()).expect("three records"),
+        raw_len: len,
+        payload_len: len,
+        codec: Codec::None,
+        checksum: crc32c::crc32c(&payload),
+        created_ms: 1_700_000_000_000 + seq,
+    };
+    TestChunk { header, payload, records }
+}
+
+fn honest_chunks(seqs: std::ops::Range<u64>) -> Vec<TestChunk> {
+    seqs.map(|seq| chunk(HONEST_STREAM, seq)).collect()
+}
+
+/// An agent driving a real [`ClientSession`] over the control bi-stream, one uni-stream per chunk.
+struct Agent {
+    conn: quinn::Connection,
+    send: SendStream,
+    recv: RecvStream,
+    session: ClientSession,
+    /// Acks received and not yet claimed by [`Agent::upload`].
+    acks: HashMap<(StreamName, u64), AckStatus>,
+}
+
+impl Agent {
+    /// Opens the control stream, sends the session's Hello and reads until the Welcome.
+    async fn connect(conn: &quinn::Connection, spool_id: [u8; 16]) -> Agent {
+        let (send, recv) = conn.open_bi().await.expect("open the control stream");
+        let session = ClientSession::new(spool_id, "rogue-client-test".into(), Limits::default(), Instant::now());
+        let mut agent = Agent { conn: conn.clone(), send, recv, session, acks: HashMap::new() };
+        agent.flush().await;
+        while !agent.session.is_connected() {
+            agent.read_control().await;
+        }
+        agent
+    }
+
+    async fn flush(&mut self) {
+        while let Some(bytes) = self.session.poll_transmit() {
+            self.send.write_all(&bytes).await.expect("write to the control stream");
+        }
+    }
+
+    /// Reads one piece of the control stream into the session and files the acks.
+    async fn read_control(&mut self) {
+        let mut buf = [0u8; 4096];
+        let n = match self.recv.read(&mut buf).await {
+            Ok(Some(n)) => n,
+            Ok(None) => panic!("the server finished the control stream"),
+            Err(e) => panic!("the control stream failed: {e}"),
+        };
+        self.session.handle_control_bytes(Instant::now(), &buf[..n]).expect("the server speaks edge/1");
+        while let Some(event) = self.session.poll_event() {
+            match event {
+                ClientEvent::Connected { .. } => {}
+                ClientEvent::Ack { stream, seq, status } => {
+                    self.acks.insert((stream, seq), status);
+                }
+                ClientEvent::GoAway { code } => panic!("unexpected GoAway ({code})"),
+            }
+        }
+    }
+
+    /// Sends every chunk on its own uni-stream (all in flight at once), then waits for each ack.
+    async fn upload(&mut self, chunks: &[TestChunk]) -> Vec<AckStatus> {
+        for c in chunks {
+            self.session.chunk_sent(&c.header.stream, c.header.seq).expect("window has room");
+            let mut uni = self.conn.open_uni().await.expect("open a chunk stream");
+            uni.write_all(&c.wire()).await.expect("write the chunk");
+            uni.finish().expect("finish the chunk stream once");
+        }
+        let mut statuses = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            let status = loop {
+                if let Some(status) = self.acks.remove(&c.key()) {
+                    break status;
+                }
+                self.read_control().await;
+            };
+            statuses.push(status);
+        }
+        statuses
+    }
+
+    /// Uploads and asserts that every chunk was acked `Stored`.
+    async fn upload_stored(&mut self, what: &str, chunks: &[TestChunk]) {
+        let statuses = bounded(what, self.upload(chunks)).await;
+        assert_eq!(statuses, vec![AckStatus::Stored; chunks.len()], "{what}: every chunk is stored");
+    }
+
+    fn close(self) {
+        self.conn.close(VarInt::from_u32(ErrorCode::NoError.to_u32()), b"done");
+    }
+}
+
+// === The rig: PKI, server, store, client endpoint ===
+
+/// How one device reaches the server.
+#[derive(Clone)]
+struct Dialer {
+    endpoint: Endpoint,
+    server: SocketAddr,
+    config: quinn::ClientConfig,
+}
+
+impl Dialer {
+    async fn connect(&self) -> quinn::Connection {
+        let connecting =
+            self.endpoint.connect_with(self.config.clone(), self.server, SERVER_NAME).expect("start connecting");
+        connecting.await.expect("mutual TLS handshake succeeds")
+    }
+}
+
+struct Rig {
+    server: Server,
+    store: StoreHandle,
+    data: TempDir,
+    honest: Dialer,
+    rogue: Dialer,
+}
+
+impl Rig {
+    async fn start() -> Rig {
+        let pki = InMemoryPki::generate(&[SERVER_NAME, "127.0.0.1"]).expect("generate PKI");
+        let tuning = Tuning::default();
+        let server_config = server_config_from_pem(&pki.server_cert_pem, &pki.server_key_pem, &pki.ca_pem, &tuning)
+            .expect("server config");
+        let localhost = SocketAddr::from(([127, 0, 0, 1], 0));
+        let endpoint = server_endpoint(localhost, server_config, &tuning).expect("server endpoint");
+        let data = tempfile::tempdir().expect("temp dir");
+        let (store, _recovery) = Store::open(StoreOptions::new(data.path())).expect("open store");
+        let store = StoreHandle::spawn(store);
+        let opts = ServerOptions {
+            listen: endpoint.local_addr().expect("bound address"),
+            limits: Limits { handshake_timeout: HANDSHAKE_TIMEOUT, ..Limits::default() },
+            shutdown_grace: Duration::from_secs(2),
+            ..ServerOptions::default()
+        };
+        let server = Server::start(endpoint, store.clone(), opts).expect("start server");
+        let client = client_endpoint(localhost, &tuning).expect("client endpoint");
+        let dialer = |device: &str| {
+            let (cert, key) = pki.issue_device(device).expect("issue device certificate");
+            let config = client_config_from_pem(&cert, &key, &pki.ca_pem, &tuning).expect("client config");
+            Dialer { endpoint: client.clone(), server: server.local_addr(), config }
+        };
+        let honest = dialer(HONEST);
+        let rogue = dialer(ROGUE);
+        Rig { server, store, data, honest, rogue }
+    }
+
+    async fn honest_agent(&self) -> Agent {
+        bounded("honest agent connects", async {
+            let conn = self.honest.connect().await;
+            Agent::connect(&conn, HONEST_SPOOL).await
+        })
+        .await
+    }
+
+    fn counters(&self) -> std::sync::Arc<ServerCounters> {
+        self.server.counters()
+    }
+
+    /// Shuts the server and the store down and returns everything the store exports.
+    async fn finish(self) -> (Vec<Exported>, ExportReport) {
+        bounded("server shutdown", self.server.shutdown()).await;
+        let store = self.store;
+        bounded("store shutdown", tokio::task::spawn_blocking(move || store.shutdown()))
+            .await
+            .expect("store shutdown does not panic");
+        let result = export_all(self.data.path());
+        self.honest.endpoint.close(VarInt::from_u32(0), b"test over");
+        result
+    }
+}
+
+/// One exported chunk, owned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Exported {
+    key: ChunkKey,
+    records: Vec<Vec<u8>>,
+}
+
+fn export_all(dir: &Path) -> (Vec<Exported>, ExportReport) {
+    let mut out = Vec::new();
+    let report = export(dir, &ExportFilter::default(), |c| {
+        out.push(Exported { key: c.key.clone(), records: c.records.iter().map(|r| r.to_vec()).collect() });
+        Ok(())
+    })
+    .expect("export the store");
+    (out, report)
+}
+
+/// Asserts that `device` has exactly `expected` in the export, once each, with their records.
+fn assert_exported_once(exported: &[Exported], device: &str, spool: [u8; 16], expected: &[TestChunk]) {
+    let mut got: Vec<&Exported> = exported.iter().filter(|e| e.key.device == device).collect();
+    got.sort_by(|a, b| (&a.key.stream, a.key.seq).cmp(&(&b.key.stream, b.key.seq)));
+    let mut want: Vec<Exported> = expected
+        .iter()
+        .map(|c| Exported {
+            key: ChunkKey { device: device.into(), spool, stream: c.header.stream.as_str().into(), seq: c.header.seq },
+            records: c.records.clone(),
+        })
+        .collect();
+    want.sort_by(|a, b| (&a.key.stream, a.key.seq).cmp(&(&b.key.stream, b.key.seq)));
+    let got: Vec<Exported> = got.into_iter().cloned().collect();
+    assert_eq!(got, want, "exported chunks of {device}");
+}
+
+/// Fails the test instead of hanging.
+async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    tokio::time::timeout(BOUND, fut).await.unwrap_or_else(|_| panic!("{what} did not finish within {BOUND:?}"))
+}
+
+fn encode(frame: &ControlFrame) -> Vec<u8> {
+    let mut out = Vec::new();
+    frame.encode(&mut out);
+    out
+}
+
+fn hello(version: u16) -> Vec<u8> {
+    encode(&ControlFrame::Hello { version, spool_id: ROGUE_SPOOL, agent: "rogue/0.0".into() })
+}
+
+// === Tests ===
+
+/// One attack against a fresh server, with the honest agent uploading before, concurrently with,
+/// and after it.
+async fn attack_is_closed_while_the_honest_agent_keeps_storing(attack: Attack) {
+    let rig = Rig::start().await;
+    let mut agent = rig.honest_agent().await;
+    let (before, during, after) = (honest_chunks(0..3), honest_chunks(3..6), honest_chunks(6..9));
+    agent.upload_stored("upload before the attack", &before).await;
+
+    let (closed, ()) = tokio::join!(attack.run(&rig.rogue), agent.upload_stored("upload during the attack", &during));
+    assert_closed_with(&format!("{attack:?}"), &closed, attack.expected_code());
+
+    agent.upload_stored("upload after the attack", &after).await;
+    let counters = rig.counters();
+    assert_eq!(counters.protocol_errors_total.load(Ordering::Relaxed), 1, "one rogue connection closed");
+    assert_eq!(counters.chunks_stored_total.load(Ordering::Relaxed), 9);
+    assert_eq!(counters.chunks_rejected_total.load(Ordering::Relaxed), 0);
+    assert_eq!(counters.auth_failures_total.load(Ordering::Relaxed), 0);
+    agent.close();
+
+    let (exported, report) = rig.finish().await;
+    assert_exported_once(&exported, HONEST, HONEST_SPOOL, &[before, during, after].concat());
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[]);
+    assert_eq!(report.duplicate_entries, 0, "each chunk was written once");
+    assert_eq!(report.corrupt, 0);
+}
+
+macro_rules! attack_tests {
+    ($($name:ident => $attack:expr;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            attack_is_closed_while_the_honest_agent_keeps_storing($attack).await;
+        }
+    )*};
+}
+
+attack_tests! {
+    a_control_frame_declaring_one_gib_is_closed_with_frame_too_large => Attack::OneGibControlFrame;
+    an_unknown_control_frame_type_is_closed_with_protocol_violation => Attack::UnknownFrameType;
+    http_garbage_on_the_control_stream_is_closed_with_protocol_violation => Attack::HttpGarbage;
+    a_truncated_hello_is_closed_with_protocol_violation => Attack::TruncatedHello;
+    a_welcome_sent_by_the_agent_is_closed_with_protocol_violation => Attack::WelcomeFromAgent;
+    a_second_hello_is_closed_with_protocol_violation => Attack::SecondHello;
+    a_hello_with_an_unsupported_version_is_closed_with_unsupported_version => Attack::FutureVersionHello;
+    a_future_hello_layout_is_closed_with_unsupported_version => Attack::FutureLayoutHello;
+    a_chunk_header_with_bad_magic_is_closed_with_protocol_violation => Attack::BadChunkMagic;
+    a_chunk_payload_over_the_limit_is_closed_with_frame_too_large_and_not_stored => Attack::OversizedChunkPayload;
+    a_chunk_header_len_over_the_limit_is_closed_with_frame_too_large => Attack::OversizedChunkHeader;
+    a_chunk_header_len_of_u16_max_is_closed_with_frame_too_large => Attack::MaxChunkHeaderLen;
+    a_client_that_never_opens_the_control_stream_is_closed_with_handshake_timeout => Attack::SilentClient;
+    a_hello_that_never_completes_is_closed_with_handshake_timeout => Attack::StalledHello;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_with_a_wrong_checksum_is_rejected_and_the_connection_stays_usable() {
+    let rig = Rig::start().await;
+    let mut honest = rig.honest_agent().await;
+    let mut rogue = bounded("rogue connects", async {
+        let conn = rig.rogue.connect().await;
+        Agent::connect(&conn, ROGUE_SPOOL).await
+    })
+    .await;
+    let good = chunk("rogue.checksum", 0);
+    let mut bad = good.clone();
+    bad.payload[5] ^= 0xff; // Inside the first record; the header keeps the good checksum.
+
+    let (statuses, ()) = tokio::join!(
+        bounded("bad chunk is acked", rogue.upload(&[bad])),
+        honest.upload_stored("honest upload", &honest_chunks(0..3))
+    );
+    assert_eq!(statuses, [AckStatus::Rejected(RejectReason::BadChecksum)]);
+
+    // Same connection, same key, right bytes: stored, not a duplicate, so the rejected copy
+    // never reached the store or its dedup index.
+    let statuses = bounded("good chunk is acked", rogue.upload(std::slice::from_ref(&good))).await;
+    assert_eq!(statuses, [AckStatus::Stored]);
+    assert!(rogue.conn.close_reason().is_none(), "the connection is still open");
+
+    let counters = rig.counters();
+    assert_eq!(counters.chunks_rejected_total.load(Ordering::Relaxed), 1);
+    assert_eq!(counters.chunks_stored_total.load(Ordering::Relaxed), 4);
+    assert_eq!(counters.protocol_errors_total.load(Ordering::Relaxed), 0);
+    rogue.close();
+    honest.close();
+
+    let (exported, report) = rig.finish().await;
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[good]);
+    assert_exported_once(&exported, HONEST, HONEST_SPOOL, &honest_chunks(0..3));
+    assert_eq!(report.duplicate_entries, 0);
+}
+
+/// The protocol forbids a chunk before Hello (`ProtoError::ChunkBeforeHello`, code
+/// `ProtocolViolation`). The chunk is fully received by the server's QUIC stack (the peer acked
+/// every byte) before the rogue sends its Hello.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "server bug: server.rs accepts chunk streams only after Hello, so a chunk sent before \
+            Hello is stored instead of refused (see the rogue_client report)"]
+async fn a_chunk_stream_sent_before_hello_is_closed_with_protocol_violation() {
+    let rig = Rig::start().await;
+    let conn = bounded("rogue connects", rig.rogue.connect()).await;
+    let early = chunk("rogue.early", 0);
+    let mut uni = conn.open_uni().await.expect("open a chunk stream");
+    write_unless_closed(&mut uni, &early.wire()).await;
+    uni.finish().expect("finish the chunk stream once");
+    // Resolves once the server's QUIC stack acknowledged every byte, or it stopped the stream.
+    let stopped = bounded("server receives the early chunk", uni.stopped()).await;
+
+    let (mut send, mut recv) = conn.open_bi().await.expect("open the control stream");
+    let mut session = ClientSession::new(ROGUE_SPOOL, "rogue/0.0".into(), Limits::default(), Instant::now());
+    session.chunk_sent(&early.header.stream, early.header.seq).expect_err("a real agent cannot do this");
+    while let Some(bytes) = session.poll_transmit() {
+        write_unless_closed(&mut send, &bytes).await;
+    }
+    // Read what the server answers until it closes: a Welcome is fine, an Ack is not.
+    let answers = async {
+        let mut buf = [0u8; 4096];
+        let mut decoded = Vec::new();
+        let mut pending = Vec::new();
+        while let Ok(Some(n)) = recv.read(&mut buf).await {
+            pending.extend_from_slice(&buf[..n]);
+            while let Ok(Some((frame, used))) = ControlFrame::decode(&pending, &Limits::default()) {
+                pending.drain(..used);
+                decoded.push(frame);
+            }
+        }
+        decoded
+    };
+    let (closed, answers) =
+        bounded("server reacts to the early chunk", async { tokio::join!(conn.closed(), answers) }).await;
+    assert!(
+        !answers.iter().any(|f| matches!(f, ControlFrame::Ack { .. })),
+        "the server acked a chunk sent before Hello: {answers:?} (stream stopped: {stopped:?})"
+    );
+    assert_closed_with("chunk before Hello", &closed, ErrorCode::ProtocolViolation);
+    assert_eq!(rig.counters().protocol_errors_total.load(Ordering::Relaxed), 1);
+
+    let (exported, _) = rig.finish().await;
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_attack_at_once_is_refused_while_an_honest_agent_keeps_storing() {
+    let rig = Rig::start().await;
+    let mut honest = rig.honest_agent().await;
+    let mut uploaded = honest_chunks(0..4);
+    honest.upload_stored("upload before the storm", &uploaded).await;
+
+    // Every attack on its own connection, all at once, plus a rogue whose chunk is rejected.
+    let mut storm = tokio::task::JoinSet::new();
+    for attack in Attack::ALL {
+        let dialer = rig.rogue.clone();
+        storm.spawn(async move { (attack, attack.run(&dialer).await) });
+    }
+    let checksum_rogue = {
+        let dialer = rig.rogue.clone();
+        tokio::spawn(async move {
+            let conn = dialer.connect().await;
+            let mut rogue = Agent::connect(&conn, ROGUE_SPOOL).await;
+            let mut bad = chunk("rogue.checksum", 7);
+            bad.header.checksum ^= 1;
+            let statuses = rogue.upload(&[bad]).await;
+            rogue.close();
+            statuses
+        })
+    };
+    // Upload in small batches until every attack has been answered, then one more batch.
+    let mut next_seq = 4;
+    let mut closes = Vec::new();
+    while closes.len() < Attack::ALL.len() {
+        let batch = honest_chunks(next_seq..next_seq + 2);
+        next_seq += 2;
+        let (joined, ()) = tokio::join!(
+            bounded("an attack ends", storm.join_next()),
+            honest.upload_stored("upload during the storm", &batch)
+        );
+        closes.push(joined.expect("an attack is still running").expect("the attack task does not panic"));
+        uploaded.extend(batch);
+    }
+    let statuses = bounded("checksum rogue", checksum_rogue).await.expect("the checksum rogue does not panic");
+    assert_eq!(statuses, [AckStatus::Rejected(RejectReason::BadChecksum)]);
+    for (attack, closed) in &closes {
+        assert_closed_with(&format!("{attack:?}"), closed, attack.expected_code());
+    }
+    let after = honest_chunks(next_seq..next_seq + 4);
+    honest.upload_stored("upload after the storm", &after).await;
+    uploaded.extend(after);
+
+    let counters = rig.counters();
+    assert_eq!(
+        counters.protocol_errors_total.load(Ordering::Relaxed),
+        Attack::ALL.len() as u64,
+        "every rogue connection closed for a violation is counted once"
+    );
+    assert_eq!(counters.chunks_rejected_total.load(Ordering::Relaxed), 1);
+    assert_eq!(counters.chunks_stored_total.load(Ordering::Relaxed), uploaded.len() as u64);
+    assert_eq!(counters.auth_failures_total.load(Ordering::Relaxed), 0);
+    honest.close();
+
+    let (exported, report) = rig.finish().await;
+    assert_exported_once(&exported, HONEST, HONEST_SPOOL, &uploaded);
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[]);
+    assert_eq!(report.duplicate_entries, 0, "each chunk was written once");
+    assert_eq!(report.corrupt, 0);
+}
