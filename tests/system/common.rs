@@ -1,9 +1,13 @@
 //! Shared set-up for the system tests: a working directory with certificates and config files,
 //! and helpers to start the two daemons.
 
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use anyhow::Context;
 use edge_testkit::{Daemon, PkiFixture, bin, free_udp_port};
 
 /// How long a daemon may take to report READY.
@@ -14,20 +18,29 @@ pub struct World {
     pub dir: tempfile::TempDir,
     pub agent_config: PathBuf,
     pub ingest_config: PathBuf,
+    /// The agent's `/metrics` address (a free loopback port, so tests can run side by side).
+    pub agent_metrics: SocketAddr,
+    /// The ingest server's `/metrics` address.
+    pub ingest_metrics: SocketAddr,
 }
 
 impl World {
     /// Certificates for `device`, an ingest config and an agent config pointing at it.
+    /// `agent_extra` lands inside the agent's `[upload]` section and may open later sections
+    /// (except `[metrics]`, which is written here).
     pub fn new(device: &str, agent_extra: &str) -> anyhow::Result<World> {
         let dir = tempfile::Builder::new().prefix("edge-system-").tempdir()?;
         let port = free_udp_port()?;
+        let agent_metrics = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
+        let ingest_metrics = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
         let pki = PkiFixture::generate(&dir.path().join("pki"), &[device])?;
         let d = dir.path();
         let ingest_config = d.join("edge-ingest.toml");
         std::fs::write(
             &ingest_config,
             format!(
-                "[server]\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace = \"2s\"\n\n\
+                "[metrics]\nlisten = \"{ingest_metrics}\"\n\n\
+                 [server]\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace = \"2s\"\n\n\
                  [tls]\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n\n\
                  [store]\ndata_dir = {:?}\n",
                 pki.server.cert,
@@ -41,7 +54,8 @@ impl World {
         std::fs::write(
             &agent_config,
             format!(
-                "[intake]\nsocket = {:?}\n\n\
+                "[metrics]\nlisten = \"{agent_metrics}\"\n\n\
+                 [intake]\nsocket = {:?}\n\n\
                  [spool]\npath = {:?}\nmax_bytes = \"4GiB\"\nlinger = \"20ms\"\n\n\
                  [upload]\nserver = \"127.0.0.1:{port}\"\nserver_name = \"localhost\"\nca = {:?}\ncert = {:?}\nkey = {:?}\n\
                  backoff_min = \"50ms\"\nbackoff_max = \"1s\"\n{agent_extra}\n",
@@ -52,7 +66,7 @@ impl World {
                 dev.key,
             ),
         )?;
-        Ok(World { dir, agent_config, ingest_config })
+        Ok(World { dir, agent_config, ingest_config, agent_metrics, ingest_metrics })
     }
 
     pub fn path(&self) -> &Path {
@@ -83,6 +97,29 @@ impl World {
         Ok(d)
     }
 
+    /// `GET /metrics` from a daemon, parsed into `series → value` (series as written, labels
+    /// included, e.g. `edge_ingest_chunks_total{result="stored"}`).
+    pub fn scrape(addr: SocketAddr) -> anyhow::Result<BTreeMap<String, f64>> {
+        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        let (head, body) = response.split_once("\r\n\r\n").context("no end of headers in the answer")?;
+        anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "GET /metrics from {addr}: {head}");
+        anyhow::ensure!(
+            head.to_ascii_lowercase().contains("content-type: text/plain; version=0.0.4"),
+            "not the Prometheus text format: {head}"
+        );
+        let mut series = BTreeMap::new();
+        for line in body.lines().filter(|l| !l.is_empty() && !l.starts_with('#')) {
+            let (name, value) = line.rsplit_once(' ').with_context(|| format!("bad sample line {line:?}"))?;
+            let value = value.parse().with_context(|| format!("bad value in {line:?}"))?;
+            anyhow::ensure!(series.insert(name.to_owned(), value).is_none(), "series {name} appears twice");
+        }
+        Ok(series)
+    }
+
     /// Runs `edge-ingest export --format raw` and splits the output into records.
     pub fn export_raw(&self, stream: &str) -> anyhow::Result<Vec<Vec<u8>>> {
         let data_dir = self.data_dir().to_string_lossy().into_owned();
@@ -101,4 +138,10 @@ impl World {
         }
         Ok(recs)
     }
+}
+
+/// A free TCP port on 127.0.0.1 (bound and released; fine for tests on one machine).
+pub fn free_tcp_port() -> anyhow::Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(listener.local_addr()?.port())
 }

@@ -3,5 +3,8 @@
 //!
 //! One test binary (ripgrep style); each module is one area.
 
+mod cli;
 mod common;
 mod crash_loop;
+mod metrics;
+mod reload;

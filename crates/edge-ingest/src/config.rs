@@ -21,6 +21,7 @@ pub struct RawConfig {
     pub server: RawServer,
     pub tls: RawTls,
     pub store: RawStore,
+    pub metrics: RawMetrics,
     pub log: RawLog,
 }
 
@@ -81,6 +82,19 @@ impl Default for RawStore {
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
+pub struct RawMetrics {
+    /// `host:port` of the Prometheus `/metrics` endpoint; empty disables it.
+    pub listen: String,
+}
+
+impl Default for RawMetrics {
+    fn default() -> Self {
+        Self { listen: "127.0.0.1:9172".into() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct RawLog {
     pub level: String,
     pub format: String,
@@ -99,6 +113,8 @@ pub struct Config {
     pub tls: edge_transport::ServerTls,
     pub store: crate::store::StoreOptions,
     pub tuning: edge_transport::Tuning,
+    /// Address of the `/metrics` endpoint; `None` when disabled.
+    pub metrics_listen: Option<SocketAddr>,
     pub log_level: String,
     pub log_format: edge_telemetry::logging::LogFormat,
     pub source: Option<PathBuf>,
@@ -125,7 +141,8 @@ pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
     let raw: RawConfig = builder.build().and_then(|c| c.try_deserialize()).map_err(|e| {
         anyhow::anyhow!("{}: {e}", if exists { path.display().to_string() } else { "environment".into() })
     })?;
-    validate(raw, exists.then_some(path))
+    let origin = if exists { path.display().to_string() } else { "built-in defaults and environment".into() };
+    validate(raw, exists.then_some(path)).map_err(|e| anyhow::anyhow!("{origin}: {e:#}"))
 }
 
 /// Turns a raw config into a runtime config, naming the key on every error.
@@ -159,6 +176,12 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     if raw.store.segment_max_bytes.as_u64() < 1 << 20 {
         bail!("store.segment_max_bytes: expected at least 1 MiB, got {}", raw.store.segment_max_bytes);
     }
+    let metrics_listen = match raw.metrics.listen.trim() {
+        "" => None,
+        s => Some(s.parse::<SocketAddr>().map_err(|_| {
+            anyhow::anyhow!("metrics.listen: {s:?} is not an address like 127.0.0.1:9172 (empty disables metrics)")
+        })?),
+    };
     let log_format = match raw.log.format.as_str() {
         "text" => edge_telemetry::logging::LogFormat::Text,
         "json" => edge_telemetry::logging::LogFormat::Json,
@@ -184,6 +207,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
         },
         store,
         tuning: edge_transport::Tuning::default(),
+        metrics_listen,
         log_level: raw.log.level,
         log_format,
         source,

@@ -4,6 +4,7 @@
 //! command can run a server in-process.
 
 pub mod config;
+pub mod metrics;
 pub mod server;
 pub mod store;
 

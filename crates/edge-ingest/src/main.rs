@@ -130,6 +130,7 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
 }
 
 async fn run(cfg: config::Config) -> anyhow::Result<()> {
+    let metrics_listener = edge_ingest::metrics::bind(cfg.metrics_listen).await?;
     let dir = cfg.store.data_dir.clone();
     let (store, report) = tokio::task::spawn_blocking(move || Store::open(cfg.store))
         .await?
@@ -142,12 +143,26 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
         .with_context(|| format!("binding server.listen {}", cfg.server.listen))?;
     let server = Server::start(endpoint, store.clone(), cfg.server.clone())?;
     tracing::info!(listen = %server.local_addr(), "edge-ingest serving");
+    // Metrics (see `edge_ingest::metrics`): the daemon's one registry, served until the server stopped.
+    let registry = prometheus::Registry::new();
+    edge_ingest::metrics::register(&registry, server.counters(), store.stats_view()).context("registering metrics")?;
+    let metrics = edge_ingest::metrics::MetricsServer::start(metrics_listener, registry);
     edge_telemetry::notify::ready();
     let watchdog = edge_telemetry::notify::watchdog_interval();
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    let source = cfg.source.clone();
     loop {
         tokio::select! {
             _ = term.recv() => break,
+            _ = hangup.recv() => match config::load(source.as_deref()) {
+                // Only the log level changes at run time; everything else needs a restart.
+                Ok(new) => match edge_telemetry::logging::set_level(&new.log_level) {
+                    Ok(()) => tracing::info!(log_level = %new.log_level, "configuration reloaded (log level; other keys apply at the next restart)"),
+                    Err(e) => tracing::error!(error = %e, "log.level not applied"),
+                },
+                Err(e) => tracing::error!(error = %format!("{e:#}"), "configuration reload refused; the running configuration stays in force"),
+            },
             _ = tokio::signal::ctrl_c() => break,
             () = async { match watchdog { Some(i) => tokio::time::sleep(i).await, None => std::future::pending().await } } => {
                 edge_telemetry::notify::watchdog();
@@ -157,6 +172,7 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
     edge_telemetry::notify::stopping();
     tracing::info!("shutting down");
     server.shutdown().await;
+    metrics.stop().await;
     drop(store);
     tracing::info!("stopped");
     Ok(())

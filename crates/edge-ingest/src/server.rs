@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use edge_proto::server::{ServerEvent, ServerSession};
-use edge_proto::{AckStatus, ChunkHeader, ErrorCode, Limits, ProtoError, RejectReason, RetryReason};
+use edge_proto::{AckStatus, ChunkHeader, ErrorCode, Limits, ProtoError, RejectReason, RetryReason, StreamName};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -78,6 +78,8 @@ pub struct ServerCounters {
     pub bytes_stored_total: AtomicU64,
     /// Connections closed for a protocol violation.
     pub protocol_errors_total: AtomicU64,
+    /// Payload received → store durable, per durable chunk (for `/metrics`).
+    pub persist_latency: crate::metrics::PersistLatency,
 }
 
 /// A running server. Dropping it does not stop it; call [`Server::shutdown`].
@@ -224,9 +226,16 @@ impl From<ProtoError> for ConnEnd {
 
 async fn run_connection(conn: &quinn::Connection, device: &str, shared: &Arc<Shared>) -> Result<(), ConnEnd> {
     let limits = shared.opts.limits.clone();
+    // One deadline for the whole handshake, counted from the connection's start. A chunk stream
+    // opened before Hello is a violation (an honest agent waits for Welcome).
+    let deadline = tokio::time::Instant::now() + limits.handshake_timeout;
+    let early_chunk = || ProtoError::UnexpectedFrame { frame: "chunk stream", reason: "opened before Hello" };
+    // `biased`: a chunk stream that is already there when Hello arrives came first.
     let (mut ctl_send, mut ctl_recv) = tokio::select! {
+        biased;
+        _ = conn.accept_uni() => return Err(early_chunk().into()),
         r = conn.accept_bi() => r.map_err(|e| ConnEnd::Lost(e.to_string()))?,
-        () = tokio::time::sleep(limits.handshake_timeout) => {
+        () = tokio::time::sleep_until(deadline) => {
             return Err(ProtoError::HandshakeTimeout.into());
         }
     };
@@ -237,7 +246,7 @@ async fn run_connection(conn: &quinn::Connection, device: &str, shared: &Arc<Sha
     }));
 
     // Control writer: the only task that writes to the control stream.
-    let writer = tokio::spawn(async move {
+    let mut writer = tokio::spawn(async move {
         while let Some(bytes) = out_rx.recv().await {
             if ctl_send.write_all(&bytes).await.is_err() {
                 break;
@@ -249,9 +258,10 @@ async fn run_connection(conn: &quinn::Connection, device: &str, shared: &Arc<Sha
     // Handshake: read until the session has seen Hello.
     let spool_id = {
         let mut buf = vec![0u8; 4096];
-        let deadline = tokio::time::Instant::now() + limits.handshake_timeout;
         loop {
             let n = tokio::select! {
+                biased;
+                _ = conn.accept_uni() => return Err(early_chunk().into()),
                 r = ctl_recv.read(&mut buf) => r.map_err(|e| ConnEnd::Lost(e.to_string()))?,
                 () = tokio::time::sleep_until(deadline) => return Err(ProtoError::HandshakeTimeout.into()),
             };
@@ -276,6 +286,11 @@ async fn run_connection(conn: &quinn::Connection, device: &str, shared: &Arc<Sha
 
     let cancel = shared.cancel.clone();
     let chunk_tasks = TaskTracker::new();
+    // A connection may hold at most an eighth of the server-wide budget (and always one
+    // maximum-size chunk), so one agent cannot starve the others.
+    let conn_kib = (shared.opts.memory_budget / 8).max(u64::from(limits.max_chunk_payload)).div_ceil(1024);
+    let conn_budget =
+        Arc::new(Semaphore::new(usize::try_from(conn_kib).unwrap_or(usize::MAX).min(Semaphore::MAX_PERMITS)));
     let (fail_tx, mut fail_rx) = mpsc::unbounded_channel::<ProtoError>();
     let result = loop {
         let mut buf = [0u8; 1024];
@@ -301,6 +316,7 @@ async fn run_connection(conn: &quinn::Connection, device: &str, shared: &Arc<Sha
                 Ok(recv) => {
                     let ctx = ChunkCtx {
                         device: device.to_owned(),
+                        conn_budget: conn_budget.clone(),
                         spool_id,
                         state: state.clone(),
                         shared: shared.clone(),
@@ -314,17 +330,27 @@ async fn run_connection(conn: &quinn::Connection, device: &str, shared: &Arc<Sha
     };
     chunk_tasks.close();
     if result.is_ok() {
-        // Orderly end (shutdown or agent finished): let chunks in flight complete within the grace.
-        let _late = tokio::time::timeout(shared.opts.shutdown_grace, chunk_tasks.wait()).await;
+        // Orderly end (shutdown, or the agent finished its control stream). Chunks in flight
+        // complete and are acked; the agent, told to go away, closes once it has its acks. The
+        // whole sequence is bounded by the grace period.
+        let deadline = tokio::time::Instant::now() + shared.opts.shutdown_grace;
+        let _late = tokio::time::timeout_at(deadline, chunk_tasks.wait()).await;
+        // Dropping the last state handle closes the outbox, so the writer flushes and finishes.
+        drop(state);
+        let _late = tokio::time::timeout_at(deadline, &mut writer).await;
+        let _late = tokio::time::timeout_at(deadline, conn.closed()).await;
         conn.close(ErrorCode::NoError.to_u32().into(), b"bye");
+    } else {
+        drop(state);
     }
-    drop(state);
     writer.abort();
     result
 }
 
 struct ChunkCtx {
     device: String,
+    /// This connection's share of the payload memory budget (KiB permits).
+    conn_budget: Arc<Semaphore>,
     spool_id: [u8; 16],
     state: Arc<Mutex<ConnState>>,
     shared: Arc<Shared>,
@@ -390,24 +416,42 @@ async fn process_chunk(
     let key_stream = header.stream.clone();
     let seq = header.seq;
 
-    // 2. Payload, under the memory budget. The header already passed the size limits, so the
-    //    declared length is bounded; memory is still only taken as bytes arrive.
+    // 2. Payload, under two memory budgets: this connection's share, waited for (a greedy or
+    //    stalled connection only slows itself), and the server-wide budget, waited for briefly
+    //    before the agent is told to retry later. The payload must then arrive at a minimum
+    //    rate, so a stalled stream cannot hold its budget forever.
     let payload_len = header.payload_len as usize;
     let kib = u32::try_from(payload_len.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
-    let _permit = match ctx.shared.budget.clone().acquire_many_owned(kib).await {
-        Ok(p) => p,
-        Err(_closed) => return Err(ChunkEnd::Stream("server shutting down".into())),
+    let Ok(_conn_permit) = ctx.conn_budget.clone().acquire_many_owned(kib).await else {
+        return Err(ChunkEnd::Stream("connection closing".into()));
     };
+    let _permit = match tokio::time::timeout(OVERLOAD_WAIT, ctx.shared.budget.clone().acquire_many_owned(kib)).await {
+        Ok(Ok(p)) => p,
+        Ok(Err(_closed)) => return Err(ChunkEnd::Stream("server shutting down".into())),
+        Err(_elapsed) => {
+            let _gone = recv.stop(0u32.into());
+            debug!(device = %ctx.device, stream = %key_stream, seq, "memory budget exhausted; asking the agent to retry");
+            return send_ack(ctx, &key_stream, seq, AckStatus::Retry(RetryReason::Overloaded));
+        }
+    };
+    let deadline = tokio::time::Instant::now() + payload_deadline(payload_len);
     let mut payload = BytesMut::with_capacity(payload_len.min(1 << 20));
     payload.extend_from_slice(&head[consumed..]);
     while payload.len() <= payload_len {
-        match recv.read_chunk(payload_len + 1 - payload.len(), true).await {
-            Ok(Some(c)) => payload.extend_from_slice(&c.bytes),
-            Ok(None) => break,
-            Err(e) => return Err(ChunkEnd::Stream(e.to_string())),
+        let chunk = tokio::time::timeout_at(deadline, recv.read_chunk(payload_len + 1 - payload.len(), true)).await;
+        match chunk {
+            Ok(Ok(Some(c))) => payload.extend_from_slice(&c.bytes),
+            Ok(Ok(None)) => break,
+            Ok(Err(e)) => return Err(ChunkEnd::Stream(e.to_string())),
+            Err(_elapsed) => {
+                let _gone = recv.stop(0u32.into());
+                warn!(device = %ctx.device, stream = %key_stream, seq, received = payload.len(), payload_len, "chunk payload too slow; asking the agent to retry");
+                return send_ack(ctx, &key_stream, seq, AckStatus::Retry(RetryReason::Overloaded));
+            }
         }
     }
     let payload: Bytes = payload.freeze();
+    let received = Instant::now();
 
     // 3. Verify: exact length, checksum, record framing.
     let status = if let Err(e) = header.verify_payload(&payload) {
@@ -432,7 +476,11 @@ async fn process_chunk(
             created_ms: header.created_ms,
             payload: payload.clone(),
         };
-        match ctx.shared.store.persist(incoming).await {
+        let outcome = ctx.shared.store.persist(incoming).await;
+        if outcome.is_durable() {
+            ctx.shared.counters.persist_latency.observe(received.elapsed());
+        }
+        match outcome {
             PersistOutcome::Stored => {
                 let c = &ctx.shared.counters;
                 c.chunks_stored_total.fetch_add(1, Ordering::Relaxed);
@@ -455,19 +503,32 @@ async fn process_chunk(
             }
         }
     };
+    send_ack(ctx, &key_stream, seq, status)
+}
+
+/// Queues the ack for one chunk on the control stream.
+fn send_ack(ctx: &ChunkCtx, stream: &StreamName, seq: u64, status: AckStatus) -> Result<(), ChunkEnd> {
+    let counters = &ctx.shared.counters;
     match status {
-        AckStatus::Rejected(_) => {
-            ctx.shared.counters.chunks_rejected_total.fetch_add(1, Ordering::Relaxed);
-        }
-        AckStatus::Retry(_) => {
-            ctx.shared.counters.chunks_retry_total.fetch_add(1, Ordering::Relaxed);
-        }
-        _ => {}
-    }
+        AckStatus::Rejected(_) => counters.chunks_rejected_total.fetch_add(1, Ordering::Relaxed),
+        AckStatus::Retry(_) => counters.chunks_retry_total.fetch_add(1, Ordering::Relaxed),
+        AckStatus::Stored | AckStatus::Duplicate => 0,
+    };
     let mut st = lock(&ctx.state);
-    st.session.ack(&key_stream, seq, status)?;
+    st.session.ack(stream, seq, status)?;
     st.flush();
     Ok(())
+}
+
+/// How long the server waits for server-wide memory before answering `Retry(Overloaded)`.
+const OVERLOAD_WAIT: Duration = Duration::from_secs(1);
+/// Slowest payload rate tolerated (bytes per second), on top of a fixed allowance.
+const MIN_PAYLOAD_RATE: u64 = 16 * 1024;
+const PAYLOAD_ALLOWANCE: Duration = Duration::from_secs(10);
+
+/// Time allowed for a payload of `len` bytes to arrive.
+fn payload_deadline(len: usize) -> Duration {
+    PAYLOAD_ALLOWANCE + Duration::from_secs(len as u64 / MIN_PAYLOAD_RATE)
 }
 
 /// Checks that the payload splits into exactly the announced records.

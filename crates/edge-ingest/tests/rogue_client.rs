@@ -573,9 +573,10 @@ async fn a_chunk_with_a_wrong_checksum_is_rejected_and_the_connection_stays_usab
     let mut bad = good.clone();
     bad.payload[5] ^= 0xff; // Inside the first record; the header keeps the good checksum.
 
+    let honest_batch = honest_chunks(0..3);
     let (statuses, ()) = tokio::join!(
-        bounded("bad chunk is acked", rogue.upload(&[bad])),
-        honest.upload_stored("honest upload", &honest_chunks(0..3))
+        bounded("bad chunk is acked", rogue.upload(std::slice::from_ref(&bad))),
+        honest.upload_stored("honest upload", &honest_batch)
     );
     assert_eq!(statuses, [AckStatus::Rejected(RejectReason::BadChecksum)]);
 
@@ -594,7 +595,7 @@ async fn a_chunk_with_a_wrong_checksum_is_rejected_and_the_connection_stays_usab
 
     let (exported, report) = rig.finish().await;
     assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[good]);
-    assert_exported_once(&exported, HONEST, HONEST_SPOOL, &honest_chunks(0..3));
+    assert_exported_once(&exported, HONEST, HONEST_SPOOL, &honest_batch);
     assert_eq!(report.duplicate_entries, 0);
 }
 
@@ -602,8 +603,6 @@ async fn a_chunk_with_a_wrong_checksum_is_rejected_and_the_connection_stays_usab
 /// `ProtocolViolation`). The chunk is fully received by the server's QUIC stack (the peer acked
 /// every byte) before the rogue sends its Hello.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "server bug: server.rs accepts chunk streams only after Hello, so a chunk sent before \
-            Hello is stored instead of refused (see the rogue_client report)"]
 async fn a_chunk_stream_sent_before_hello_is_closed_with_protocol_violation() {
     let rig = Rig::start().await;
     let conn = bounded("rogue connects", rig.rogue.connect()).await;
@@ -614,32 +613,50 @@ async fn a_chunk_stream_sent_before_hello_is_closed_with_protocol_violation() {
     // Resolves once the server's QUIC stack acknowledged every byte, or it stopped the stream.
     let stopped = bounded("server receives the early chunk", uni.stopped()).await;
 
-    let (mut send, mut recv) = conn.open_bi().await.expect("open the control stream");
+    // The server may already have closed the connection when it saw the early chunk; then
+    // opening the control stream fails with that close.
+    let (mut send, mut recv) = match conn.open_bi().await {
+        Ok(streams) => streams,
+        Err(closed) => {
+            assert_closed_with("chunk before Hello", &closed, ErrorCode::ProtocolViolation);
+            assert_eq!(rig.counters().protocol_errors_total.load(Ordering::Relaxed), 1);
+            let (exported, _) = rig.finish().await;
+            assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[]);
+            return;
+        }
+    };
     let mut session = ClientSession::new(ROGUE_SPOOL, "rogue/0.0".into(), Limits::default(), Instant::now());
     session.chunk_sent(&early.header.stream, early.header.seq).expect_err("a real agent cannot do this");
     while let Some(bytes) = session.poll_transmit() {
         write_unless_closed(&mut send, &bytes).await;
     }
-    // Read what the server answers until it closes: a Welcome is fine, an Ack is not.
-    let answers = async {
+    // The server must close the connection; an Ack for the early chunk means it accepted it.
+    let first_ack = async {
         let mut buf = [0u8; 4096];
-        let mut decoded = Vec::new();
         let mut pending = Vec::new();
         while let Ok(Some(n)) = recv.read(&mut buf).await {
             pending.extend_from_slice(&buf[..n]);
             while let Ok(Some((frame, used))) = ControlFrame::decode(&pending, &Limits::default()) {
                 pending.drain(..used);
-                decoded.push(frame);
+                if matches!(frame, ControlFrame::Ack { .. }) {
+                    return frame;
+                }
             }
         }
-        decoded
+        // The control stream ended without an Ack: let `closed` decide.
+        std::future::pending().await
     };
-    let (closed, answers) =
-        bounded("server reacts to the early chunk", async { tokio::join!(conn.closed(), answers) }).await;
-    assert!(
-        !answers.iter().any(|f| matches!(f, ControlFrame::Ack { .. })),
-        "the server acked a chunk sent before Hello: {answers:?} (stream stopped: {stopped:?})"
-    );
+    let closed = bounded("server reacts to the early chunk", async {
+        tokio::select! {
+            closed = conn.closed() => closed,
+            ack = first_ack => panic!(
+                "the server accepted a chunk sent before Hello and answered {ack:?} \
+                 (chunk stream stopped: {stopped:?}, stored so far: {})",
+                rig.counters().chunks_stored_total.load(Ordering::Relaxed)
+            ),
+        }
+    })
+    .await;
     assert_closed_with("chunk before Hello", &closed, ErrorCode::ProtocolViolation);
     assert_eq!(rig.counters().protocol_errors_total.load(Ordering::Relaxed), 1);
 
@@ -672,7 +689,7 @@ async fn every_attack_at_once_is_refused_while_an_honest_agent_keeps_storing() {
             statuses
         })
     };
-    // Upload in small batches until every attack has been answered, then one more batch.
+    // Upload a small batch alongside each attack's end, until every attack has been answered.
     let mut next_seq = 4;
     let mut closes = Vec::new();
     while closes.len() < Attack::ALL.len() {
@@ -710,4 +727,45 @@ async fn every_attack_at_once_is_refused_while_an_honest_agent_keeps_storing() {
     assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[]);
     assert_eq!(report.duplicate_entries, 0, "each chunk was written once");
     assert_eq!(report.corrupt, 0);
+}
+
+/// A rogue that declares maximum-size payloads and then stalls must not starve other agents.
+///
+/// A connection that opens `memory_budget / max_chunk_payload + 1` maximum-size chunk streams
+/// (17 with the defaults) and then stalls can hold only its own share of the payload memory
+/// budget, so another agent's chunks are still received and acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rogue_stalling_max_size_chunks_does_not_starve_other_agents() {
+    let rig = Rig::start().await;
+    let mut honest = rig.honest_agent().await;
+    let (conn, _rogue) = bounded("rogue connects", async {
+        let conn = rig.rogue.connect().await;
+        let rogue = Agent::connect(&conn, ROGUE_SPOOL).await;
+        (conn, rogue)
+    })
+    .await;
+    let opts = ServerOptions::default();
+    let max = opts.limits.max_chunk_payload;
+    let stalled = opts.memory_budget / u64::from(max) + 1;
+    let mut held = Held::default();
+    for seq in 0..stalled {
+        // A valid header: one record of `max` bytes; only the header is ever sent.
+        let header = ChunkHeader { raw_len: max, payload_len: max, records: 1, ..chunk("rogue.stall", seq).header };
+        let mut bytes = Vec::new();
+        header.encode(&mut bytes);
+        bounded("rogue opens a stalled chunk stream", held.uni(&conn, &bytes)).await;
+    }
+    // A healthy server acks a small chunk in milliseconds; allow far more before calling it
+    // starved. The first uploads may still overtake the rogue's headers.
+    for seq in 0..20 {
+        let batch = honest_chunks(seq..seq + 1);
+        match tokio::time::timeout(Duration::from_secs(5), honest.upload(&batch)).await {
+            Ok(statuses) => assert_eq!(statuses, [AckStatus::Stored], "honest chunk {seq}"),
+            Err(_) => panic!("honest chunk {seq} got no ack within 5 s while {stalled} rogue chunk streams stall"),
+        }
+    }
+    drop(held);
+    honest.close();
+    let (exported, _) = rig.finish().await;
+    assert_exported_once(&exported, HONEST, HONEST_SPOOL, &honest_chunks(0..20));
 }

@@ -1,7 +1,10 @@
-//! Telemetry shared by both daemons: log setup and systemd readiness notifications.
+//! Telemetry shared by both daemons: log setup, the Prometheus `/metrics` server and systemd
+//! readiness notifications.
 //!
-//! Kept deliberately small: each daemon owns its own metrics; this crate only holds what both
-//! need to behave like a well-mannered systemd service.
+//! Kept deliberately small: each daemon owns its metric names, handles and collectors; this
+//! crate only holds the plumbing both need to be observable and to behave like a well-mannered
+//! systemd service.
 
 pub mod logging;
+pub mod metrics;
 pub mod notify;

@@ -7,7 +7,7 @@ fn send(state: &[NotifyState<'_>]) {
     if std::env::var_os("NOTIFY_SOCKET").is_none() {
         return;
     }
-    if let Err(e) = sd_notify::notify(false, state) {
+    if let Err(e) = sd_notify::notify(state) {
         tracing::warn!(error = %e, "sd_notify failed");
     }
 }
@@ -32,11 +32,8 @@ pub fn status(text: &str) {
     send(&[NotifyState::Status(text)]);
 }
 
-/// The watchdog interval systemd asked for, halved as systemd recommends; `None` when disabled.
+/// The watchdog interval systemd asked for, halved as systemd recommends; `None` when disabled,
+/// or when `WATCHDOG_PID` names another process (the variables were inherited).
 pub fn watchdog_interval() -> Option<std::time::Duration> {
-    let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok()?;
-    if usec == 0 {
-        return None;
-    }
-    Some(std::time::Duration::from_micros(usec / 2))
+    sd_notify::watchdog_enabled().filter(|d| !d.is_zero()).map(|d| d / 2)
 }

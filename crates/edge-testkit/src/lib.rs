@@ -24,7 +24,9 @@ pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
             let release = profile_dir.file_name().is_some_and(|n| n == "release");
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             let mut cmd = Command::new(cargo);
-            cmd.args(["build", "--quiet", "--bins", "-p", "edge-uploader", "-p", "edge-ingest"]);
+            // The same selection as `cargo test --workspace`, so features unify the same way and
+            // this is a no-op after the test build instead of a rebuild with other features.
+            cmd.args(["build", "--quiet", "--workspace", "--all-targets"]);
             if release {
                 cmd.arg("--release");
             }
@@ -169,6 +171,32 @@ impl Daemon {
             c.wait()?;
         }
         Ok(())
+    }
+
+    /// Sends a signal by name (`HUP`, `TERM`, ...) without waiting.
+    pub fn signal(&self, name: &str) -> anyhow::Result<()> {
+        let pid = self.child.as_ref().context("not running")?.id();
+        let status = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).status()?;
+        anyhow::ensure!(status.success(), "kill -{name} {pid} failed");
+        Ok(())
+    }
+
+    /// Waits until the daemon's log contains `needle` (the daemon runs in another process;
+    /// its log is the event we can observe).
+    pub fn wait_log(&self, needle: &str, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if std::fs::read_to_string(&self.log).unwrap_or_default().contains(needle) {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "{} never logged {needle:?}; log: {}",
+                self.name,
+                self.tail_log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// SIGTERM, then wait for the exit status.

@@ -11,7 +11,7 @@ use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -19,7 +19,7 @@ use edge_spool::{Spool, SpoolStats};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::config::Config;
 use crate::intake::{Intake, IntakeCounters};
@@ -38,6 +38,8 @@ pub struct Agent {
     tasks: TaskTracker,
     uploader: tokio::task::JoinHandle<anyhow::Result<()>>,
     intake_socket: PathBuf,
+    /// Shared with the uploader; changed by a configuration reload.
+    max_in_flight: Arc<AtomicU32>,
 }
 
 impl Agent {
@@ -66,7 +68,9 @@ impl Agent {
             accepting: AtomicBool::new(true),
             counters: Arc::new(IntakeCounters::default()),
             upload: upload.clone(),
+            settings: std::sync::Mutex::new(serde_json::Value::Null),
         });
+        intake.set_settings(config);
         let cancel_intake = CancellationToken::new();
         let tasks = TaskTracker::new();
         let unix = bind_unix(&config.intake.socket, config.intake.socket_mode)?;
@@ -94,12 +98,13 @@ impl Agent {
         let client_config = edge_transport::client_config(&config.upload.tls, &config.upload.tuning)
             .context("loading the agent's TLS files (upload.ca, upload.cert, upload.key)")?;
         let cancel_upload = CancellationToken::new();
+        let max_in_flight = Arc::new(AtomicU32::new(config.upload.max_in_flight));
         let uopts = UploaderOptions {
             server: config.upload.server.clone(),
             server_name: config.upload.server_name.clone(),
             client_config,
             bind: config.upload.bind,
-            max_in_flight: config.upload.max_in_flight,
+            max_in_flight: max_in_flight.clone(),
             backoff_min: config.upload.backoff_min,
             backoff_max: config.upload.backoff_max,
             compression: config.upload.compression,
@@ -119,6 +124,7 @@ impl Agent {
             tasks,
             uploader,
             intake_socket: config.intake.socket.clone(),
+            max_in_flight,
         })
     }
 
@@ -140,6 +146,43 @@ impl Agent {
     /// Intake counters.
     pub fn intake(&self) -> &Arc<IntakeCounters> {
         &self.intake.counters
+    }
+
+    /// Applies what can change at run time from a freshly loaded, valid configuration: the log
+    /// level, the spool's size limit and full policy, and the number of chunks in flight. Returns
+    /// the keys whose change needs a restart (they keep their running values).
+    pub fn reload(&self, running: &Config, new: &Config) -> Vec<&'static str> {
+        if let Err(e) = edge_telemetry::logging::set_level(&new.log_level) {
+            warn!(error = %e, "log.level not applied");
+        }
+        self.spool.set_limits(new.spool.max_bytes, new.spool.full_policy);
+        self.max_in_flight.store(new.upload.max_in_flight, Ordering::Relaxed);
+        self.intake.set_settings(new);
+        let (a, b) = (running, new);
+        let fixed: [(&'static str, bool); 13] = [
+            ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
+            ("intake.tcp", a.intake.tcp != b.intake.tcp),
+            ("intake.max_record_bytes", a.intake.max_record_bytes != b.intake.max_record_bytes),
+            ("intake.max_request_bytes", a.intake.max_request_bytes != b.intake.max_request_bytes),
+            ("spool.path", a.spool.path != b.spool.path),
+            ("spool.durability", a.spool.durability != b.spool.durability),
+            ("spool.chunk_target", a.spool.chunk_target_bytes != b.spool.chunk_target_bytes),
+            ("spool.linger", a.spool.linger != b.spool.linger),
+            ("upload.server", a.upload.server != b.upload.server || a.upload.server_name != b.upload.server_name),
+            (
+                "upload.tls",
+                a.upload.tls.cert != b.upload.tls.cert
+                    || a.upload.tls.key != b.upload.tls.key
+                    || a.upload.tls.server_ca != b.upload.tls.server_ca,
+            ),
+            (
+                "upload.backoff",
+                a.upload.backoff_min != b.upload.backoff_min || a.upload.backoff_max != b.upload.backoff_max,
+            ),
+            ("upload.bind", a.upload.bind != b.upload.bind || a.upload.compression != b.upload.compression),
+            ("metrics.listen", a.metrics_listen != b.metrics_listen),
+        ];
+        fixed.into_iter().filter(|(_, changed)| *changed).map(|(k, _)| k).collect()
     }
 
     /// The shutdown sequence described in the module docs.
@@ -168,13 +211,39 @@ impl Agent {
 
 /// Runs the daemon until `shutdown` resolves.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    // Metrics (see `metrics`): the daemon's one registry, served until the agent has stopped.
+    let metrics_listener = crate::metrics::bind(config.metrics_listen).await?;
     let agent = Agent::start(&config).await?;
+    let registry = prometheus::Registry::new();
+    crate::metrics::register(&registry, agent.spool.stats_view(), agent.intake(), agent.upload())
+        .context("registering metrics")?;
+    let metrics = crate::metrics::MetricsServer::start(metrics_listener, registry);
     edge_telemetry::notify::ready();
     let watchdog = edge_telemetry::notify::watchdog_interval();
     tokio::pin!(shutdown);
+    let mut hangup =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).context("listening for SIGHUP")?;
+    let mut running = config;
     loop {
         tokio::select! {
             () = &mut shutdown => break,
+            _ = hangup.recv() => {
+                // An invalid new file is refused as a whole; the running configuration stays.
+                match crate::config::load(running.source.as_deref()) {
+                    Ok(new) => {
+                        let restart = agent.reload(&running, &new);
+                        if !restart.is_empty() {
+                            warn!(keys = ?restart, "changed keys take effect at the next restart");
+                        }
+                        info!(log_level = %new.log_level, max_bytes = new.spool.max_bytes, max_in_flight = new.upload.max_in_flight, "configuration reloaded");
+                        running.log_level = new.log_level;
+                        running.spool.max_bytes = new.spool.max_bytes;
+                        running.spool.full_policy = new.spool.full_policy;
+                        running.upload.max_in_flight = new.upload.max_in_flight;
+                    }
+                    Err(e) => error!(error = %format!("{e:#}"), "configuration reload refused; the running configuration stays in force"),
+                }
+            }
             () = async { match watchdog { Some(i) => tokio::time::sleep(i).await, None => std::future::pending().await } } => {
                 edge_telemetry::notify::watchdog();
             }
@@ -183,6 +252,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     edge_telemetry::notify::stopping();
     info!("shutting down");
     agent.shutdown().await;
+    metrics.stop().await;
     info!("stopped");
     Ok(())
 }

@@ -26,6 +26,7 @@ pub struct RawConfig {
     pub intake: RawIntake,
     pub spool: RawSpool,
     pub upload: RawUpload,
+    pub metrics: RawMetrics,
     pub log: RawLog,
 }
 
@@ -114,6 +115,19 @@ impl Default for RawUpload {
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
+pub struct RawMetrics {
+    /// `host:port` of the Prometheus `/metrics` endpoint; empty disables it.
+    pub listen: String,
+}
+
+impl Default for RawMetrics {
+    fn default() -> Self {
+        Self { listen: "127.0.0.1:9171".into() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct RawLog {
     pub level: String,
     pub format: String,
@@ -176,6 +190,8 @@ pub struct Config {
     pub intake: IntakeConfig,
     pub spool: SpoolOptions,
     pub upload: UploadConfig,
+    /// Address of the `/metrics` endpoint; `None` when disabled.
+    pub metrics_listen: Option<SocketAddr>,
     pub log_level: String,
     pub log_format: edge_telemetry::logging::LogFormat,
     /// Where the config came from, for messages.
@@ -208,7 +224,8 @@ pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
     let raw: RawConfig = builder.build().and_then(|c| c.try_deserialize()).map_err(|e| {
         anyhow::anyhow!("{}: {e}", if exists { path.display().to_string() } else { "environment".into() })
     })?;
-    validate(raw, exists.then_some(path))
+    let origin = if exists { path.display().to_string() } else { "built-in defaults and environment".into() };
+    validate(raw, exists.then_some(path)).map_err(|e| anyhow::anyhow!("{origin}: {e:#}"))
 }
 
 /// Turns a raw config into a runtime config, naming the key on every error.
@@ -287,6 +304,12 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             bail!("{key}: file {} does not exist or is not a regular file", p.display());
         }
     }
+    let metrics_listen = match raw.metrics.listen.trim() {
+        "" => None,
+        s => Some(s.parse::<SocketAddr>().map_err(|_| {
+            anyhow::anyhow!("metrics.listen: {s:?} is not an address like 127.0.0.1:9171 (empty disables metrics)")
+        })?),
+    };
     let log_format = match raw.log.format.as_str() {
         "text" => edge_telemetry::logging::LogFormat::Text,
         "json" => edge_telemetry::logging::LogFormat::Json,
@@ -326,6 +349,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             compression,
             tuning: edge_transport::Tuning::default(),
         },
+        metrics_listen,
         log_level: raw.log.level,
         log_format,
         source,

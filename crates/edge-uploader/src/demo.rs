@@ -246,7 +246,7 @@ pub async fn run(opts: DemoOptions) -> anyhow::Result<Summary> {
         let l = agent.upload().latency_ms.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         (l.quantile(0.5), l.quantile(0.99))
     };
-    let chunks_acked = agent.upload().chunks_acked_total.load(Ordering::Relaxed);
+    let chunks_acked = agent.upload().chunks_acked();
     agent.shutdown().await;
     server.shutdown().await;
     drop(store);

@@ -48,14 +48,94 @@ pub struct Intake {
     pub counters: Arc<IntakeCounters>,
     /// Upload state, reported by `GET /v1/status`.
     pub upload: Arc<crate::uploader::UploadCounters>,
+    /// The settings a reload can change, as now in force, reported by `GET /v1/status`.
+    pub settings: std::sync::Mutex<serde_json::Value>,
 }
 
-/// What intake accepted, for metrics and the demo.
+impl Intake {
+    /// Records the reloadable settings in force.
+    pub fn set_settings(&self, config: &crate::config::Config) {
+        let policy = match config.spool.full_policy {
+            edge_spool::FullPolicy::Reject => "reject",
+            edge_spool::FullPolicy::DropOldest => "drop_oldest",
+        };
+        *self.settings.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = json!({
+            "log_level": config.log_level,
+            "spool_max_bytes": config.spool.max_bytes,
+            "spool_full_policy": policy,
+            "max_in_flight": config.upload.max_in_flight,
+        });
+    }
+}
+
+/// What intake accepted and refused, for `GET /v1/status`, metrics and the demo.
 #[derive(Debug, Default)]
 pub struct IntakeCounters {
     pub records_total: AtomicU64,
     pub bytes_total: AtomicU64,
     pub requests_rejected_total: AtomicU64,
+    /// The same events by stream and by reason, for `/metrics`.
+    pub metrics: crate::metrics::IntakeMetrics,
+}
+
+impl IntakeCounters {
+    /// Counts a committed request: the totals here and the per-stream counters in one place.
+    fn accepted(&self, stream: &str, records: u64, bytes: u64) {
+        self.records_total.fetch_add(records, Ordering::Relaxed);
+        self.bytes_total.fetch_add(bytes, Ordering::Relaxed);
+        self.metrics.accepted(stream, records, bytes);
+    }
+
+    /// Counts a refused request.
+    fn rejected(&self, reason: Rejection) {
+        self.requests_rejected_total.fetch_add(1, Ordering::Relaxed);
+        self.metrics.rejected(reason);
+    }
+}
+
+/// Why a request was refused: the `error` code of the answer, and the `reason` label of
+/// `edge_uploader_intake_rejected_total` (a closed set, so the label stays bounded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejection {
+    ShuttingDown,
+    BadStreamName,
+    UnsupportedContentType,
+    RequestTooLarge,
+    BadBody,
+    EmptyBody,
+    RecordTooLarge,
+    SpoolFull,
+    StorageError,
+}
+
+impl Rejection {
+    /// Every reason, so the metric can show each one at 0 before it first happens.
+    pub const ALL: [Rejection; 9] = [
+        Rejection::ShuttingDown,
+        Rejection::BadStreamName,
+        Rejection::UnsupportedContentType,
+        Rejection::RequestTooLarge,
+        Rejection::BadBody,
+        Rejection::EmptyBody,
+        Rejection::RecordTooLarge,
+        Rejection::SpoolFull,
+        Rejection::StorageError,
+    ];
+
+    /// The code as it appears in the JSON answer and in the metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rejection::ShuttingDown => "shutting_down",
+            Rejection::BadStreamName => "bad_stream_name",
+            Rejection::UnsupportedContentType => "unsupported_content_type",
+            Rejection::RequestTooLarge => "request_too_large",
+            Rejection::BadBody => "bad_body",
+            Rejection::EmptyBody => "empty_body",
+            Rejection::RecordTooLarge => "record_too_large",
+            Rejection::SpoolFull => "spool_full",
+            Rejection::StorageError => "storage_error",
+        }
+    }
 }
 
 /// The HTTP routes.
@@ -67,8 +147,12 @@ pub fn router(intake: Arc<Intake>) -> Router {
         .with_state(intake)
 }
 
-fn error(status: StatusCode, error: &str, detail: impl Into<String>) -> Response {
-    (status, axum::Json(json!({ "error": error, "detail": detail.into() }))).into_response()
+/// Every refusal goes through here; the reason rides along in the response extensions so
+/// `post_records` can count it.
+fn error(status: StatusCode, reason: Rejection, detail: impl Into<String>) -> Response {
+    let mut resp = (status, axum::Json(json!({ "error": reason.as_str(), "detail": detail.into() }))).into_response();
+    resp.extensions_mut().insert(reason);
+    resp
 }
 
 /// `GET /v1/status`: spool and upload state as JSON (`"version": 1`).
@@ -85,8 +169,10 @@ pub fn status_json(intake: &Intake) -> serde_json::Value {
         (l.quantile(0.5), l.quantile(0.99))
     };
     let last_error = u.last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    let settings = intake.settings.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
     json!({
         "version": 1,
+        "settings": settings,
         "spool": {
             "id": intake.spool.id().to_string(),
             "sealed_chunks": s.sealed_chunks,
@@ -112,12 +198,12 @@ pub fn status_json(intake: &Intake) -> serde_json::Value {
             "connected": u.connected.load(Ordering::Relaxed),
             "connects_total": u.connects_total.load(Ordering::Relaxed),
             "in_flight": u.in_flight.load(Ordering::Relaxed),
-            "chunks_acked_total": u.chunks_acked_total.load(Ordering::Relaxed),
-            "chunks_duplicate_total": u.chunks_duplicate_total.load(Ordering::Relaxed),
-            "chunks_retry_total": u.chunks_retry_total.load(Ordering::Relaxed),
-            "chunks_rejected_total": u.chunks_rejected_total.load(Ordering::Relaxed),
+            "chunks_acked_total": u.chunks_acked(),
+            "chunks_duplicate_total": u.duplicate.chunks(),
+            "chunks_retry_total": u.retry.chunks(),
+            "chunks_rejected_total": u.rejected.chunks(),
             "records_acked_total": u.records_acked_total.load(Ordering::Relaxed),
-            "bytes_acked_total": u.bytes_acked_total.load(Ordering::Relaxed),
+            "bytes_acked_total": u.bytes_acked(),
             "latency_p50_ms": p50,
             "latency_p99_ms": p99,
             "last_error": last_error,
@@ -132,19 +218,23 @@ async fn post_records(
     body: Body,
 ) -> Response {
     let resp = handle(&intake, &stream, &headers, body).await;
-    if !resp.status().is_success() {
-        intake.counters.requests_rejected_total.fetch_add(1, Ordering::Relaxed);
+    if let Some(&reason) = resp.extensions().get::<Rejection>() {
+        intake.counters.rejected(reason);
     }
     resp
 }
 
 async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) -> Response {
     if !intake.accepting.load(Ordering::Acquire) {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", "the agent is shutting down; retry later");
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::ShuttingDown,
+            "the agent is shutting down; retry later",
+        );
     }
     let stream = match StreamName::new(stream) {
         Ok(s) => s,
-        Err(e) => return error(StatusCode::BAD_REQUEST, "bad_stream_name", format!("{stream:?}: {e}")),
+        Err(e) => return error(StatusCode::BAD_REQUEST, Rejection::BadStreamName, format!("{stream:?}: {e}")),
     };
     let ctype = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("application/x-ndjson");
     let mime = ctype.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
@@ -154,7 +244,7 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
         other => {
             return error(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_content_type",
+                Rejection::UnsupportedContentType,
                 format!("{other:?}; use application/x-ndjson or application/octet-stream"),
             );
         }
@@ -166,11 +256,11 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
             if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
                 return error(
                     StatusCode::PAYLOAD_TOO_LARGE,
-                    "request_too_large",
+                    Rejection::RequestTooLarge,
                     format!("body exceeds intake.max_request_bytes = {}", intake.max_request_bytes),
                 );
             }
-            return error(StatusCode::BAD_REQUEST, "bad_body", format!("could not read the body: {e}"));
+            return error(StatusCode::BAD_REQUEST, Rejection::BadBody, format!("could not read the body: {e}"));
         }
     };
     let records: Vec<&[u8]> = if ndjson {
@@ -181,12 +271,12 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
         vec![&bytes[..]]
     };
     if records.is_empty() {
-        return error(StatusCode::BAD_REQUEST, "empty_body", "the request carries no records");
+        return error(StatusCode::BAD_REQUEST, Rejection::EmptyBody, "the request carries no records");
     }
     if let Some((i, r)) = records.iter().enumerate().find(|(_, r)| r.len() > intake.max_record_bytes) {
         return error(
             StatusCode::PAYLOAD_TOO_LARGE,
-            "record_too_large",
+            Rejection::RecordTooLarge,
             format!("record {} is {} bytes; intake.max_record_bytes = {}", i + 1, r.len(), intake.max_record_bytes),
         );
     }
@@ -215,16 +305,19 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
     let n = records.len() as u64;
     match intake.spool.append(AppendRequest { batches }).await {
         Ok(()) => {
-            intake.counters.records_total.fetch_add(n, Ordering::Relaxed);
-            intake.counters.bytes_total.fetch_add(payload_bytes, Ordering::Relaxed);
+            intake.counters.accepted(stream.as_str(), n, payload_bytes);
             (StatusCode::OK, axum::Json(json!({ "records": n, "bytes": payload_bytes }))).into_response()
         }
         Err(f @ (AppendFailure::Full | AppendFailure::DiskFull)) => {
-            let mut resp = error(StatusCode::INSUFFICIENT_STORAGE, "spool_full", f.to_string());
+            let mut resp = error(StatusCode::INSUFFICIENT_STORAGE, Rejection::SpoolFull, f.to_string());
             resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
             resp
         }
-        Err(AppendFailure::Closed) => error(StatusCode::SERVICE_UNAVAILABLE, "shutting_down", "the spool is closed"),
-        Err(f @ AppendFailure::Storage(_)) => error(StatusCode::INTERNAL_SERVER_ERROR, "storage_error", f.to_string()),
+        Err(AppendFailure::Closed) => {
+            error(StatusCode::SERVICE_UNAVAILABLE, Rejection::ShuttingDown, "the spool is closed")
+        }
+        Err(f @ AppendFailure::Storage(_)) => {
+            error(StatusCode::INTERNAL_SERVER_ERROR, Rejection::StorageError, f.to_string())
+        }
     }
 }

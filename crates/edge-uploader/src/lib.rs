@@ -10,7 +10,9 @@ pub mod client;
 pub mod config;
 pub mod demo;
 pub mod intake;
+pub mod metrics;
 pub mod spool_task;
+pub mod status;
 pub mod uploader;
 
 /// Exit code for configuration errors (`EX_CONFIG`); systemd is told not to restart on it.

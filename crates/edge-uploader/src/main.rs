@@ -50,6 +50,20 @@ enum Command {
         /// Input file; stdin when absent or "-".
         file: Option<PathBuf>,
     },
+    /// Show the running agent's state. Exit 0 healthy, 1 degraded, 3 not running.
+    Status {
+        /// Print one JSON object (with "version": 1) instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Degraded when the oldest unacknowledged data is older than this.
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        max_backlog_age: Duration,
+        /// Socket of the agent (default: from the config).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
     /// Start an ingest server and an agent locally, stream synthetic sensor data, verify delivery.
     Demo {
         /// Stop after this many records (default 100000 when --duration is not given).
@@ -93,6 +107,37 @@ fn main() -> ExitCode {
                 return ExitCode::from(EXIT_CONFIG as u8);
             }
             report(runtime().and_then(|rt| rt.block_on(edge_uploader::agent::run(cfg, shutdown_signal()))))
+        }
+        Command::Status { json, max_backlog_age, socket, config } => {
+            let socket = socket.unwrap_or_else(|| socket_from_config(config));
+            match runtime().map(|rt| rt.block_on(edge_uploader::status::fetch(&socket))) {
+                Ok(Some(doc)) => {
+                    let now = edge_uploader::status::now_ms();
+                    let reasons = edge_uploader::status::degraded_reasons(&doc, max_backlog_age, now);
+                    if json {
+                        let mut doc = doc;
+                        doc["healthy"] = serde_json::Value::Bool(reasons.is_empty());
+                        doc["degraded_reasons"] = serde_json::json!(reasons);
+                        println!("{doc}");
+                    } else {
+                        print!("{}", edge_uploader::status::render(&doc, &reasons, now));
+                    }
+                    ExitCode::from(if reasons.is_empty() {
+                        edge_uploader::status::EXIT_HEALTHY
+                    } else {
+                        edge_uploader::status::EXIT_DEGRADED
+                    })
+                }
+                Ok(None) => {
+                    if json {
+                        println!("{}", serde_json::json!({"version": 1, "running": false, "socket": socket}));
+                    } else {
+                        eprintln!("edge-uploader is not running (nothing answers on {})", socket.display());
+                    }
+                    ExitCode::from(edge_uploader::status::EXIT_NOT_RUNNING)
+                }
+                Err(e) => report(Err(e)),
+            }
         }
         Command::Push { stream, raw, socket, config, file } => {
             report(runtime().and_then(|rt| rt.block_on(push(stream, raw, socket, config, file))))
@@ -172,22 +217,8 @@ async fn push(
     config: Option<PathBuf>,
     file: Option<PathBuf>,
 ) -> anyhow::Result<()> {
-    let socket = match socket {
-        Some(s) => s,
-        None => {
-            // Only the socket path is needed; read it without requiring TLS files to exist.
-            let path = config.unwrap_or_else(|| PathBuf::from(config::DEFAULT_CONFIG_PATH));
-            match std::fs::read_to_string(&path) {
-                Ok(text) => {
-                    toml::from_str::<config::RawConfig>(&text)
-                        .with_context(|| format!("parsing {}", path.display()))?
-                        .intake
-                        .socket
-                }
-                Err(_) => config::RawConfig::default().intake.socket,
-            }
-        }
-    };
+    edge_proto::StreamName::new(&stream).with_context(|| format!("stream name {stream:?}"))?;
+    let socket = socket.unwrap_or_else(|| socket_from_config(config));
     let data = match file.as_deref() {
         None => read_stdin()?,
         Some(p) if p.as_os_str() == "-" => read_stdin()?,
@@ -206,6 +237,18 @@ async fn push(
     } else {
         anyhow::bail!("intake refused the data (HTTP {}): {}", resp.status, resp.body)
     }
+}
+
+/// The intake socket named in the config (or the default). Only that key is needed, so the
+/// file is read without requiring the TLS files to exist; an unreadable file means the default.
+fn socket_from_config(config: Option<PathBuf>) -> PathBuf {
+    let path = config.unwrap_or_else(|| PathBuf::from(config::DEFAULT_CONFIG_PATH));
+    std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|text| toml::from_str::<config::RawConfig>(&text).ok())
+        .unwrap_or_default()
+        .intake
+        .socket
 }
 
 fn read_stdin() -> anyhow::Result<Vec<u8>> {

@@ -127,6 +127,12 @@ impl SpoolHandle {
         self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
+    /// A read-only view of the statistics for observers (the metrics collector). Unlike a
+    /// handle it does not keep the spool thread running, so shutdown is not held up by it.
+    pub fn stats_view(&self) -> SpoolStatsView {
+        SpoolStatsView(self.stats.clone())
+    }
+
     /// Resolves when new chunks were sealed since the last call.
     pub async fn sealed(&self) {
         self.sealed.notified().await;
@@ -135,6 +141,17 @@ impl SpoolHandle {
     /// Wakes waiters of [`SpoolHandle::sealed`] (after a reconnect, to re-scan).
     pub fn wake(&self) {
         self.sealed.notify_one();
+    }
+}
+
+/// See [`SpoolHandle::stats_view`].
+#[derive(Debug, Clone)]
+pub struct SpoolStatsView(Arc<Mutex<SpoolStats>>);
+
+impl SpoolStatsView {
+    /// The latest statistics snapshot, as [`SpoolHandle::stats`].
+    pub fn get(&self) -> SpoolStats {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 }
 
@@ -191,6 +208,9 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, stats: Arc<Mutex<Spool
             let (reqs, replies): (Vec<_>, Vec<_>) = std::mem::take(&mut appends).into_iter().unzip();
             match spool.append(&reqs, now) {
                 Ok(outcomes) => {
+                    // Publish the new state before answering, so a producer that got its 200
+                    // never sees statistics from before its own commit.
+                    publish(&spool, &stats);
                     for (reply, outcome) in replies.into_iter().zip(outcomes) {
                         let r = match outcome {
                             AppendOutcome::Accepted => Ok(()),
@@ -269,4 +289,9 @@ impl ReaderHandle {
             Err(SpoolError::Io { path: "reader task".into(), source: std::io::Error::other(join.to_string()) })
         })
     }
+}
+
+/// Replaces the shared statistics snapshot with the spool's current one.
+fn publish(spool: &Spool, stats: &Mutex<SpoolStats>) {
+    *stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = spool.stats();
 }

@@ -39,7 +39,8 @@ pub struct UploaderOptions {
     pub server_name: String,
     pub client_config: quinn::ClientConfig,
     pub bind: SocketAddr,
-    pub max_in_flight: u32,
+    /// Chunks in flight at most; shared so a configuration reload applies to a live connection.
+    pub max_in_flight: Arc<std::sync::atomic::AtomicU32>,
     pub backoff_min: Duration,
     pub backoff_max: Duration,
     pub compression: Compression,
@@ -49,29 +50,83 @@ pub struct UploaderOptions {
     pub tuning: edge_transport::Tuning,
 }
 
-/// Live upload state, read by metrics, `status` and the demo.
+/// Live upload state, read by `GET /v1/status`, the demo and (at scrape time) `/metrics`.
 #[derive(Debug, Default)]
 pub struct UploadCounters {
     pub connected: AtomicBool,
     pub connects_total: AtomicU64,
-    pub chunks_acked_total: AtomicU64,
-    pub chunks_duplicate_total: AtomicU64,
-    pub chunks_retry_total: AtomicU64,
-    pub chunks_rejected_total: AtomicU64,
+    /// Chunks the server answered `Stored`.
+    pub stored: AckCounter,
+    /// Chunks the server answered `Duplicate` (it had them already).
+    pub duplicate: AckCounter,
+    /// Chunks the server answered `Retry`; they are offered again later.
+    pub retry: AckCounter,
+    /// Chunks the server answered `Rejected`; they were quarantined.
+    pub rejected: AckCounter,
+    /// Records in chunks answered `Stored` or `Duplicate`.
     pub records_acked_total: AtomicU64,
-    /// Raw payload bytes of acked chunks (before compression).
-    pub bytes_acked_total: AtomicU64,
     /// Bytes put on the wire for chunk payloads.
     pub wire_bytes_total: AtomicU64,
     pub in_flight: AtomicU64,
     pub last_error: Mutex<Option<String>>,
-    /// End-to-end latency samples (oldest record's commit → ack), milliseconds.
+    /// End-to-end latency samples (oldest record's commit → ack), milliseconds; exact quantiles
+    /// for `status` and the demo. `/metrics` has the same observations as histograms.
     pub latency_ms: Mutex<LatencySamples>,
+    /// Latency histograms and QUIC path figures, for `/metrics`.
+    pub metrics: crate::metrics::UploadMetrics,
+}
+
+/// Chunks answered with one ack status, and their raw payload bytes (record framing included,
+/// before compression).
+#[derive(Debug, Default)]
+pub struct AckCounter {
+    pub chunks: AtomicU64,
+    pub bytes: AtomicU64,
+}
+
+impl AckCounter {
+    fn add(&self, meta: &ChunkMeta) {
+        self.chunks.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(meta.bytes, Ordering::Relaxed);
+    }
+
+    /// Chunks counted so far.
+    pub fn chunks(&self) -> u64 {
+        self.chunks.load(Ordering::Relaxed)
+    }
+
+    /// Bytes counted so far.
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
 }
 
 impl UploadCounters {
     fn set_error(&self, e: impl Into<String>) {
         *self.last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e.into());
+    }
+
+    /// Chunks the server holds durably on our behalf: answered `Stored` or `Duplicate`.
+    pub fn chunks_acked(&self) -> u64 {
+        self.stored.chunks() + self.duplicate.chunks()
+    }
+
+    /// Raw payload bytes of those chunks.
+    pub fn bytes_acked(&self) -> u64 {
+        self.stored.bytes() + self.duplicate.bytes()
+    }
+
+    /// Counts a chunk the server holds durably, with its latencies.
+    fn acked(&self, meta: &ChunkMeta, duplicate: bool) {
+        if duplicate { &self.duplicate } else { &self.stored }.add(meta);
+        self.records_acked_total.fetch_add(u64::from(meta.records), Ordering::Relaxed);
+        let now = now_ms();
+        let lat = now.saturating_sub(meta.first_ms);
+        self.latency_ms
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .record(u32::try_from(lat).unwrap_or(u32::MAX));
+        self.metrics.acked(meta, now);
     }
 }
 
@@ -137,7 +192,9 @@ pub async fn run(
                 counters.connects_total.fetch_add(1, Ordering::Relaxed);
                 counters.connected.store(true, Ordering::Release);
                 info!(server = %opts.server, remote = %conn.remote_address(), "connected to ingest");
+                let sampler = crate::metrics::QuicSampler::spawn(conn.clone(), counters.clone());
                 let result = Connection::new(&conn, &opts, &spool, &reader, &counters, &cancel).run().await;
+                sampler.stop().await;
                 counters.connected.store(false, Ordering::Release);
                 match result {
                     Ok(progress) => {
@@ -172,7 +229,9 @@ pub async fn run(
             () = tokio::time::sleep(delay) => {}
         }
     }
-    // Polite close: let the peer learn we are gone rather than time us out.
+    // Polite close: let the peer learn we are gone rather than time us out. Connections were
+    // closed with a reason above; this also abandons a handshake still in progress.
+    endpoint.close(ErrorCode::NoError.to_u32().into(), b"agent stopping");
     let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
     Ok(())
 }
@@ -285,7 +344,7 @@ impl<'a> Connection<'a> {
         // Handshake.
         let deadline = tokio::time::Instant::now() + self.opts.limits.handshake_timeout;
         let mut buf = vec![0u8; 4096];
-        let server_in_flight = loop {
+        let (server_in_flight, max_chunk_payload) = loop {
             let n = tokio::select! {
                 r = ctl_recv.read(&mut buf) => r.map_err(|e| ConnError::Control(e.to_string()))?,
                 () = tokio::time::sleep_until(deadline) => return Err(edge_proto::ProtoError::HandshakeTimeout.into()),
@@ -295,9 +354,9 @@ impl<'a> Connection<'a> {
             let mut welcome = None;
             while let Some(ev) = session.poll_event() {
                 match ev {
-                    ClientEvent::Connected { device, max_in_flight, .. } => {
-                        info!(%device, max_in_flight, "session established");
-                        welcome = Some(max_in_flight);
+                    ClientEvent::Connected { device, max_in_flight, max_chunk_payload } => {
+                        info!(%device, max_in_flight, max_chunk_payload, "session established");
+                        welcome = Some((max_in_flight, max_chunk_payload));
                     }
                     ClientEvent::GoAway { code } => {
                         return Err(ConnError::Control(format!("server going away: {code}")));
@@ -309,7 +368,8 @@ impl<'a> Connection<'a> {
                 break w;
             }
         };
-        let max_in_flight = self.opts.max_in_flight.min(server_in_flight.max(1)) as usize;
+        // The server's limit caps ours; ours may change at run time (configuration reload).
+        let window = || self.opts.max_in_flight.load(Ordering::Relaxed).clamp(1, server_in_flight.max(1)) as usize;
         let state = Arc::new(Mutex::new(CtlState { session, waiters: HashMap::new(), goaway: false }));
         let goaway = Arc::new(tokio::sync::Notify::new());
 
@@ -367,6 +427,7 @@ impl<'a> Connection<'a> {
                 break Ok(());
             }
             // Fill the window.
+            let max_in_flight = window();
             if !draining && !exhausted && retry_at.is_none() && in_flight.len() < max_in_flight {
                 let room = max_in_flight - in_flight.len();
                 // A rescan from the start sees the chunks in flight again: ask for enough.
@@ -390,6 +451,15 @@ impl<'a> Connection<'a> {
                         }
                         Err(e) => return Err(e.into()),
                     };
+                    if raw.len() as u64 > u64::from(max_chunk_payload) {
+                        // Sending it would only get the connection closed, again and again.
+                        error!(chunk = meta.id.0, stream = %meta.stream, seq = meta.seq, bytes = raw.len(), max_chunk_payload, "chunk is larger than the server accepts; quarantined");
+                        self.spool.quarantine(
+                            meta.id,
+                            format!("{} bytes, over the server's limit of {max_chunk_payload}", raw.len()),
+                        );
+                        continue;
+                    }
                     in_flight.insert(meta.id);
                     self.counters.in_flight.fetch_add(1, Ordering::Relaxed);
                     tasks.spawn(send_chunk(
@@ -430,25 +500,22 @@ impl<'a> Connection<'a> {
                     in_flight.remove(&meta.id);
                     self.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
                     match outcome {
-                        SendOutcome::Acked(AckStatus::Stored | AckStatus::Duplicate) => {
+                        SendOutcome::Acked(status @ (AckStatus::Stored | AckStatus::Duplicate)) => {
                             progress = true;
                             retry_backoff.reset();
+                            // Counted before the spool learns of the ack, so whoever sees the
+                            // spool drained also sees the counters complete.
+                            self.counters.acked(&meta, status == AckStatus::Duplicate);
                             self.spool.ack(vec![meta.id]);
-                            let c = &self.counters;
-                            c.chunks_acked_total.fetch_add(1, Ordering::Relaxed);
-                            c.records_acked_total.fetch_add(u64::from(meta.records), Ordering::Relaxed);
-                            c.bytes_acked_total.fetch_add(meta.bytes, Ordering::Relaxed);
-                            let lat = now_ms().saturating_sub(meta.first_ms);
-                            c.latency_ms.lock().unwrap_or_else(std::sync::PoisonError::into_inner).record(u32::try_from(lat).unwrap_or(u32::MAX));
                         }
                         SendOutcome::Acked(AckStatus::Retry(reason)) => {
-                            self.counters.chunks_retry_total.fetch_add(1, Ordering::Relaxed);
+                            self.counters.retry.add(&meta);
                             let delay = retry_backoff.next_delay();
                             warn!(stream = %meta.stream, seq = meta.seq, ?reason, ?delay, "server asked to retry the chunk later");
                             retry_at.get_or_insert(tokio::time::Instant::now() + delay);
                         }
                         SendOutcome::Acked(AckStatus::Rejected(reason)) => {
-                            self.counters.chunks_rejected_total.fetch_add(1, Ordering::Relaxed);
+                            self.counters.rejected.add(&meta);
                             error!(stream = %meta.stream, seq = meta.seq, ?reason, "server rejected the chunk for good; quarantined");
                             self.spool.quarantine(meta.id, format!("rejected by server: {reason:?}"));
                         }

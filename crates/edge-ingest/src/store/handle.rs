@@ -104,6 +104,12 @@ impl StoreHandle {
         stats
     }
 
+    /// A read-only view of the statistics for observers (the metrics collector). Unlike a
+    /// handle it does not keep the store thread running.
+    pub fn stats_view(&self) -> StoreStatsView {
+        StoreStatsView(Arc::clone(&self.inner.shared))
+    }
+
     /// Whether the store thread is still running.
     pub fn is_running(&self) -> bool {
         self.inner.shared.running.load(Ordering::SeqCst)
@@ -122,6 +128,19 @@ impl StoreHandle {
         {
             tracing::error!("edge-store thread panicked");
         }
+    }
+}
+
+/// See [`StoreHandle::stats_view`].
+#[derive(Debug, Clone)]
+pub struct StoreStatsView(Arc<Shared>);
+
+impl StoreStatsView {
+    /// Counters as of the last finished batch, plus the queue length, as [`StoreHandle::stats`].
+    pub fn get(&self) -> StoreStats {
+        let mut stats = self.0.stats.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        stats.queued = self.0.queued.load(Ordering::Relaxed);
+        stats
     }
 }
 

@@ -113,7 +113,7 @@ use bytes::Bytes;
 use edge_proto::Codec;
 
 pub use export::{ExportFilter, ExportReport, ExportedChunk, export};
-pub use handle::{BatchLimits, StoreHandle};
+pub use handle::{BatchLimits, StoreHandle, StoreStatsView};
 pub use writer::Store;
 
 /// Default size at which a segment is rolled: 256 MiB.

@@ -1,0 +1,533 @@
+//! Prometheus metrics of the agent: every metric name, the handles updated where things happen,
+//! a collector that reads live state when scraped, and the `/metrics` HTTP server (the plumbing
+//! shared with the ingest server is in [`edge_telemetry::metrics`]).
+//!
+//! Conventions: names start with `edge_uploader_`; values are in base units (seconds, bytes);
+//! counters end in `_total`; histograms carry no labels; every label has a bounded set of values:
+//! `stream` takes at most [`MAX_STREAM_LABELS`] distinct values (later streams are counted under
+//! [`OTHER_STREAM`]), `result` and `reason` are closed sets. The process collector adds the
+//! standard, unprefixed `process_*` metrics.
+//!
+//! Each quantity is counted once. What `GET /v1/status` and the demo read too stays in the
+//! atomics of [`UploadCounters`] and [`IntakeCounters`](crate::intake::IntakeCounters), and the
+//! spool's figures stay in its statistics snapshot; [`LiveCollector`] turns them into metric
+//! families at scrape time. Only what nothing else keeps (per-stream and per-reason counts,
+//! latency histograms, QUIC path figures) lives in prometheus handles.
+//!
+//! The daemon creates one [`Registry`], [`register`]s everything into it and serves it with
+//! [`MetricsServer`]. Agents started by tests or the demo count the same way but register nothing.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use edge_spool::ChunkMeta;
+use edge_telemetry::metrics::{Live, LiveCollector};
+pub use edge_telemetry::metrics::{MetricsServer, encode};
+use prometheus::proto::MetricFamily;
+use prometheus::{Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::intake::{IntakeCounters, Rejection};
+use crate::spool_task::SpoolStatsView;
+use crate::uploader::UploadCounters;
+
+/// Prefix of every metric of this daemon.
+pub const PREFIX: &str = "edge_uploader_";
+
+/// Records committed by the intake, by `stream`.
+pub const INTAKE_RECORDS_TOTAL: &str = "edge_uploader_intake_records_total";
+/// Record bytes committed by the intake, by `stream`.
+pub const INTAKE_BYTES_TOTAL: &str = "edge_uploader_intake_bytes_total";
+/// Intake requests refused, by `reason`.
+pub const INTAKE_REJECTED_TOTAL: &str = "edge_uploader_intake_rejected_total";
+/// Bytes held in the spool.
+pub const SPOOL_BYTES: &str = "edge_uploader_spool_bytes";
+/// Sealed chunks waiting for an ack.
+pub const SPOOL_CHUNKS: &str = "edge_uploader_spool_chunks";
+/// Age of the oldest record not yet acked.
+pub const SPOOL_OLDEST_UNACKED_AGE_SECONDS: &str = "edge_uploader_spool_oldest_unacked_age_seconds";
+/// Chunk bytes by the server's answer (`result`).
+pub const UPLOAD_BYTES_TOTAL: &str = "edge_uploader_upload_bytes_total";
+/// Chunks by the server's answer (`result`).
+pub const UPLOAD_CHUNKS_TOTAL: &str = "edge_uploader_upload_chunks_total";
+/// Histogram: chunk sealed → durable ack.
+pub const CHUNK_UPLOAD_LATENCY_SECONDS: &str = "edge_uploader_chunk_upload_latency_seconds";
+/// Histogram: intake commit of a chunk's oldest record → durable ack.
+pub const END_TO_END_LATENCY_SECONDS: &str = "edge_uploader_end_to_end_latency_seconds";
+/// Chunks sent and waiting for their ack.
+pub const CHUNKS_IN_FLIGHT: &str = "edge_uploader_chunks_in_flight";
+/// 1 while connected to the ingest server.
+pub const CONNECTED: &str = "edge_uploader_connected";
+/// Connections established after the first one.
+pub const RECONNECTS_TOTAL: &str = "edge_uploader_reconnects_total";
+/// QUIC round-trip time.
+pub const QUIC_RTT_SECONDS: &str = "edge_uploader_quic_rtt_seconds";
+/// QUIC packets lost.
+pub const QUIC_LOST_PACKETS_TOTAL: &str = "edge_uploader_quic_lost_packets_total";
+/// QUIC congestion window.
+pub const QUIC_CONGESTION_WINDOW_BYTES: &str = "edge_uploader_quic_congestion_window_bytes";
+/// Records deleted from the spool without being sent, by `reason`.
+pub const DROPPED_RECORDS_TOTAL: &str = "edge_uploader_dropped_records_total";
+
+/// Every metric name above.
+pub const ALL: [&str; 17] = [
+    INTAKE_RECORDS_TOTAL,
+    INTAKE_BYTES_TOTAL,
+    INTAKE_REJECTED_TOTAL,
+    SPOOL_BYTES,
+    SPOOL_CHUNKS,
+    SPOOL_OLDEST_UNACKED_AGE_SECONDS,
+    UPLOAD_BYTES_TOTAL,
+    UPLOAD_CHUNKS_TOTAL,
+    CHUNK_UPLOAD_LATENCY_SECONDS,
+    END_TO_END_LATENCY_SECONDS,
+    CHUNKS_IN_FLIGHT,
+    CONNECTED,
+    RECONNECTS_TOTAL,
+    QUIC_RTT_SECONDS,
+    QUIC_LOST_PACKETS_TOTAL,
+    QUIC_CONGESTION_WINDOW_BYTES,
+    DROPPED_RECORDS_TOTAL,
+];
+
+/// Distinct `stream` label values before further streams are folded into [`OTHER_STREAM`].
+pub const MAX_STREAM_LABELS: usize = 64;
+/// The `stream` label value of every stream past the first [`MAX_STREAM_LABELS`].
+pub const OTHER_STREAM: &str = "other";
+
+/// Histogram buckets in seconds, 1 ms to 30 s in 1-2.5-5 steps.
+pub const LATENCY_BUCKETS: [f64; 15] =
+    [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0];
+
+/// How often the QUIC path figures are sampled while connected.
+pub const QUIC_SAMPLE_PERIOD: Duration = Duration::from_secs(1);
+
+/// Per-stream and per-reason intake counts (the totals are atomics in `IntakeCounters`).
+#[derive(Debug)]
+pub struct IntakeMetrics {
+    records: IntCounterVec,
+    bytes: IntCounterVec,
+    rejected: IntCounterVec,
+    /// Streams that have their own label value; at most [`MAX_STREAM_LABELS`].
+    streams: Mutex<HashSet<String>>,
+}
+
+impl Default for IntakeMetrics {
+    fn default() -> Self {
+        let records = counter_vec(
+            INTAKE_RECORDS_TOTAL,
+            "Records the intake committed to the spool, by stream (streams past the first 64 are counted as \"other\").",
+            "stream",
+        );
+        let bytes = counter_vec(
+            INTAKE_BYTES_TOTAL,
+            "Record bytes the intake committed to the spool (without framing), by stream.",
+            "stream",
+        );
+        let rejected = counter_vec(
+            INTAKE_REJECTED_TOTAL,
+            "Intake requests refused as a whole, by reason (the error code of the answer).",
+            "reason",
+        );
+        for reason in Rejection::ALL {
+            rejected.with_label_values(&[reason.as_str()]);
+        }
+        Self { records, bytes, rejected, streams: Mutex::new(HashSet::new()) }
+    }
+}
+
+impl IntakeMetrics {
+    /// Counts a committed request.
+    pub fn accepted(&self, stream: &str, records: u64, bytes: u64) {
+        let label = self.stream_label(stream);
+        self.records.with_label_values(&[label]).inc_by(records);
+        self.bytes.with_label_values(&[label]).inc_by(bytes);
+    }
+
+    /// Counts a refused request.
+    pub fn rejected(&self, reason: Rejection) {
+        self.rejected.with_label_values(&[reason.as_str()]).inc();
+    }
+
+    /// The stream's own name while there is room for it, [`OTHER_STREAM`] after that.
+    fn stream_label<'a>(&self, stream: &'a str) -> &'a str {
+        let mut seen = self.streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if seen.contains(stream) {
+            return stream;
+        }
+        if seen.len() < MAX_STREAM_LABELS {
+            seen.insert(stream.to_owned());
+            return stream;
+        }
+        OTHER_STREAM
+    }
+
+    fn register(&self, registry: &Registry) -> prometheus::Result<()> {
+        registry.register(Box::new(self.records.clone()))?;
+        registry.register(Box::new(self.bytes.clone()))?;
+        registry.register(Box::new(self.rejected.clone()))
+    }
+}
+
+/// Latency histograms and QUIC path figures (the ack counts are atomics in `UploadCounters`).
+#[derive(Debug)]
+pub struct UploadMetrics {
+    chunk_latency: Histogram,
+    end_to_end_latency: Histogram,
+    quic_rtt: Gauge,
+    quic_lost: IntCounter,
+    quic_cwnd: IntGauge,
+}
+
+impl Default for UploadMetrics {
+    fn default() -> Self {
+        Self {
+            chunk_latency: latency_histogram(
+                CHUNK_UPLOAD_LATENCY_SECONDS,
+                "Time from sealing a chunk to the server's durable ack of it (Stored or Duplicate).",
+            ),
+            end_to_end_latency: latency_histogram(
+                END_TO_END_LATENCY_SECONDS,
+                "Time from the intake commit of a chunk's oldest record to the server's durable ack of the chunk.",
+            ),
+            quic_rtt: Gauge::new(
+                QUIC_RTT_SECONDS,
+                "Smoothed round-trip time of the QUIC connection, sampled every second (kept while disconnected).",
+            )
+            .expect("constant name and help are valid"),
+            quic_lost: IntCounter::new(QUIC_LOST_PACKETS_TOTAL, "QUIC packets declared lost, over all connections.")
+                .expect("constant name and help are valid"),
+            quic_cwnd: IntGauge::new(
+                QUIC_CONGESTION_WINDOW_BYTES,
+                "Congestion window of the QUIC connection, sampled every second (kept while disconnected).",
+            )
+            .expect("constant name and help are valid"),
+        }
+    }
+}
+
+impl UploadMetrics {
+    /// Observes the latencies of a chunk the server acked as durable at `now_ms`.
+    pub fn acked(&self, meta: &ChunkMeta, now_ms: u64) {
+        self.chunk_latency.observe(ms_to_secs(now_ms.saturating_sub(meta.sealed_ms)));
+        self.end_to_end_latency.observe(ms_to_secs(now_ms.saturating_sub(meta.first_ms)));
+    }
+
+    /// Reads the connection's path statistics; `last_lost` is the loss count already added.
+    fn sample_path(&self, conn: &quinn::Connection, last_lost: &mut u64) {
+        let stats = conn.stats();
+        self.quic_rtt.set(conn.rtt().as_secs_f64());
+        self.quic_cwnd.set(i64::try_from(stats.path.cwnd).unwrap_or(i64::MAX));
+        let lost = stats.path.lost_packets;
+        self.quic_lost.inc_by(lost.saturating_sub(*last_lost));
+        *last_lost = lost.max(*last_lost);
+    }
+
+    fn register(&self, registry: &Registry) -> prometheus::Result<()> {
+        registry.register(Box::new(self.chunk_latency.clone()))?;
+        registry.register(Box::new(self.end_to_end_latency.clone()))?;
+        registry.register(Box::new(self.quic_rtt.clone()))?;
+        registry.register(Box::new(self.quic_lost.clone()))?;
+        registry.register(Box::new(self.quic_cwnd.clone()))
+    }
+}
+
+/// Samples one connection's path statistics every [`QUIC_SAMPLE_PERIOD`] until stopped.
+#[derive(Debug)]
+pub struct QuicSampler {
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl QuicSampler {
+    /// Starts sampling `conn` at once.
+    pub fn spawn(conn: quinn::Connection, counters: Arc<UploadCounters>) -> Self {
+        let stop = CancellationToken::new();
+        let stopped = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut last_lost = 0;
+            let mut tick = tokio::time::interval(QUIC_SAMPLE_PERIOD);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    () = stopped.cancelled() => break,
+                    _ = tick.tick() => counters.metrics.sample_path(&conn, &mut last_lost),
+                }
+            }
+            // Losses up to the end of the connection count too.
+            counters.metrics.sample_path(&conn, &mut last_lost);
+        });
+        Self { stop, task }
+    }
+
+    /// Takes a last sample and stops.
+    pub async fn stop(self) {
+        self.stop.cancel();
+        if let Err(e) = self.task.await {
+            warn!(error = %e, "QUIC metrics sampler failed");
+        }
+    }
+}
+
+/// Registers every agent metric in `registry`: the handles in the counters, a collector over
+/// the spool statistics and the upload atomics, and (on Linux) the process collector.
+pub fn register(
+    registry: &Registry,
+    spool: SpoolStatsView,
+    intake: &IntakeCounters,
+    upload: &Arc<UploadCounters>,
+) -> prometheus::Result<()> {
+    intake.metrics.register(registry)?;
+    upload.metrics.register(registry)?;
+    let upload = upload.clone();
+    registry.register(Box::new(LiveCollector::new(&LIVE_ALL, move || live_families(&spool, &upload))?))?;
+    #[cfg(target_os = "linux")]
+    registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))?;
+    Ok(())
+}
+
+const LIVE_SPOOL_BYTES: Live = Live::gauge(
+    SPOOL_BYTES,
+    "Payload bytes in the spool: open batches and sealed chunks, record framing included, quarantine excluded.",
+);
+const LIVE_SPOOL_CHUNKS: Live =
+    Live::gauge(SPOOL_CHUNKS, "Sealed chunks in the spool waiting for the server's ack (quarantine excluded).");
+const LIVE_OLDEST_AGE: Live = Live::gauge(
+    SPOOL_OLDEST_UNACKED_AGE_SECONDS,
+    "Age of the oldest record in the spool, i.e. not yet acked by the server; 0 when the spool is empty.",
+);
+const LIVE_DROPPED: Live = Live::counter(
+    DROPPED_RECORDS_TOTAL,
+    "Records deleted from the spool without being sent, by reason (spool_full: evicted by \
+           full_policy = \"drop_oldest\"). Kept in the spool, so it survives restarts.",
+)
+.labelled("reason");
+const LIVE_UPLOAD_CHUNKS: Live = Live::counter(
+    UPLOAD_CHUNKS_TOTAL,
+    "Chunks by the server's answer: stored, duplicate (the server had it already), retry (offered again \
+           later), rejected (quarantined).",
+)
+.labelled("result");
+const LIVE_UPLOAD_BYTES: Live = Live::counter(
+    UPLOAD_BYTES_TOTAL,
+    "Chunk payload bytes (record framing included, before compression) by the server's answer.",
+)
+.labelled("result");
+const LIVE_IN_FLIGHT: Live = Live::gauge(CHUNKS_IN_FLIGHT, "Chunks sent to the server and waiting for their ack.");
+const LIVE_CONNECTED: Live =
+    Live::gauge(CONNECTED, "1 while a QUIC connection to the ingest server is up, 0 otherwise.");
+const LIVE_RECONNECTS: Live =
+    Live::counter(RECONNECTS_TOTAL, "Connections to the ingest server established after the first one since start.");
+const LIVE_ALL: [&Live; 9] = [
+    &LIVE_SPOOL_BYTES,
+    &LIVE_SPOOL_CHUNKS,
+    &LIVE_OLDEST_AGE,
+    &LIVE_DROPPED,
+    &LIVE_UPLOAD_CHUNKS,
+    &LIVE_UPLOAD_BYTES,
+    &LIVE_IN_FLIGHT,
+    &LIVE_CONNECTED,
+    &LIVE_RECONNECTS,
+];
+
+/// The [`LIVE_ALL`] families from the spool statistics and the upload atomics, at scrape time.
+fn live_families(spool: &SpoolStatsView, u: &UploadCounters) -> Vec<MetricFamily> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let s = spool.get();
+    let age = s.oldest_ms.map_or(0.0, |t| ms_to_secs(now_ms().saturating_sub(t)));
+    let results = |f: fn(&crate::uploader::AckCounter) -> u64| {
+        [
+            ("stored", f(&u.stored) as f64),
+            ("duplicate", f(&u.duplicate) as f64),
+            ("retry", f(&u.retry) as f64),
+            ("rejected", f(&u.rejected) as f64),
+        ]
+    };
+    vec![
+        LIVE_SPOOL_BYTES.family(&[("", s.total_bytes as f64)]),
+        LIVE_SPOOL_CHUNKS.family(&[("", s.sealed_chunks as f64)]),
+        LIVE_OLDEST_AGE.family(&[("", age)]),
+        LIVE_DROPPED.family(&[("spool_full", s.dropped_records as f64)]),
+        LIVE_UPLOAD_CHUNKS.family(&results(crate::uploader::AckCounter::chunks)),
+        LIVE_UPLOAD_BYTES.family(&results(crate::uploader::AckCounter::bytes)),
+        LIVE_IN_FLIGHT.family(&[("", u.in_flight.load(Relaxed) as f64)]),
+        LIVE_CONNECTED.family(&[("", if u.connected.load(Relaxed) { 1.0 } else { 0.0 })]),
+        LIVE_RECONNECTS.family(&[("", u.connects_total.load(Relaxed).saturating_sub(1) as f64)]),
+    ]
+}
+
+/// Binds the metrics listener (`None` when metrics are disabled); see [`edge_telemetry::metrics::bind`].
+pub async fn bind(listen: Option<SocketAddr>) -> anyhow::Result<Option<TcpListener>> {
+    edge_telemetry::metrics::bind(listen).await.context("metrics.listen")
+}
+
+fn counter_vec(name: &str, help: &str, label: &str) -> IntCounterVec {
+    IntCounterVec::new(Opts::new(name, help), &[label]).expect("constant name, help and label are valid")
+}
+
+fn latency_histogram(name: &str, help: &str) -> Histogram {
+    Histogram::with_opts(HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()))
+        .expect("constant name and help, increasing buckets")
+}
+
+fn ms_to_secs(ms: u64) -> f64 {
+    ms as f64 / 1000.0
+}
+
+fn now_ms() -> u64 {
+    u64::try_from(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0),
+    )
+    .unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+
+    use super::*;
+    use crate::spool_task::SpoolHandle;
+
+    /// A registry with every agent metric over a real (empty) spool.
+    struct Rig {
+        _dir: tempfile::TempDir,
+        registry: Registry,
+        intake: IntakeCounters,
+        upload: Arc<UploadCounters>,
+        spool: Option<SpoolHandle>,
+        thread: Option<crate::spool_task::SpoolThread>,
+    }
+
+    impl Rig {
+        fn new() -> Rig {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let (spool, _) =
+                edge_spool::Spool::open(edge_spool::SpoolOptions::new(dir.path().join("spool.db"))).expect("spool");
+            let (spool, thread) = SpoolHandle::spawn(spool).expect("spool thread");
+            let registry = Registry::new();
+            let intake = IntakeCounters::default();
+            let upload = Arc::new(UploadCounters::default());
+            register(&registry, spool.stats_view(), &intake, &upload).expect("register");
+            Rig { _dir: dir, registry, intake, upload, spool: Some(spool), thread: Some(thread) }
+        }
+
+        /// `(name, type)` of every family, from the text encoding.
+        fn families(&self) -> Vec<(String, String)> {
+            let text = encode(&self.registry).expect("encode");
+            text.lines()
+                .filter_map(|l| l.strip_prefix("# TYPE "))
+                .map(|l| {
+                    let (name, kind) = l.split_once(' ').expect("# TYPE name kind");
+                    (name.to_owned(), kind.to_owned())
+                })
+                .collect()
+        }
+
+        fn sample(&self, series: &str) -> Option<f64> {
+            let text = encode(&self.registry).expect("encode");
+            text.lines()
+                .filter(|l| !l.starts_with('#'))
+                .find_map(|l| l.rsplit_once(' ').filter(|(k, _)| *k == series).map(|(_, v)| v.parse().expect("value")))
+        }
+    }
+
+    impl Drop for Rig {
+        fn drop(&mut self) {
+            drop(self.spool.take());
+            if let Some(t) = self.thread.take() {
+                t.join();
+            }
+        }
+    }
+
+    #[test]
+    fn every_family_has_the_prefix_and_counters_end_in_total() {
+        let rig = Rig::new();
+        rig.intake.metrics.accepted("temperature", 1, 10);
+        let families = rig.families();
+        for (name, kind) in &families {
+            assert!(
+                name.starts_with(PREFIX) || name.starts_with("process_"),
+                "{name} has neither the {PREFIX} prefix nor the standard process_ one"
+            );
+            assert_eq!(name.ends_with("_total"), kind == "counter", "{name} is a {kind}: only counters end in _total");
+        }
+        for name in ALL {
+            assert!(families.iter().any(|(n, _)| n == name), "{name} is not exported; got {families:?}");
+            let unit = name.trim_end_matches("_total");
+            if ["latency", "_age", "_rtt"].iter().any(|t| name.contains(t)) {
+                assert!(unit.ends_with("_seconds"), "{name} measures time: base unit seconds");
+            }
+        }
+        if cfg!(target_os = "linux") {
+            assert!(families.iter().any(|(n, _)| n == "process_resident_memory_bytes"), "{families:?}");
+        }
+        let kind = |n: &str| families.iter().find(|(f, _)| f == n).map(|(_, k)| k.as_str());
+        assert_eq!(kind(CHUNK_UPLOAD_LATENCY_SECONDS), Some("histogram"));
+        assert_eq!(kind(END_TO_END_LATENCY_SECONDS), Some("histogram"));
+        assert_eq!(kind(CONNECTED), Some("gauge"));
+    }
+
+    #[test]
+    fn stream_labels_are_capped_and_later_streams_count_as_other() {
+        let rig = Rig::new();
+        for i in 0..MAX_STREAM_LABELS + 6 {
+            rig.intake.metrics.accepted(&format!("s{i}"), 2, 20);
+        }
+        rig.intake.metrics.accepted("s0", 1, 10);
+        let text = encode(&rig.registry).expect("encode");
+        let series = text.lines().filter(|l| l.starts_with(INTAKE_RECORDS_TOTAL)).count();
+        assert_eq!(series, MAX_STREAM_LABELS + 1);
+        assert_eq!(rig.sample(&format!("{INTAKE_RECORDS_TOTAL}{{stream=\"{OTHER_STREAM}\"}}")), Some(12.0));
+        assert_eq!(rig.sample(&format!("{INTAKE_BYTES_TOTAL}{{stream=\"s0\"}}")), Some(30.0));
+    }
+
+    #[test]
+    fn live_families_read_the_counters_at_scrape_time() {
+        let rig = Rig::new();
+        assert_eq!(rig.sample(&format!("{INTAKE_REJECTED_TOTAL}{{reason=\"spool_full\"}}")), Some(0.0));
+        assert_eq!(rig.sample(CONNECTED), Some(0.0));
+        assert_eq!(rig.sample(RECONNECTS_TOTAL), Some(0.0));
+        rig.upload.connected.store(true, Ordering::Relaxed);
+        rig.upload.connects_total.store(3, Ordering::Relaxed);
+        rig.upload.stored.chunks.store(5, Ordering::Relaxed);
+        rig.upload.stored.bytes.store(500, Ordering::Relaxed);
+        rig.upload.retry.chunks.store(1, Ordering::Relaxed);
+        rig.intake.metrics.rejected(Rejection::SpoolFull);
+        let meta = ChunkMeta {
+            id: edge_spool::ChunkId(1),
+            stream: "s".into(),
+            seq: 1,
+            records: 1,
+            bytes: 10,
+            first_ms: 1_000,
+            sealed_ms: 1_500,
+        };
+        rig.upload.metrics.acked(&meta, 1_520);
+        assert_eq!(rig.sample(CONNECTED), Some(1.0));
+        assert_eq!(rig.sample(RECONNECTS_TOTAL), Some(2.0));
+        assert_eq!(rig.sample(&format!("{UPLOAD_CHUNKS_TOTAL}{{result=\"stored\"}}")), Some(5.0));
+        assert_eq!(rig.sample(&format!("{UPLOAD_BYTES_TOTAL}{{result=\"stored\"}}")), Some(500.0));
+        assert_eq!(rig.sample(&format!("{UPLOAD_CHUNKS_TOTAL}{{result=\"retry\"}}")), Some(1.0));
+        assert_eq!(rig.sample(&format!("{UPLOAD_CHUNKS_TOTAL}{{result=\"duplicate\"}}")), Some(0.0));
+        assert_eq!(rig.sample(&format!("{INTAKE_REJECTED_TOTAL}{{reason=\"spool_full\"}}")), Some(1.0));
+        assert_eq!(rig.sample(&format!("{CHUNK_UPLOAD_LATENCY_SECONDS}_bucket{{le=\"0.025\"}}")), Some(1.0));
+        assert_eq!(rig.sample(&format!("{CHUNK_UPLOAD_LATENCY_SECONDS}_bucket{{le=\"0.01\"}}")), Some(0.0));
+        assert_eq!(rig.sample(&format!("{END_TO_END_LATENCY_SECONDS}_sum")), Some(0.52));
+        assert_eq!(rig.sample(SPOOL_BYTES), Some(0.0));
+        assert_eq!(rig.sample(SPOOL_OLDEST_UNACKED_AGE_SECONDS), Some(0.0));
+    }
+
+    #[test]
+    fn latency_buckets_rise_from_one_millisecond_to_thirty_seconds() {
+        assert_eq!(LATENCY_BUCKETS.first(), Some(&0.001));
+        assert_eq!(LATENCY_BUCKETS.last(), Some(&30.0));
+        assert!(LATENCY_BUCKETS.windows(2).all(|w| w[0] < w[1]));
+    }
+}

@@ -1,0 +1,146 @@
+//! `edge-uploader status`: asks the running agent for its state and prints it for people (or as
+//! JSON), with an exit code scripts can use: 0 healthy, 1 degraded, 3 not running.
+
+use std::io::IsTerminal;
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::client::IntakeClient;
+
+/// Exit code: the agent runs and uploads.
+pub const EXIT_HEALTHY: u8 = 0;
+/// Exit code: the agent runs but is disconnected, or its backlog is older than the threshold.
+pub const EXIT_DEGRADED: u8 = 1;
+/// Exit code: no agent answers on the socket (LSB convention for "not running").
+pub const EXIT_NOT_RUNNING: u8 = 3;
+
+/// Wall-clock unix milliseconds (the agent reports ages as timestamps).
+pub fn now_ms() -> u64 {
+    u64::try_from(
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0),
+    )
+    .unwrap_or(u64::MAX)
+}
+
+/// Asks the agent behind `socket`; `None` if nothing answers.
+pub async fn fetch(socket: &Path) -> Option<Value> {
+    let mut client = IntakeClient::new(socket);
+    let resp = tokio::time::timeout(Duration::from_secs(5), client.get_json("/v1/status")).await.ok()?.ok()?;
+    (resp.status == 200).then_some(resp.body)
+}
+
+/// Why the agent is degraded, if it is.
+pub fn degraded_reasons(status: &Value, max_backlog_age: Duration, now_ms: u64) -> Vec<String> {
+    let mut reasons = Vec::new();
+    if status["upload"]["connected"] != true {
+        reasons.push("not connected to the ingest server".to_owned());
+    }
+    if let Some(oldest) = status["spool"]["oldest_ms"].as_u64() {
+        let age = Duration::from_millis(now_ms.saturating_sub(oldest));
+        if age > max_backlog_age {
+            reasons.push(format!("oldest unacknowledged data is {} old", humantime::format_duration(round(age))));
+        }
+    }
+    reasons
+}
+
+fn round(d: Duration) -> Duration {
+    Duration::from_secs(d.as_secs())
+}
+
+/// Renders the status document for a terminal.
+pub fn render(status: &Value, reasons: &[String], now_ms: u64) -> String {
+    let color = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    let paint = |code: &str, text: &str| if color { format!("\x1b[{code}m{text}\x1b[0m") } else { text.to_owned() };
+    let up = &status["upload"];
+    let sp = &status["spool"];
+    let mut out = String::new();
+    let state = if reasons.is_empty() { paint("32", "healthy") } else { paint("33", "degraded") };
+    out.push_str(&format!("edge-uploader: {state}\n"));
+    for r in reasons {
+        out.push_str(&format!("  ! {r}\n"));
+    }
+    out.push_str(&format!(
+        "connection: {}  (connects {}, in flight {})\n",
+        if up["connected"] == true { paint("32", "connected") } else { paint("31", "disconnected") },
+        up["connects_total"],
+        up["in_flight"],
+    ));
+    let age = sp["oldest_ms"].as_u64().map_or("-".to_owned(), |o| {
+        humantime::format_duration(round(Duration::from_millis(now_ms.saturating_sub(o)))).to_string()
+    });
+    out.push_str(&format!(
+        "spool: {} sealed chunks, {} bytes total, oldest unacked {age}, dropped {} records, quarantined {} chunks\n",
+        sp["sealed_chunks"], sp["total_bytes"], sp["dropped_records"], sp["quarantined_chunks"],
+    ));
+    out.push_str(&format!(
+        "uploaded: {} chunks, {} records, {} bytes; latency p50 {} ms, p99 {} ms\n",
+        up["chunks_acked_total"],
+        up["records_acked_total"],
+        up["bytes_acked_total"],
+        opt(&up["latency_p50_ms"]),
+        opt(&up["latency_p99_ms"]),
+    ));
+    if let Some(e) = up["last_error"].as_str() {
+        out.push_str(&format!("last error: {e}\n"));
+    }
+    if let Some(streams) = sp["streams"].as_array().filter(|s| !s.is_empty()) {
+        out.push_str(&format!("{:<24} {:>10} {:>14} {:>12}\n", "stream", "next seq", "backlog bytes", "chunks"));
+        for s in streams {
+            out.push_str(&format!(
+                "{:<24} {:>10} {:>14} {:>12}\n",
+                s["name"].as_str().unwrap_or("?"),
+                s["next_seq"],
+                s["bytes"],
+                s["sealed_chunks"]
+            ));
+        }
+    }
+    out
+}
+
+fn opt(v: &Value) -> String {
+    if v.is_null() { "-".to_owned() } else { v.to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn doc(connected: bool, oldest_ms: Option<u64>) -> Value {
+        json!({
+            "version": 1,
+            "spool": {"sealed_chunks": 2, "total_bytes": 10, "oldest_ms": oldest_ms, "dropped_records": 0,
+                      "quarantined_chunks": 0, "streams": [{"name": "t", "next_seq": 3, "bytes": 10, "sealed_chunks": 2}]},
+            "upload": {"connected": connected, "connects_total": 1, "in_flight": 0, "chunks_acked_total": 5,
+                       "records_acked_total": 50, "bytes_acked_total": 500, "latency_p50_ms": 3, "latency_p99_ms": null,
+                       "last_error": null},
+        })
+    }
+
+    #[test]
+    fn a_connected_agent_with_fresh_backlog_is_healthy() {
+        assert!(degraded_reasons(&doc(true, Some(99_000)), Duration::from_secs(60), 100_000).is_empty());
+        assert!(degraded_reasons(&doc(true, None), Duration::from_secs(60), 100_000).is_empty());
+    }
+
+    #[test]
+    fn disconnection_and_old_backlog_are_degraded_with_reasons() {
+        let r = degraded_reasons(&doc(false, Some(0)), Duration::from_secs(60), 120_000);
+        assert_eq!(r.len(), 2, "{r:?}");
+        assert!(r[0].contains("not connected"));
+        assert!(r[1].contains("2m"), "{r:?}");
+    }
+
+    #[test]
+    fn human_output_has_one_row_per_stream_and_no_colour_off_a_tty() {
+        let text = render(&doc(true, Some(0)), &[], 1000);
+        assert!(text.contains("healthy"));
+        assert!(!text.contains('\x1b'), "tests do not run on a TTY: {text:?}");
+        assert!(text.lines().any(|l| l.starts_with("t ") && l.contains(" 3 ")), "{text}");
+        assert!(text.contains("p99 - ms"), "{text}");
+    }
+}

@@ -1,0 +1,90 @@
+//! `edge-uploader check-config`: exit 0 on a valid file, 78 on a broken one, and the message
+//! names the offending key (and the file and line where the parser knows them).
+
+use std::path::Path;
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_edge-uploader");
+
+struct Files {
+    dir: tempfile::TempDir,
+    tls: String,
+}
+
+fn files() -> Files {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pki = edge_transport::pki::InMemoryPki::generate(&["localhost"]).expect("pki");
+    let dev = pki.write_device_files("cfg-test", &dir.path().join("tls")).expect("device files");
+    let tls = format!("ca = {:?}\ncert = {:?}\nkey = {:?}\n", dev.ca_cert, dev.cert, dev.key);
+    Files { dir, tls }
+}
+
+fn check(path: &Path, envs: &[(&str, &str)]) -> (i32, String) {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["check-config", "--config"]).arg(path);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run edge-uploader");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.code().unwrap_or(-1), text)
+}
+
+fn write(f: &Files, name: &str, body: &str) -> std::path::PathBuf {
+    let p = f.dir.path().join(name);
+    std::fs::write(&p, body).expect("write config");
+    p
+}
+
+#[test]
+fn a_valid_config_passes_with_exit_0() {
+    let f = files();
+    let p = write(&f, "ok.toml", &format!("[upload]\nserver = \"ingest.example.com:4433\"\n{}", f.tls));
+    let (code, text) = check(&p, &[]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("config ok"), "{text}");
+}
+
+#[test]
+fn broken_configs_exit_78_and_name_the_key() {
+    let f = files();
+    let cases: [(&str, String, &[&str]); 6] = [
+        ("unknown key", format!("[spool]\nmax_byte = \"1GiB\"\n[upload]\n{}", f.tls), &["max_byte", "line 2"]),
+        ("wrong type", format!("[upload]\nmax_in_flight = \"lots\"\n{}", f.tls), &["max_in_flight", "line 2"]),
+        ("bad duration", format!("[spool]\nlinger = \"soon\"\n[upload]\n{}", f.tls), &["linger", "soon"]),
+        (
+            "missing certificate file",
+            format!("[upload]\n{}", f.tls.replace("device.pem", "missing.pem")),
+            &["upload.cert", "missing.pem"],
+        ),
+        ("bad address", format!("[intake]\ntcp = \"localhost:http\"\n[upload]\n{}", f.tls), &["intake.tcp"]),
+        ("bad server", format!("[upload]\nserver = \"no-port\"\n{}", f.tls), &["upload.server"]),
+    ];
+    for (what, body, needles) in cases {
+        let p = write(&f, "broken.toml", &body);
+        let (code, text) = check(&p, &[]);
+        assert_eq!(code, 78, "{what}: {text}");
+        for n in needles {
+            assert!(text.contains(n), "{what}: message does not mention {n:?}: {text}");
+        }
+        assert!(text.contains("broken.toml"), "{what}: does not name the file: {text}");
+    }
+}
+
+#[test]
+fn a_missing_config_file_named_explicitly_is_an_error() {
+    let (code, text) = check(Path::new("/nonexistent/edge-uploader.toml"), &[]);
+    assert_eq!(code, 78, "{text}");
+    assert!(text.contains("/nonexistent/edge-uploader.toml"), "{text}");
+}
+
+#[test]
+fn environment_overrides_apply_and_are_validated() {
+    let f = files();
+    let p = write(&f, "ok.toml", &format!("[upload]\n{}", f.tls));
+    let (code, text) = check(&p, &[("EDGE_UPLOADER__SPOOL__FULL_POLICY", "drop_oldest")]);
+    assert_eq!(code, 0, "{text}");
+    let (code, text) = check(&p, &[("EDGE_UPLOADER__SPOOL__FULL_POLICY", "keep_everything")]);
+    assert_eq!(code, 78, "{text}");
+    assert!(text.contains("spool.full_policy"), "{text}");
+}

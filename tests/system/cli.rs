@@ -1,0 +1,95 @@
+//! The operator's commands against real daemons: `edge-uploader status` (text, `--json`, exit
+//! codes 0 healthy / 1 degraded / 3 not running) and `edge-uploader push`.
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use edge_testkit::bin;
+
+use crate::common::World;
+
+fn uploader(world: &World, args: &[&str]) -> anyhow::Result<Output> {
+    let cfg = world.agent_config.to_string_lossy().into_owned();
+    let mut all = args.to_vec();
+    all.extend(["--config", &cfg]);
+    Ok(Command::new(bin("edge-uploader")?).args(&all).env("NO_COLOR", "1").output()?)
+}
+
+fn status_json(world: &World) -> anyhow::Result<(i32, serde_json::Value)> {
+    let out = uploader(world, &["status", "--json"])?;
+    let doc = serde_json::from_slice(&out.stdout)
+        .map_err(|e| anyhow::anyhow!("status --json is not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))?;
+    Ok((out.status.code().unwrap_or(-1), doc))
+}
+
+/// Polls `status --json` until `pred` holds (the state lives in another process).
+fn wait_status(
+    world: &World,
+    what: &str,
+    pred: impl Fn(i32, &serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (code, doc) = status_json(world)?;
+        if pred(code, &doc) {
+            return Ok(doc);
+        }
+        anyhow::ensure!(Instant::now() < deadline, "status never showed {what}: exit {code}, {doc}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn status_reports_not_running_degraded_and_healthy_with_its_exit_codes() -> anyhow::Result<()> {
+    let world = World::new("gw-cli-01", "")?;
+
+    // No agent: exit 3, in text and in JSON.
+    let out = uploader(&world, &["status"])?;
+    assert_eq!(out.status.code(), Some(3), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not running"));
+    let (code, doc) = status_json(&world)?;
+    assert_eq!((code, &doc["running"]), (3, &serde_json::Value::Bool(false)), "{doc}");
+
+    // Agent without a server: running but disconnected, so degraded (exit 1).
+    let mut agent = world.start_agent()?;
+    let (code, doc) = status_json(&world)?;
+    assert_eq!(code, 1, "{doc}");
+    assert_eq!(doc["version"], 1);
+    assert_eq!(doc["upload"]["connected"], false);
+    assert!(doc["degraded_reasons"][0].as_str().is_some_and(|r| r.contains("not connected")), "{doc}");
+
+    // Data pushed while disconnected waits in the spool and shows up per stream.
+    let input = world.path().join("readings.ndjson");
+    std::fs::write(&input, "{\"t\":1}\n{\"t\":2}\n{\"t\":3}\n")?;
+    let out = uploader(&world, &["push", "--stream", "temperature", &input.to_string_lossy()])?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("accepted 3 records"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let doc = wait_status(&world, "the pushed records in the spool", |_, d| d["spool"]["sealed_chunks"] == 1)?;
+    assert_eq!(doc["spool"]["streams"][0]["name"], "temperature", "{doc}");
+
+    // With the server up, the backlog drains and the agent is healthy (exit 0).
+    let mut ingest = world.start_ingest()?;
+    let doc = wait_status(&world, "healthy and drained", |code, d| code == 0 && d["spool"]["sealed_chunks"] == 0)?;
+    assert_eq!(doc["upload"]["records_acked_total"], 3, "{doc}");
+    let text = uploader(&world, &["status"])?;
+    assert_eq!(text.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("healthy") && text.contains("temperature") && !text.contains('\x1b'), "{text}");
+
+    // A bad stream name is refused before anything is sent, naming it.
+    let out = uploader(&world, &["push", "--stream", "bad name", &input.to_string_lossy()])?;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("\"bad name\""), "{}", String::from_utf8_lossy(&out.stderr));
+
+    assert!(agent.terminate(Duration::from_secs(30))?.success());
+    assert!(ingest.terminate(Duration::from_secs(30))?.success());
+    assert_eq!(
+        world.export_raw("temperature")?,
+        vec![b"{\"t\":1}".to_vec(), b"{\"t\":2}".to_vec(), b"{\"t\":3}".to_vec()]
+    );
+    Ok(())
+}
