@@ -56,6 +56,8 @@ fn status_reports_not_running_degraded_and_healthy_with_its_exit_codes() -> anyh
     assert_eq!(code, 1, "{doc}");
     assert_eq!(doc["version"], 1);
     assert_eq!(doc["upload"]["connected"], false);
+    assert!(doc["connection"]["server"].as_str().is_some_and(|s| s.starts_with("127.0.0.1:")), "{doc}");
+    assert!(doc["connection"]["remote"].is_null(), "{doc}");
     assert!(doc["degraded_reasons"][0].as_str().is_some_and(|r| r.contains("not connected")), "{doc}");
 
     // Data pushed while disconnected waits in the spool and shows up per stream.
@@ -75,10 +77,13 @@ fn status_reports_not_running_degraded_and_healthy_with_its_exit_codes() -> anyh
     let mut ingest = world.start_ingest()?;
     let doc = wait_status(&world, "healthy and drained", |code, d| code == 0 && d["spool"]["sealed_chunks"] == 0)?;
     assert_eq!(doc["upload"]["records_acked_total"], 3, "{doc}");
+    assert!(doc["connection"]["remote"].as_str().is_some_and(|s| s.starts_with("127.0.0.1:")), "{doc}");
+    assert!(doc["connection"]["since_ms"].as_u64().is_some(), "{doc}");
     let text = uploader(&world, &["status"])?;
     assert_eq!(text.status.code(), Some(0));
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("healthy") && text.contains("temperature") && !text.contains('\x1b'), "{text}");
+    assert!(text.contains("connection: connected to 127.0.0.1:"), "{text}");
 
     // A bad stream name is refused before anything is sent, naming it.
     let out = uploader(&world, &["push", "--stream", "bad name", &input.to_string_lossy()])?;

@@ -7,4 +7,5 @@ mod cli;
 mod common;
 mod crash_loop;
 mod metrics;
+mod notify;
 mod reload;

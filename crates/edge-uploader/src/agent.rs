@@ -69,10 +69,25 @@ impl Agent {
             counters: Arc::new(IntakeCounters::default()),
             upload: upload.clone(),
             settings: std::sync::Mutex::new(serde_json::Value::Null),
+            rates: crate::status::RateWindow::default(),
         });
         intake.set_settings(config);
         let cancel_intake = CancellationToken::new();
         let tasks = TaskTracker::new();
+        {
+            // Counter history for the rates in `status`; stops with the intake.
+            let intake = intake.clone();
+            let cancel = cancel_intake.clone();
+            tasks.spawn(async move {
+                let mut tick = tokio::time::interval(crate::status::RateWindow::PERIOD);
+                loop {
+                    tokio::select! {
+                        () = cancel.cancelled() => break,
+                        _ = tick.tick() => intake.rates.sample(crate::status::now_ms(), intake.rate_counters()),
+                    }
+                }
+            });
+        }
         let unix = bind_unix(&config.intake.socket, config.intake.socket_mode)?;
         let router = crate::intake::router(intake.clone());
         {

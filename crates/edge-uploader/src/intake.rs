@@ -50,9 +50,21 @@ pub struct Intake {
     pub upload: Arc<crate::uploader::UploadCounters>,
     /// The settings a reload can change, as now in force, reported by `GET /v1/status`.
     pub settings: std::sync::Mutex<serde_json::Value>,
+    /// Counter history for the rates `GET /v1/status` reports.
+    pub rates: crate::status::RateWindow,
 }
 
 impl Intake {
+    /// The counters the rate window tracks: intake records and bytes, acked records and bytes.
+    pub fn rate_counters(&self) -> [u64; 4] {
+        [
+            self.counters.records_total.load(Ordering::Relaxed),
+            self.counters.bytes_total.load(Ordering::Relaxed),
+            self.upload.records_acked_total.load(Ordering::Relaxed),
+            self.upload.bytes_acked(),
+        ]
+    }
+
     /// Records the reloadable settings in force.
     pub fn set_settings(&self, config: &crate::config::Config) {
         let policy = match config.spool.full_policy {
@@ -170,8 +182,26 @@ pub fn status_json(intake: &Intake) -> serde_json::Value {
     };
     let last_error = u.last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
     let settings = intake.settings.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    let session = u.session.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    let now = crate::status::now_ms();
+    let rates = intake.rates.rates(now, intake.rate_counters());
+    let rtt = u.metrics.rtt_seconds();
     json!({
         "version": 1,
+        "connection": {
+            "server": session.server,
+            "remote": session.remote,
+            "since_ms": (session.since_ms > 0).then_some(session.since_ms),
+            "rtt_ms": (rtt > 0.0).then_some(rtt * 1000.0),
+        },
+        "rates": rates.map(|r| json!({
+            "window_s": r.window_s,
+            "intake_records_per_s": r.per_s[0],
+            "intake_bytes_per_s": r.per_s[1],
+            "acked_records_per_s": r.per_s[2],
+            "acked_bytes_per_s": r.per_s[3],
+        })),
+        "drain_eta_s": rates.and_then(|r| crate::status::drain_eta_s(s.total_bytes, &r)),
         "settings": settings,
         "spool": {
             "id": intake.spool.id().to_string(),

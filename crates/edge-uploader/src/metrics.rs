@@ -219,6 +219,11 @@ impl UploadMetrics {
         self.end_to_end_latency.observe(ms_to_secs(now_ms.saturating_sub(meta.first_ms)));
     }
 
+    /// The last sampled round-trip time in seconds (0 before the first sample).
+    pub fn rtt_seconds(&self) -> f64 {
+        self.quic_rtt.get()
+    }
+
     /// Reads the connection's path statistics; `last_lost` is the loss count already added.
     fn sample_path(&self, conn: &quinn::Connection, last_lost: &mut u64) {
         let stats = conn.stats();

@@ -24,6 +24,56 @@ pub fn now_ms() -> u64 {
     .unwrap_or(u64::MAX)
 }
 
+/// Counters sampled every few seconds, so `status` can show rates over the last minute.
+#[derive(Debug, Default)]
+pub struct RateWindow {
+    samples: std::sync::Mutex<std::collections::VecDeque<(u64, [u64; 4])>>,
+}
+
+/// Per-second rates over the window: intake records, intake bytes, acked records, acked bytes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rates {
+    pub window_s: f64,
+    pub per_s: [f64; 4],
+}
+
+impl RateWindow {
+    /// How far back rates look.
+    pub const WINDOW_MS: u64 = 60_000;
+    /// How often the agent samples.
+    pub const PERIOD: Duration = Duration::from_secs(5);
+
+    /// Adds a sample of the four counters taken at `now_ms`; keeps one window of history.
+    pub fn sample(&self, now_ms: u64, values: [u64; 4]) {
+        let mut s = self.samples.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.push_back((now_ms, values));
+        while s.len() > 2 && s.get(1).is_some_and(|(t, _)| now_ms.saturating_sub(*t) >= Self::WINDOW_MS) {
+            s.pop_front();
+        }
+    }
+
+    /// Rates between the oldest sample in the window and `current` at `now_ms`.
+    pub fn rates(&self, now_ms: u64, current: [u64; 4]) -> Option<Rates> {
+        let s = self.samples.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let &(t0, v0) = s.front()?;
+        let dt = now_ms.checked_sub(t0).filter(|dt| *dt > 0)? as f64 / 1000.0;
+        let mut per_s = [0.0; 4];
+        for (i, r) in per_s.iter_mut().enumerate() {
+            *r = current[i].saturating_sub(v0[i]) as f64 / dt;
+        }
+        Some(Rates { window_s: dt, per_s })
+    }
+}
+
+/// Seconds until the backlog is gone at the current rates; `None` when it is not shrinking.
+pub fn drain_eta_s(backlog_bytes: u64, rates: &Rates) -> Option<f64> {
+    if backlog_bytes == 0 {
+        return Some(0.0);
+    }
+    let net = rates.per_s[3] - rates.per_s[1];
+    (net > 0.0).then(|| backlog_bytes as f64 / net)
+}
+
 /// Asks the agent behind `socket`; `None` if nothing answers.
 pub async fn fetch(socket: &Path) -> Option<Value> {
     let mut client = IntakeClient::new(socket);
@@ -62,12 +112,32 @@ pub fn render(status: &Value, reasons: &[String], now_ms: u64) -> String {
     for r in reasons {
         out.push_str(&format!("  ! {r}\n"));
     }
+    let conn = &status["connection"];
+    let since = conn["since_ms"].as_u64().map_or("-".to_owned(), |t| {
+        format!("{} ago", humantime::format_duration(round(Duration::from_millis(now_ms.saturating_sub(t)))))
+    });
     out.push_str(&format!(
-        "connection: {}  (connects {}, in flight {})\n",
+        "connection: {} to {} ({}) since {since}, rtt {} ms  (connects {}, in flight {})\n",
         if up["connected"] == true { paint("32", "connected") } else { paint("31", "disconnected") },
+        conn["server"].as_str().unwrap_or("?"),
+        conn["remote"].as_str().unwrap_or("-"),
+        conn["rtt_ms"].as_f64().map_or("-".to_owned(), |r| format!("{r:.1}")),
         up["connects_total"],
         up["in_flight"],
     ));
+    let r = &status["rates"];
+    if let Some(w) = r["window_s"].as_f64() {
+        out.push_str(&format!(
+            "rates (last {w:.0} s): in {:.0} rec/s {:.2} MB/s, uploaded {:.0} rec/s {:.2} MB/s; drain eta {}\n",
+            r["intake_records_per_s"].as_f64().unwrap_or(0.0),
+            r["intake_bytes_per_s"].as_f64().unwrap_or(0.0) / 1e6,
+            r["acked_records_per_s"].as_f64().unwrap_or(0.0),
+            r["acked_bytes_per_s"].as_f64().unwrap_or(0.0) / 1e6,
+            status["drain_eta_s"].as_f64().map_or("not draining".to_owned(), |s| {
+                humantime::format_duration(Duration::from_secs(s.ceil() as u64)).to_string()
+            }),
+        ));
+    }
     let age = sp["oldest_ms"].as_u64().map_or("-".to_owned(), |o| {
         humantime::format_duration(round(Duration::from_millis(now_ms.saturating_sub(o)))).to_string()
     });
@@ -115,6 +185,10 @@ mod tests {
             "version": 1,
             "spool": {"sealed_chunks": 2, "total_bytes": 10, "oldest_ms": oldest_ms, "dropped_records": 0,
                       "quarantined_chunks": 0, "streams": [{"name": "t", "next_seq": 3, "bytes": 10, "sealed_chunks": 2}]},
+            "connection": {"server": "ingest:4433", "remote": "10.0.0.1:4433", "since_ms": 0, "rtt_ms": 1.5},
+            "rates": {"window_s": 60.0, "intake_records_per_s": 10.0, "intake_bytes_per_s": 1000.0,
+                      "acked_records_per_s": 20.0, "acked_bytes_per_s": 2000.0},
+            "drain_eta_s": 5.0,
             "upload": {"connected": connected, "connects_total": 1, "in_flight": 0, "chunks_acked_total": 5,
                        "records_acked_total": 50, "bytes_acked_total": 500, "latency_p50_ms": 3, "latency_p99_ms": null,
                        "last_error": null},
@@ -136,11 +210,30 @@ mod tests {
     }
 
     #[test]
+    fn rates_cover_the_last_minute_and_the_eta_follows_the_net_drain() {
+        let w = RateWindow::default();
+        assert_eq!(w.rates(1000, [0; 4]), None);
+        for t in 0..=30u64 {
+            // 5 s apart: 100 records and 1000 bytes in, 200 and 3000 out per step.
+            w.sample(t * 5000, [t * 100, t * 1000, t * 200, t * 3000]);
+        }
+        let r = w.rates(150_000, [3000, 30_000, 6000, 90_000]).expect("rates");
+        assert!((r.window_s - 60.0).abs() < 5.1, "{r:?}");
+        assert!((r.per_s[0] - 20.0).abs() < 0.01 && (r.per_s[3] - 600.0).abs() < 0.01, "{r:?}");
+        assert_eq!(drain_eta_s(4000, &r), Some(10.0), "net 400 B/s drains 4000 B in 10 s");
+        let growing = Rates { window_s: 60.0, per_s: [0.0, 500.0, 0.0, 100.0] };
+        assert_eq!(drain_eta_s(4000, &growing), None);
+        assert_eq!(drain_eta_s(0, &growing), Some(0.0));
+    }
+
+    #[test]
     fn human_output_has_one_row_per_stream_and_no_colour_off_a_tty() {
         let text = render(&doc(true, Some(0)), &[], 1000);
         assert!(text.contains("healthy"));
         assert!(!text.contains('\x1b'), "tests do not run on a TTY: {text:?}");
         assert!(text.lines().any(|l| l.starts_with("t ") && l.contains(" 3 ")), "{text}");
         assert!(text.contains("p99 - ms"), "{text}");
+        assert!(text.contains("to ingest:4433 (10.0.0.1:4433)") && text.contains("rtt 1.5 ms"), "{text}");
+        assert!(text.contains("rates (last 60 s)") && text.contains("drain eta 5s"), "{text}");
     }
 }

@@ -54,6 +54,8 @@ pub struct UploaderOptions {
 #[derive(Debug, Default)]
 pub struct UploadCounters {
     pub connected: AtomicBool,
+    /// The current (or last) connection, for `status`.
+    pub session: Mutex<SessionInfo>,
     pub connects_total: AtomicU64,
     /// Chunks the server answered `Stored`.
     pub stored: AckCounter,
@@ -74,6 +76,17 @@ pub struct UploadCounters {
     pub latency_ms: Mutex<LatencySamples>,
     /// Latency histograms and QUIC path figures, for `/metrics`.
     pub metrics: crate::metrics::UploadMetrics,
+}
+
+/// Where the agent is connected, for `status`.
+#[derive(Debug, Default, Clone)]
+pub struct SessionInfo {
+    /// The configured server (`host:port`).
+    pub server: String,
+    /// The address of the current connection; `None` while disconnected.
+    pub remote: Option<String>,
+    /// When the connection state last changed (unix ms).
+    pub since_ms: u64,
 }
 
 /// Chunks answered with one ack status, and their raw payload bytes (record framing included,
@@ -102,6 +115,11 @@ impl AckCounter {
 }
 
 impl UploadCounters {
+    fn set_session(&self, server: &str, remote: Option<String>) {
+        let mut s = self.session.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *s = SessionInfo { server: server.to_owned(), remote, since_ms: now_ms() };
+    }
+
     fn set_error(&self, e: impl Into<String>) {
         *self.last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e.into());
     }
@@ -180,6 +198,7 @@ pub async fn run(
     counters: Arc<UploadCounters>,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
+    counters.set_session(&opts.server, None);
     let endpoint = edge_transport::client_endpoint(opts.bind, &opts.tuning)?;
     let mut backoff = Backoff::new(opts.backoff_min, opts.backoff_max);
     while !cancel.is_cancelled() {
@@ -191,11 +210,13 @@ pub async fn run(
             Ok(conn) => {
                 counters.connects_total.fetch_add(1, Ordering::Relaxed);
                 counters.connected.store(true, Ordering::Release);
+                counters.set_session(&opts.server, Some(conn.remote_address().to_string()));
                 info!(server = %opts.server, remote = %conn.remote_address(), "connected to ingest");
                 let sampler = crate::metrics::QuicSampler::spawn(conn.clone(), counters.clone());
                 let result = Connection::new(&conn, &opts, &spool, &reader, &counters, &cancel).run().await;
                 sampler.stop().await;
                 counters.connected.store(false, Ordering::Release);
+                counters.set_session(&opts.server, None);
                 match result {
                     Ok(progress) => {
                         if progress {
