@@ -6,6 +6,7 @@
 mod cli;
 mod common;
 mod crash_loop;
+mod ingest_status;
 mod metrics;
 mod notify;
 mod reload;

@@ -83,7 +83,8 @@ impl Default for RawStore {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawMetrics {
-    /// `host:port` of the Prometheus `/metrics` endpoint; empty disables it.
+    /// `host:port` of the Prometheus `/metrics` endpoint and of `/v1/status` (read by
+    /// `edge-ingest status`); empty disables both.
     pub listen: String,
 }
 

@@ -6,6 +6,7 @@
 pub mod config;
 pub mod metrics;
 pub mod server;
+pub mod status;
 pub mod store;
 
 /// Exit code for configuration errors (`EX_CONFIG`); systemd is told not to restart on it.

@@ -1,4 +1,4 @@
-//! The `edge-ingest` command line: the server daemon, PKI set-up and export.
+//! The `edge-ingest` command line: the server daemon, its status, PKI set-up and export.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -23,6 +23,19 @@ enum Command {
     Run {
         #[arg(long, short)]
         config: Option<PathBuf>,
+    },
+    /// Show the running server's connected devices, rates and sink health. Exit 0 healthy,
+    /// 1 degraded (sink unhealthy), 3 not running, 4 unknown (status disabled or not edge-ingest).
+    Status {
+        /// Config file whose `[metrics] listen` names the status address (only that key is read).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// HOST:PORT of the metrics listener, instead of the config's (default 127.0.0.1:9172).
+        #[arg(long)]
+        addr: Option<String>,
+        /// One JSON object (`"version": 1`) instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Validate the configuration and exit 0 (valid) or 78 (invalid).
     CheckConfig {
@@ -110,6 +123,7 @@ fn main() -> ExitCode {
             }
             report(runtime().and_then(|rt| rt.block_on(run(cfg))))
         }
+        Command::Status { config, addr, json } => status(config, addr, json),
         Command::Pki { command } => report(pki(command)),
         Command::Export { data_dir, device, stream, format } => report(export(data_dir, device, stream, format)),
     }
@@ -146,7 +160,9 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
     // Metrics (see `edge_ingest::metrics`): the daemon's one registry, served until the server stopped.
     let registry = prometheus::Registry::new();
     edge_ingest::metrics::register(&registry, server.counters(), store.stats_view()).context("registering metrics")?;
-    let metrics = edge_ingest::metrics::MetricsServer::start(metrics_listener, registry);
+    // `/v1/status` (for `edge-ingest status`) shares the metrics listener.
+    let status = edge_ingest::status::router(server.counters(), store.stats_view());
+    let metrics = edge_ingest::metrics::MetricsServer::start_with(metrics_listener, registry, status);
     edge_telemetry::notify::ready();
     let watchdog = edge_telemetry::notify::watchdog_interval();
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -176,6 +192,49 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
     drop(store);
     tracing::info!("stopped");
     Ok(())
+}
+
+fn status(config: Option<PathBuf>, addr: Option<String>, json: bool) -> ExitCode {
+    use edge_ingest::status::{self, Fetched};
+    use serde_json::json;
+    let unknown = |addr: Option<&str>, why: String| {
+        if json {
+            println!("{}", json!({"version": 1, "running": null, "addr": addr, "error": why}));
+        } else {
+            eprintln!("edge-ingest: status unknown: {why}");
+        }
+        ExitCode::from(status::EXIT_UNKNOWN)
+    };
+    let Some(target) = addr.or_else(|| status::addr_from_config(config.as_deref())) else {
+        return unknown(None, "metrics.listen is empty, so the status endpoint is disabled; use --addr".to_owned());
+    };
+    let sock = match status::resolve(&target) {
+        Ok(a) => a,
+        Err(why) => return unknown(Some(&target), why),
+    };
+    match status::fetch(sock, status::FETCH_TIMEOUT) {
+        Fetched::Status(mut doc) => {
+            let reasons = status::degraded_reasons(&doc);
+            if json {
+                doc["addr"] = json!(sock.to_string());
+                doc["healthy"] = json!(reasons.is_empty());
+                doc["degraded_reasons"] = json!(reasons);
+                println!("{doc}");
+            } else {
+                print!("{}", status::render(&doc, &reasons, status::now_ms(), status::use_color()));
+            }
+            ExitCode::from(if reasons.is_empty() { status::EXIT_HEALTHY } else { status::EXIT_DEGRADED })
+        }
+        Fetched::NotRunning(why) => {
+            if json {
+                println!("{}", json!({"version": 1, "running": false, "addr": sock.to_string(), "error": why}));
+            } else {
+                eprintln!("edge-ingest is not running (nothing answers on {sock}: {why})");
+            }
+            ExitCode::from(status::EXIT_NOT_RUNNING)
+        }
+        Fetched::Unknown(why) => unknown(Some(&target), why),
+    }
 }
 
 fn pki(cmd: PkiCommand) -> anyhow::Result<()> {

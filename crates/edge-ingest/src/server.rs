@@ -13,9 +13,10 @@
 //! unaffected. Shutdown sends GoAway, lets chunks in flight finish within a grace period, then
 //! closes the endpoint politely.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -26,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::store::{ChunkKey, IncomingChunk, PersistOutcome, StoreFailure, StoreHandle};
+use crate::store::{ChunkKey, IncomingChunk, PersistOutcome, StoreFailure, StoreHandle, StoreStatsView};
 
 /// What the server needs to run; built from the validated config or by tests.
 #[derive(Debug, Clone)]
@@ -80,6 +81,209 @@ pub struct ServerCounters {
     pub protocol_errors_total: AtomicU64,
     /// Payload received → store durable, per durable chunk (for `/metrics`).
     pub persist_latency: crate::metrics::PersistLatency,
+    /// Devices connected now, with their connections (for `status`).
+    pub devices: ConnectedDevices,
+    /// Samples of the stored totals over the last minute, taken by the server's sampler task
+    /// (for the rates of `status`).
+    pub rates: RateWindow,
+}
+
+impl ServerCounters {
+    /// The stored totals now, with the store's batch count, as a [`RateWindow`] sample.
+    pub fn sample(&self, store_batches: u64, at: Instant) -> Sample {
+        Sample {
+            at,
+            chunks: self.chunks_stored_total.load(Ordering::Relaxed),
+            records: self.records_stored_total.load(Ordering::Relaxed),
+            bytes: self.bytes_stored_total.load(Ordering::Relaxed),
+            store_batches,
+        }
+    }
+}
+
+/// Devices with at least one open connection (TLS handshake done, device id known), each with
+/// its connections. A device leaves the map when its last connection ends.
+#[derive(Debug, Default)]
+pub struct ConnectedDevices {
+    /// device → connection id → connection.
+    map: Mutex<BTreeMap<String, BTreeMap<u64, ConnInfo>>>,
+    next_id: AtomicU64,
+}
+
+#[derive(Debug)]
+struct ConnInfo {
+    since_ms: u64,
+    remote: SocketAddr,
+    stored: Arc<ConnStored>,
+}
+
+/// What one connection stored (first-time stores only, like the `*_stored_total` counters).
+#[derive(Debug, Default)]
+pub struct ConnStored {
+    pub chunks: AtomicU64,
+    pub records: AtomicU64,
+    pub bytes: AtomicU64,
+}
+
+/// One connected device as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceStatus {
+    /// Device id from the client certificate.
+    pub device: String,
+    /// Connections open now.
+    pub connections: u32,
+    /// Unix milliseconds when the oldest open connection was accepted.
+    pub since_ms: u64,
+    /// Remote address of the newest open connection.
+    pub remote: String,
+    /// Chunks, records and payload bytes stored over the open connections.
+    pub chunks_stored: u64,
+    pub records_stored: u64,
+    pub bytes_stored: u64,
+}
+
+/// Registration of one connection in [`ConnectedDevices`]; dropping it removes the connection.
+#[derive(Debug)]
+pub struct DeviceConnection<'a> {
+    devices: &'a ConnectedDevices,
+    device: String,
+    id: u64,
+    stored: Arc<ConnStored>,
+}
+
+impl DeviceConnection<'_> {
+    /// The counters of this connection's stored chunks.
+    pub fn stored(&self) -> Arc<ConnStored> {
+        self.stored.clone()
+    }
+}
+
+impl Drop for DeviceConnection<'_> {
+    fn drop(&mut self) {
+        let mut map = self.devices.lock();
+        if let Some(conns) = map.get_mut(&self.device) {
+            conns.remove(&self.id);
+            if conns.is_empty() {
+                map.remove(&self.device);
+            }
+        }
+    }
+}
+
+impl ConnectedDevices {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, BTreeMap<u64, ConnInfo>>> {
+        self.map.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Registers a connection of `device` from `remote`, accepted at `since_ms`.
+    pub fn connect(&self, device: &str, remote: SocketAddr, since_ms: u64) -> DeviceConnection<'_> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let stored = Arc::new(ConnStored::default());
+        self.lock()
+            .entry(device.to_owned())
+            .or_default()
+            .insert(id, ConnInfo { since_ms, remote, stored: stored.clone() });
+        DeviceConnection { devices: self, device: device.to_owned(), id, stored }
+    }
+
+    /// The connected devices, sorted by device id.
+    pub fn snapshot(&self) -> Vec<DeviceStatus> {
+        self.lock()
+            .iter()
+            .map(|(device, conns)| {
+                let sum = |f: fn(&ConnStored) -> &AtomicU64| {
+                    conns.values().map(|c| f(&c.stored).load(Ordering::Relaxed)).sum::<u64>()
+                };
+                DeviceStatus {
+                    device: device.clone(),
+                    connections: u32::try_from(conns.len()).unwrap_or(u32::MAX),
+                    since_ms: conns.values().map(|c| c.since_ms).min().unwrap_or(0),
+                    // Ids grow with time: the last entry is the newest connection.
+                    remote: conns.values().next_back().map(|c| c.remote.to_string()).unwrap_or_default(),
+                    chunks_stored: sum(|s| &s.chunks),
+                    records_stored: sum(|s| &s.records),
+                    bytes_stored: sum(|s| &s.bytes),
+                }
+            })
+            .collect()
+    }
+}
+
+/// One sample of the stored totals (see [`ServerCounters::sample`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    pub at: Instant,
+    pub chunks: u64,
+    pub records: u64,
+    pub bytes: u64,
+    /// Store batches finished ([`StoreStats::batches`](crate::store::StoreStats::batches)).
+    pub store_batches: u64,
+}
+
+/// Per-second rates of stored chunks, records and bytes.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Rates {
+    pub chunks_per_s: f64,
+    pub records_per_s: f64,
+    pub bytes_per_s: f64,
+    /// Seconds the rates are averaged over (up to 60; less just after start).
+    pub window_s: f64,
+}
+
+/// The last [`RateWindow::LEN`] samples, one every [`RateWindow::INTERVAL`]: with the live
+/// totals as the newest point they span the last minute.
+#[derive(Debug, Default)]
+pub struct RateWindow {
+    samples: Mutex<VecDeque<Sample>>,
+}
+
+impl RateWindow {
+    /// Sampling period.
+    pub const INTERVAL: Duration = Duration::from_secs(5);
+    /// Samples kept: 12 intervals, 60 s.
+    pub const LEN: usize = 13;
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Sample>> {
+        self.samples.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Adds a sample, dropping the oldest beyond [`RateWindow::LEN`].
+    pub fn push(&self, sample: Sample) {
+        let mut samples = self.lock();
+        while samples.len() >= Self::LEN {
+            samples.pop_front();
+        }
+        samples.push_back(sample);
+    }
+
+    /// Rates from the oldest sample kept to `now` (zero before the first sample, or when `now`
+    /// is not later than it).
+    pub fn rates(&self, now: Sample) -> Rates {
+        let oldest = self.lock().front().copied();
+        let window = oldest.map_or(Duration::ZERO, |o| now.at.saturating_duration_since(o.at));
+        match oldest {
+            Some(o) if window >= Duration::from_millis(1) => {
+                let secs = window.as_secs_f64();
+                let rate = |new: u64, old: u64| new.saturating_sub(old) as f64 / secs;
+                Rates {
+                    chunks_per_s: rate(now.chunks, o.chunks),
+                    records_per_s: rate(now.records, o.records),
+                    bytes_per_s: rate(now.bytes, o.bytes),
+                    window_s: secs,
+                }
+            }
+            _ => Rates { chunks_per_s: 0.0, records_per_s: 0.0, bytes_per_s: 0.0, window_s: 0.0 },
+        }
+    }
+
+    /// How long the store has finished no batch, as far as the samples tell: the time since
+    /// the oldest sample with `now`'s batch count (zero if none has it).
+    pub fn store_idle(&self, now: Sample) -> Duration {
+        self.lock()
+            .iter()
+            .find(|s| s.store_batches == now.store_batches)
+            .map_or(Duration::ZERO, |s| now.at.saturating_duration_since(s.at))
+    }
 }
 
 /// A running server. Dropping it does not stop it; call [`Server::shutdown`].
@@ -88,6 +292,7 @@ pub struct Server {
     local_addr: SocketAddr,
     cancel: CancellationToken,
     done: tokio::task::JoinHandle<()>,
+    sampler: tokio::task::JoinHandle<()>,
     counters: Arc<ServerCounters>,
 }
 
@@ -97,6 +302,7 @@ impl Server {
         let local_addr = endpoint.local_addr()?;
         let cancel = CancellationToken::new();
         let counters = Arc::new(ServerCounters::default());
+        let sampler = tokio::spawn(sample_rates(counters.clone(), store.stats_view(), cancel.clone()));
         let shared = Arc::new(Shared {
             store,
             opts,
@@ -108,7 +314,7 @@ impl Server {
             usize::try_from(shared.opts.memory_budget >> 10).unwrap_or(usize::MAX).min(Semaphore::MAX_PERMITS);
         shared.budget.add_permits(permits);
         let done = tokio::spawn(accept_loop(endpoint, shared));
-        Ok(Self { local_addr, cancel, done, counters })
+        Ok(Self { local_addr, cancel, done, sampler, counters })
     }
 
     /// The bound UDP address (useful with port 0).
@@ -126,6 +332,21 @@ impl Server {
         self.cancel.cancel();
         if let Err(e) = self.done.await {
             warn!(error = %e, "server task ended abnormally");
+        }
+        if let Err(e) = self.sampler.await {
+            warn!(error = %e, "rate sampler ended abnormally");
+        }
+    }
+}
+
+/// Samples the stored totals every [`RateWindow::INTERVAL`] until `cancel`.
+async fn sample_rates(counters: Arc<ServerCounters>, store: StoreStatsView, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(RateWindow::INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => break,
+            _ = tick.tick() => counters.rates.push(counters.sample(store.get().batches, Instant::now())),
         }
     }
 }
@@ -200,7 +421,9 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
     };
     shared.counters.connections_total.fetch_add(1, Ordering::Relaxed);
     shared.counters.connections_open.fetch_add(1, Ordering::Relaxed);
-    let result = run_connection(&conn, &device, &shared).await;
+    let registration = shared.counters.devices.connect(&device, remote, crate::status::now_ms());
+    let result = run_connection(&conn, &device, &shared, registration.stored()).await;
+    drop(registration);
     shared.counters.connections_open.fetch_sub(1, Ordering::Relaxed);
     match result {
         Ok(()) => debug!(%device, %remote, "connection ended"),
@@ -224,7 +447,12 @@ impl From<ProtoError> for ConnEnd {
     }
 }
 
-async fn run_connection(conn: &quinn::Connection, device: &str, shared: &Arc<Shared>) -> Result<(), ConnEnd> {
+async fn run_connection(
+    conn: &quinn::Connection,
+    device: &str,
+    shared: &Arc<Shared>,
+    stored: Arc<ConnStored>,
+) -> Result<(), ConnEnd> {
     let limits = shared.opts.limits.clone();
     // One deadline for the whole handshake, counted from the connection's start. A chunk stream
     // opened before Hello is a violation (an honest agent waits for Welcome).
@@ -316,6 +544,7 @@ async fn run_connection(conn: &quinn::Connection, device: &str, shared: &Arc<Sha
                 Ok(recv) => {
                     let ctx = ChunkCtx {
                         device: device.to_owned(),
+                        stored: stored.clone(),
                         conn_budget: conn_budget.clone(),
                         spool_id,
                         state: state.clone(),
@@ -349,6 +578,8 @@ async fn run_connection(conn: &quinn::Connection, device: &str, shared: &Arc<Sha
 
 struct ChunkCtx {
     device: String,
+    /// This connection's stored totals (for `status`).
+    stored: Arc<ConnStored>,
     /// This connection's share of the payload memory budget (KiB permits).
     conn_budget: Arc<Semaphore>,
     spool_id: [u8; 16],
@@ -486,6 +717,10 @@ async fn process_chunk(
                 c.chunks_stored_total.fetch_add(1, Ordering::Relaxed);
                 c.records_stored_total.fetch_add(u64::from(header.records), Ordering::Relaxed);
                 c.bytes_stored_total.fetch_add(payload.len() as u64, Ordering::Relaxed);
+                let s = &ctx.stored;
+                s.chunks.fetch_add(1, Ordering::Relaxed);
+                s.records.fetch_add(u64::from(header.records), Ordering::Relaxed);
+                s.bytes.fetch_add(payload.len() as u64, Ordering::Relaxed);
                 AckStatus::Stored
             }
             PersistOutcome::Duplicate => {
@@ -559,4 +794,69 @@ pub fn hex(bytes: &[u8]) -> String {
         let _infallible = write!(s, "{b:02x}");
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_device_is_listed_while_any_of_its_connections_is_open() {
+        let devices = ConnectedDevices::default();
+        let a: SocketAddr = "10.0.0.1:1000".parse().expect("addr");
+        let b: SocketAddr = "10.0.0.2:2000".parse().expect("addr");
+        let first = devices.connect("gw-1", a, 100);
+        first.stored().chunks.fetch_add(2, Ordering::Relaxed);
+        let second = devices.connect("gw-1", b, 200);
+        second.stored().records.fetch_add(7, Ordering::Relaxed);
+        let other = devices.connect("gw-0", a, 300);
+        let snap = devices.snapshot();
+        assert_eq!(snap.iter().map(|d| d.device.as_str()).collect::<Vec<_>>(), ["gw-0", "gw-1"]);
+        let gw1 = &snap[1];
+        assert_eq!((gw1.connections, gw1.since_ms, gw1.remote.as_str()), (2, 100, "10.0.0.2:2000"));
+        assert_eq!((gw1.chunks_stored, gw1.records_stored), (2, 7));
+        drop(first);
+        let snap = devices.snapshot();
+        assert_eq!((snap[1].connections, snap[1].since_ms, snap[1].chunks_stored), (1, 200, 0));
+        drop(second);
+        drop(other);
+        assert!(devices.snapshot().is_empty());
+    }
+
+    fn sample(at: Instant, secs: u64, chunks: u64, batches: u64) -> Sample {
+        Sample {
+            at: at + Duration::from_secs(secs),
+            chunks,
+            records: chunks * 10,
+            bytes: chunks * 100,
+            store_batches: batches,
+        }
+    }
+
+    #[test]
+    fn rates_span_the_oldest_of_the_last_thirteen_samples() {
+        let t0 = Instant::now();
+        let w = RateWindow::default();
+        assert_eq!(w.rates(sample(t0, 0, 5, 0)).window_s, 0.0, "no sample yet");
+        for i in 0..20 {
+            w.push(sample(t0, i * 5, i * 10, 1));
+        }
+        // Kept: samples 7..=19 (35 s..95 s); now is 100 s with 200 chunks.
+        let r = w.rates(sample(t0, 100, 200, 1));
+        assert_eq!(r.window_s, 65.0);
+        assert!((r.chunks_per_s - 130.0 / 65.0).abs() < 1e-9, "{r:?}");
+        assert!((r.records_per_s - 10.0 * r.chunks_per_s).abs() < 1e-9, "{r:?}");
+        assert!((r.bytes_per_s - 100.0 * r.chunks_per_s).abs() < 1e-9, "{r:?}");
+    }
+
+    #[test]
+    fn the_store_is_idle_since_the_oldest_sample_with_the_same_batch_count() {
+        let t0 = Instant::now();
+        let w = RateWindow::default();
+        for (i, batches) in [1, 2, 3, 3, 3].into_iter().enumerate() {
+            w.push(sample(t0, i as u64 * 5, 0, batches));
+        }
+        assert_eq!(w.store_idle(sample(t0, 25, 0, 3)), Duration::from_secs(15));
+        assert_eq!(w.store_idle(sample(t0, 25, 0, 4)), Duration::ZERO);
+    }
 }

@@ -1,6 +1,7 @@
 //! Prometheus plumbing shared by both daemons: [`Live`] metric families built at scrape time from
 //! live state and the [`LiveCollector`] that serves them, and the `/metrics` HTTP server
-//! ([`bind`], [`MetricsServer`], [`encode`]).
+//! ([`bind`], [`MetricsServer`], [`encode`]), which can serve a daemon's extra routes too
+//! ([`MetricsServer::start_with`]).
 //!
 //! The metric names, the handles, the collectors and the [`Registry`] itself belong to each
 //! daemon's `metrics` module; nothing here knows either daemon's domain.
@@ -163,9 +164,15 @@ pub struct MetricsServer {
 impl MetricsServer {
     /// Serves `registry` on `listener`; does nothing without a listener.
     pub fn start(listener: Option<TcpListener>, registry: Registry) -> Self {
+        Self::start_with(listener, registry, Router::new())
+    }
+
+    /// As [`MetricsServer::start`], also serving the routes of `extra` (for example a daemon's
+    /// `/v1/status`) on the same listener. `extra` must not route `/metrics`.
+    pub fn start_with(listener: Option<TcpListener>, registry: Registry, extra: Router) -> Self {
         let cancel = CancellationToken::new();
         let task = listener.map(|listener| {
-            let app = Router::new().route("/metrics", get(scrape)).with_state(registry);
+            let app = Router::new().route("/metrics", get(scrape)).with_state(registry).merge(extra);
             let stop = cancel.clone().cancelled_owned();
             tokio::spawn(async move {
                 if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(stop).await {
@@ -231,6 +238,25 @@ mod tests {
         assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
         server.stop().await;
         assert!(bind(None).await.expect("disabled").is_none());
+    }
+
+    #[tokio::test]
+    async fn extra_routes_are_served_next_to_metrics() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = bind(Some(SocketAddr::from(([127, 0, 0, 1], 0)))).await.expect("bind").expect("enabled");
+        let addr = listener.local_addr().expect("addr");
+        let extra = Router::new().route("/v1/status", get(|| async { "{\"version\":1}" }));
+        let server = MetricsServer::start_with(Some(listener), Registry::new(), extra);
+        for (path, expect) in [("/v1/status", "{\"version\":1}"), ("/metrics", "")] {
+            let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            let req = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+            s.write_all(req.as_bytes()).await.expect("write");
+            let mut out = String::new();
+            s.read_to_string(&mut out).await.expect("read");
+            assert!(out.starts_with("HTTP/1.1 200"), "{path}: {out}");
+            assert!(out.ends_with(expect), "{path}: {out}");
+        }
+        server.stop().await;
     }
 
     #[tokio::test]

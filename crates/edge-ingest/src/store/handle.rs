@@ -142,6 +142,11 @@ impl StoreStatsView {
         stats.queued = self.0.queued.load(Ordering::Relaxed);
         stats
     }
+
+    /// Whether the store thread is still running, as [`StoreHandle::is_running`].
+    pub fn is_running(&self) -> bool {
+        self.0.running.load(Ordering::SeqCst)
+    }
 }
 
 /// Marks the thread stopped however it exits (panics included).
