@@ -2,11 +2,11 @@
 //! codes 0 healthy / 1 degraded / 3 not running) and `edge-uploader push`.
 
 use std::process::{Command, Output};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use edge_testkit::bin;
 
-use crate::common::World;
+use crate::common::{World, json_output, wait_json};
 
 fn uploader(world: &World, args: &[&str]) -> anyhow::Result<Output> {
     let cfg = world.agent_config.to_string_lossy().into_owned();
@@ -16,27 +16,16 @@ fn uploader(world: &World, args: &[&str]) -> anyhow::Result<Output> {
 }
 
 fn status_json(world: &World) -> anyhow::Result<(i32, serde_json::Value)> {
-    let out = uploader(world, &["status", "--json"])?;
-    let doc = serde_json::from_slice(&out.stdout)
-        .map_err(|e| anyhow::anyhow!("status --json is not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))?;
-    Ok((out.status.code().unwrap_or(-1), doc))
+    let cfg = world.agent_config.to_string_lossy().into_owned();
+    json_output("edge-uploader", &["status", "--json", "--config", &cfg])
 }
 
-/// Polls `status --json` until `pred` holds (the state lives in another process).
 fn wait_status(
     world: &World,
     what: &str,
     pred: impl Fn(i32, &serde_json::Value) -> bool,
 ) -> anyhow::Result<serde_json::Value> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let (code, doc) = status_json(world)?;
-        if pred(code, &doc) {
-            return Ok(doc);
-        }
-        anyhow::ensure!(Instant::now() < deadline, "status never showed {what}: exit {code}, {doc}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_json(what, || status_json(world), pred)
 }
 
 #[test]

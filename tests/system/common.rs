@@ -145,3 +145,29 @@ pub fn free_tcp_port() -> anyhow::Result<u16> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(listener.local_addr()?.port())
 }
+
+/// Runs `binary args...` with `NO_COLOR` and parses its stdout as JSON; returns the exit code too.
+pub fn json_output(binary: &str, args: &[&str]) -> anyhow::Result<(i32, serde_json::Value)> {
+    let out = std::process::Command::new(edge_testkit::bin(binary)?).args(args).env("NO_COLOR", "1").output()?;
+    let doc = serde_json::from_slice(&out.stdout).map_err(|e| {
+        anyhow::anyhow!("{binary} {args:?} did not print JSON ({e}): {}", String::from_utf8_lossy(&out.stdout))
+    })?;
+    Ok((out.status.code().unwrap_or(-1), doc))
+}
+
+/// Polls `probe` until `pred` holds, for up to a minute (the state lives in another process).
+pub fn wait_json(
+    what: &str,
+    probe: impl Fn() -> anyhow::Result<(i32, serde_json::Value)>,
+    pred: impl Fn(i32, &serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (code, doc) = probe()?;
+        if pred(code, &doc) {
+            return Ok(doc);
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "never saw {what}: exit {code}, {doc}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -2,11 +2,11 @@
 //! answers, exit 0 with no devices when idle, and a connected agent listed with what it stored.
 
 use std::process::{Command, Output};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use edge_testkit::bin;
 
-use crate::common::World;
+use crate::common::{World, json_output, wait_json};
 
 const DEVICE: &str = "gw-istatus-01";
 
@@ -18,10 +18,8 @@ fn ingest_status(world: &World, args: &[&str]) -> anyhow::Result<Output> {
 }
 
 fn status_json(world: &World) -> anyhow::Result<(i32, serde_json::Value)> {
-    let out = ingest_status(world, &["--json"])?;
-    let doc = serde_json::from_slice(&out.stdout)
-        .map_err(|e| anyhow::anyhow!("status --json is not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))?;
-    Ok((out.status.code().unwrap_or(-1), doc))
+    let cfg = world.ingest_config.to_string_lossy().into_owned();
+    json_output("edge-ingest", &["status", "--config", &cfg, "--json"])
 }
 
 fn wait_status(
@@ -29,15 +27,7 @@ fn wait_status(
     what: &str,
     pred: impl Fn(i32, &serde_json::Value) -> bool,
 ) -> anyhow::Result<serde_json::Value> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let (code, doc) = status_json(world)?;
-        if pred(code, &doc) {
-            return Ok(doc);
-        }
-        anyhow::ensure!(Instant::now() < deadline, "status never showed {what}: exit {code}, {doc}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_json(what, || status_json(world), pred)
 }
 
 #[test]
