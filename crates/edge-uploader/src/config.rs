@@ -335,12 +335,12 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
         spool,
         upload: UploadConfig {
             server: raw.upload.server,
-            server_name,
+            server_name: server_name.clone(),
             tls: edge_transport::ClientTls {
                 cert: raw.upload.cert,
                 key: raw.upload.key,
                 server_ca: raw.upload.ca,
-                server_name: String::new(),
+                server_name,
             },
             max_in_flight: raw.upload.max_in_flight,
             backoff_min: raw.upload.backoff_min,
@@ -353,10 +353,6 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
         log_level: raw.log.level,
         log_format,
         source,
-    })
-    .map(|mut c| {
-        c.upload.tls.server_name = c.upload.server_name.clone();
-        c
     })
 }
 

@@ -225,12 +225,8 @@ pub async fn run(opts: DemoOptions) -> anyhow::Result<Summary> {
                 let _ = std::io::stderr().flush();
                 last = (now, s, b);
                 if !producing {
-                    // Seal stragglers, then stop once nothing is left in the spool.
+                    // Seal stragglers; the check below stops once nothing is left.
                     agent.spool().seal_all().await;
-                    let st = agent.spool_stats();
-                    if st.sealed_chunks == 0 && st.open_bytes == 0 {
-                        break;
-                    }
                 }
             }
         }
