@@ -6,7 +6,11 @@
 mod cli;
 mod common;
 mod crash_loop;
+mod crash_points;
 mod ingest_status;
 mod metrics;
+mod network;
 mod notify;
+mod power_cut;
 mod reload;
+mod storage_faults;

@@ -12,6 +12,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
+pub mod tier;
+pub mod workload;
+
+pub use tier::{Tier, report};
+
 /// Path of a workspace binary, built once per test process with the same profile as the tests.
 pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
     static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
