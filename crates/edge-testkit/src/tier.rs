@@ -2,9 +2,9 @@
 //!
 //! The quick tier runs inside the README's test command (`cargo nextest run --workspace`) with
 //! small sizes. The long tier is the same tests with their full sizes plus the tests marked
-//! `#[ignore = "long tier"]`, run by `tests/long-tier.sh` (`EDGE_TIER=long`). Every test writes
-//! its figures as one JSON object to `target/reliability/<name>.json`; `tests/reliability_report.py`
-//! turns those files into the results table of `RELIABILITY.md`.
+//! `#[ignore = "long tier"]`, run by `tests/long-tier.sh` (`EDGE_TIER=long`). Every test
+//! writes its figures as one JSON object to `target/reliability/<name>.<tier>.json`;
+//! `tests/reliability_report.py` turns those files into the results table of `RELIABILITY.md`.
 
 use std::path::PathBuf;
 
@@ -50,8 +50,9 @@ pub fn report_dir() -> PathBuf {
     }
 }
 
-/// Writes the figures of test `name` (one JSON object) to `<report_dir>/<name>.json`, adding
-/// the tier and the time. The test's own assertions decide pass or fail; this is the record.
+/// Writes the figures of test `name` (one JSON object) to `<report_dir>/<name>.<tier>.json`,
+/// adding the tier and the time (so a quick run never overwrites the long tier's figures).
+/// The test's own assertions decide pass or fail; this is the record.
 pub fn report(name: &str, figures: &serde_json::Value) -> anyhow::Result<PathBuf> {
     let dir = report_dir();
     std::fs::create_dir_all(&dir)?;
@@ -65,7 +66,7 @@ pub fn report(name: &str, figures: &serde_json::Value) -> anyhow::Result<PathBuf
             out.insert(k.clone(), v.clone());
         }
     }
-    let path = dir.join(format!("{name}.json"));
+    let path = dir.join(format!("{name}.{}.json", Tier::current().name()));
     std::fs::write(&path, serde_json::to_vec_pretty(&doc)?)?;
     eprintln!("figures of {name}: {}", path.display());
     Ok(path)

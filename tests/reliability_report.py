@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Renders the figures the reliability tests wrote (target/reliability/*.json, one object per
+test, written by edge_testkit::report) as the results table of RELIABILITY.md.
+
+    python3 tests/reliability_report.py                      # print the table
+    python3 tests/reliability_report.py --write RELIABILITY.md  # replace the table in the file
+
+The table sits between the markers <!-- results:begin --> and <!-- results:end -->.
+"""
+import datetime
+import glob
+import json
+import os
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+META = {"test", "tier", "unix_time"}
+
+
+def fmt(v):
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, (list, dict)):
+        s = json.dumps(v, separators=(",", ":"))
+        return s if len(s) <= 80 else s[:77] + "..."
+    return str(v)
+
+
+def table(report_dir):
+    rows = []
+    for path in sorted(glob.glob(os.path.join(report_dir, "*.json"))):
+        with open(path) as f:
+            doc = json.load(f)
+        when = datetime.datetime.fromtimestamp(doc.get("unix_time", 0), datetime.timezone.utc)
+        figures = ", ".join(f"{k}={fmt(v)}" for k, v in doc.items() if k not in META)
+        rows.append(f"| `{doc.get('test', os.path.basename(path))}` | {doc.get('tier', '?')} | "
+                    f"{when:%Y-%m-%d %H:%M} | {figures.replace('|', '/')} |")
+    head = ["| test | tier | run (UTC) | figures |", "|---|---|---|---|"]
+    return "\n".join(head + rows) + "\n"
+
+
+def main():
+    report_dir = os.environ.get("EDGE_REPORT_DIR", os.path.join(ROOT, "target", "reliability"))
+    out = table(report_dir)
+    if len(sys.argv) == 3 and sys.argv[1] == "--write":
+        path = sys.argv[2]
+        text = open(path).read()
+        begin, end = "<!-- results:begin -->", "<!-- results:end -->"
+        if begin not in text or end not in text:
+            sys.exit(f"{path}: markers {begin} / {end} not found")
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        open(path, "w").write(f"{head}{begin}\n{out}{end}{tail}")
+        print(f"{path}: results table rewritten from {report_dir}")
+    elif len(sys.argv) == 1:
+        sys.stdout.write(out)
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main()
