@@ -3,7 +3,7 @@
 #
 #   1. tools: installs what is missing (apt: systemd, dpkg-dev, binutils, passwd,
 #      init-system-helpers, python3; promtool from Debian's prometheus package, unpacked, not
-#      installed; cargo-deb with cargo install).
+#      installed; cargo-deb with cargo install --debug).
 #   2. alert rules: promtool check rules + promtool test rules; dashboard: valid JSON, only the
 #      agreed metric names, every query parses as PromQL.
 #   3. builds both binaries once (release) and both .deb packages with cargo deb --no-build.
@@ -84,7 +84,9 @@ echo "  ${version%%$'\n'*}"
 
 if ! cargo deb --version >/dev/null 2>&1; then
     echo "  installing cargo-deb"
-    cargo install --locked cargo-deb --version '^3.8' >/dev/null 2>&1 || die "cargo install cargo-deb failed"
+    # --debug: an unoptimised cargo-deb builds in about a minute instead of seven on 2 cores,
+    # and packaging two binaries is no work worth optimising.
+    cargo install --locked --debug cargo-deb --version '^3.8' >/dev/null 2>&1 || die "cargo install cargo-deb failed"
 fi
 version=$(cargo deb --version 2>&1) || die "cargo deb does not run"
 echo "  ${version%%$'\n'*}"
