@@ -82,8 +82,9 @@ impl SpoolError {
 
     /// True for errors that mean "the database file is damaged, not a database, or holds values
     /// our schema cannot have". Lock, permission and I/O errors are not corruption: a file is
-    /// never moved aside because of them.
-    pub(crate) fn is_corruption(&self) -> bool {
+    /// never moved aside because of them. Public so the uploader can quarantine a chunk whose
+    /// pages SQLite itself finds damaged, instead of failing the whole upload loop on it.
+    pub fn is_corruption(&self) -> bool {
         match self {
             SpoolError::Sqlite { source, .. } => match source {
                 rusqlite::Error::SqliteFailure(f, _) => {

@@ -79,6 +79,13 @@
 //!   file stays available for offline recovery. A file from a newer schema version is *not*
 //!   moved; `open` fails with [`SpoolError::UnsupportedSchema`] (a downgrade must not destroy
 //!   data).
+//! * A full file system (`ENOSPC` → `SQLITE_FULL` → [`SpoolError::DiskFull`]) fails the call
+//!   with nothing stored, like any error. Writes that free space (ack, quarantine, purge) and
+//!   sealing must not wedge on it, yet in WAL mode they need WAL space and a checkpoint that may
+//!   grow the main file: a ballast file `<path>-reserve` ([`SpoolOptions::disk_reserve_bytes`])
+//!   is deleted for them, the WAL checkpointed and truncated, and the call retried once. Appends
+//!   are refused while the ballast cannot be written back, unless free pages inside the file
+//!   cover its size (see `reserve.rs`).
 //! * Every batch carries a CRC-32C; [`SpoolReader::read`] fails with [`SpoolError::Corrupt`] on a
 //!   mismatch instead of serving bad bytes. The caller then calls [`Spool::quarantine`]: the chunk
 //!   stays on disk for inspection, is never offered again and no longer counts against
@@ -103,13 +110,31 @@
 //! * `error.rs`: [`SpoolError`].
 //! * `schema.rs`: DDL, pragmas, `user_version` migrations.
 //! * `recovery.rs`: opening a file, quick check, quarantine of a bad file.
+//! * `check.rs`: [`check`], the read-only audit behind `edge-uploader spool check`.
+//! * `reserve.rs`: the disk reserve that keeps acks working on a full file system.
 //! * `state.rs`: the in-memory counters.
 //! * `spool.rs`: the writer [`Spool`].
 //! * `reader.rs`: [`SpoolReader`].
 
+/// A crash point for the reliability tests: in a build with the `failpoints` feature, a process
+/// started with `FAILPOINTS=<name>=return` aborts here (as a power cut or SIGKILL would stop it).
+/// Without the feature it compiles to nothing.
+macro_rules! crash_point {
+    ($name:literal) => {
+        #[cfg(feature = "failpoints")]
+        if fail::eval($name, |_| ()).is_some() {
+            eprintln!(concat!("failpoint ", $name, ": crashing the process"));
+            std::process::abort();
+        }
+    };
+}
+pub(crate) use crash_point;
+
+mod check;
 mod error;
 mod reader;
 mod recovery;
+mod reserve;
 mod schema;
 mod spool;
 mod state;
@@ -118,6 +143,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use check::{CheckReport, DamagedBatch, DamagedChunk, check};
 pub use error::SpoolError;
 pub use reader::SpoolReader;
 pub use spool::Spool;
@@ -181,10 +207,16 @@ pub struct SpoolOptions {
     pub chunk_target_bytes: u64,
     /// ... or once the oldest open batch is at least this old (see [`Spool::seal_due`]).
     pub linger: Duration,
+    /// Size of the disk reserve `<path>-reserve`: a ballast file deleted when the file system
+    /// is full, so acks and seals (which need WAL space too) can still commit and free space.
+    /// Appends are refused while it cannot be written back. 0 disables it.
+    pub disk_reserve_bytes: u64,
 }
 
 impl SpoolOptions {
-    /// Defaults: [`Durability::Full`], 1 GiB, [`FullPolicy::Reject`], 1 MiB chunks, 50 ms linger.
+    /// Defaults: [`Durability::Full`], 1 GiB, [`FullPolicy::Reject`], 1 MiB chunks, 50 ms linger,
+    /// 8 MiB disk reserve (a checkpoint may have to copy a whole WAL, about 4 MiB between
+    /// automatic checkpoints plus the last group commit, into a growing main file).
     pub fn new(path: impl Into<PathBuf>) -> Self {
         SpoolOptions {
             path: path.into(),
@@ -193,6 +225,7 @@ impl SpoolOptions {
             full_policy: FullPolicy::Reject,
             chunk_target_bytes: 1 << 20,
             linger: Duration::from_millis(50),
+            disk_reserve_bytes: 8 << 20,
         }
     }
 }

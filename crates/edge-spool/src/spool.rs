@@ -12,6 +12,7 @@ use rusqlite::{OptionalExtension, Transaction, TransactionBehavior};
 use crate::error::ctx;
 use crate::reader::SpoolReader;
 use crate::recovery;
+use crate::reserve::Reserve;
 use crate::schema::{META_DROPPED_CHUNKS, META_DROPPED_RECORDS};
 use crate::state::{State, StreamState, min_opt};
 use crate::{
@@ -27,6 +28,7 @@ pub struct Spool {
     id: SpoolId,
     opts: SpoolOptions,
     state: State,
+    reserve: Reserve,
 }
 
 impl Spool {
@@ -58,7 +60,8 @@ impl Spool {
             sealed_chunks = report.sealed_chunks,
             "spool opened"
         );
-        let spool = Spool { conn: opened.conn, id: opened.id, opts, state: opened.state };
+        let reserve = Reserve::open(recovery::with_suffix(&opts.path, "-reserve"), opts.disk_reserve_bytes);
+        let spool = Spool { conn: opened.conn, id: opened.id, opts, state: opened.state, reserve };
         Ok((spool, report))
     }
 
@@ -86,6 +89,22 @@ impl Spool {
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
+        if !self.reserve.is_present() {
+            self.checkpoint_truncate();
+            if !self.reserve.try_restore(now_ms) && self.free_bytes_in_file() < self.opts.disk_reserve_bytes {
+                // The headroom for acks is in use: producer data must not take it.
+                return Err(SpoolError::DiskFull);
+            }
+        }
+        let result = self.append_once(reqs, now_ms);
+        if matches!(result, Err(SpoolError::DiskFull)) {
+            // A large WAL may be what fills the disk; shrinking it costs nothing if it works.
+            self.checkpoint_truncate();
+        }
+        result
+    }
+
+    fn append_once(&mut self, reqs: &[AppendRequest], now_ms: u64) -> Result<Vec<AppendOutcome>, SpoolError> {
         let mut st = self.state.clone();
         let tx = begin(&mut self.conn)?;
         let mut outcomes = Vec::with_capacity(reqs.len());
@@ -130,7 +149,9 @@ impl Spool {
             st.dropped_records += dropped.records;
             refresh_oldest_sealed(&tx, &mut st, &dropped.streams)?;
         }
+        crate::crash_point!("spool::append::before_commit");
         tx.commit().map_err(ctx("committing appended batches"))?;
+        crate::crash_point!("spool::append::after_commit");
         self.state = st;
         if dropped.chunks > 0 {
             tracing::warn!(
@@ -175,6 +196,11 @@ impl Spool {
         if names.is_empty() {
             return Ok(0);
         }
+        // Sealing must work on a full disk too: data stuck in open batches is never uploaded.
+        self.with_headroom(|s| s.seal_streams_once(names, now_ms))
+    }
+
+    fn seal_streams_once(&mut self, names: &[String], now_ms: u64) -> Result<u32, SpoolError> {
         let mut st = self.state.clone();
         let tx = begin(&mut self.conn)?;
         let mut sealed = 0;
@@ -183,7 +209,9 @@ impl Spool {
                 sealed += 1;
             }
         }
+        crate::crash_point!("spool::seal::before_commit");
         tx.commit().map_err(ctx("committing sealed chunks"))?;
+        crate::crash_point!("spool::seal::after_commit");
         self.state = st;
         Ok(sealed)
     }
@@ -195,10 +223,14 @@ impl Spool {
     /// # Errors
     /// On `Err` nothing was deleted; the chunks will be offered again, which is safe.
     pub fn ack(&mut self, chunks: &[ChunkId]) -> Result<AckReport, SpoolError> {
-        let mut report = AckReport::default();
         if chunks.is_empty() {
-            return Ok(report);
+            return Ok(AckReport::default());
         }
+        self.with_headroom(|s| s.ack_once(chunks))
+    }
+
+    fn ack_once(&mut self, chunks: &[ChunkId]) -> Result<AckReport, SpoolError> {
+        let mut report = AckReport::default();
         let mut st = self.state.clone();
         let tx = begin(&mut self.conn)?;
         let mut touched = BTreeSet::new();
@@ -212,7 +244,9 @@ impl Spool {
             }
         }
         refresh_oldest_sealed(&tx, &mut st, &touched)?;
+        crate::crash_point!("spool::ack::before_commit");
         tx.commit().map_err(ctx("committing acks"))?;
+        crate::crash_point!("spool::ack::after_commit");
         self.state = st;
         if report.unknown > 0 {
             tracing::debug!(acked = report.acked, unknown = report.unknown, "ack for chunks not in the spool");
@@ -227,6 +261,10 @@ impl Spool {
     /// # Errors
     /// [`SpoolError::ChunkGone`] if the chunk is not in the spool.
     pub fn quarantine(&mut self, chunk: ChunkId, reason: &str) -> Result<(), SpoolError> {
+        self.with_headroom(|s| s.quarantine_once(chunk, reason))
+    }
+
+    fn quarantine_once(&mut self, chunk: ChunkId, reason: &str) -> Result<(), SpoolError> {
         let mut st = self.state.clone();
         let tx = begin(&mut self.conn)?;
         let row: Option<(i64, u64, bool)> = tx
@@ -246,7 +284,9 @@ impl Spool {
         stream.sealed_bytes = stream.sealed_bytes.saturating_sub(bytes);
         st.quarantined_chunks += 1;
         refresh_oldest_sealed(&tx, &mut st, &BTreeSet::from([stream_id]))?;
+        crate::crash_point!("spool::quarantine::before_commit");
         tx.commit().map_err(ctx("committing a quarantine"))?;
+        crate::crash_point!("spool::quarantine::after_commit");
         self.state = st;
         tracing::warn!(chunk = chunk.0, reason, "chunk quarantined");
         Ok(())
@@ -257,6 +297,10 @@ impl Spool {
     /// # Errors
     /// On `Err` nothing was deleted.
     pub fn purge_quarantined(&mut self) -> Result<u64, SpoolError> {
+        self.with_headroom(Spool::purge_quarantined_once)
+    }
+
+    fn purge_quarantined_once(&mut self) -> Result<u64, SpoolError> {
         let tx = begin(&mut self.conn)?;
         tx.execute(
             "DELETE FROM batches
@@ -291,6 +335,51 @@ impl Spool {
     /// When SQLite cannot open the file.
     pub fn reader(&self) -> Result<SpoolReader, SpoolError> {
         SpoolReader::open(&self.opts.path)
+    }
+
+    /// Runs a write that frees (or must not be blocked by a lack of) disk space. On
+    /// `SQLITE_FULL` from the file system, releases the disk reserve, checkpoints the WAL into
+    /// the main file and truncates it, then tries once more. While the reserve is released,
+    /// every such write is followed by a truncating checkpoint, so the WAL does not regrow into
+    /// the space the reserve needs to come back.
+    fn with_headroom<T>(&mut self, mut op: impl FnMut(&mut Self) -> Result<T, SpoolError>) -> Result<T, SpoolError> {
+        let mut result = op(self);
+        if matches!(result, Err(SpoolError::DiskFull)) {
+            // Without a reserve to release, the checkpoint alone may still free the WAL's space.
+            self.reserve.release();
+            self.checkpoint_truncate();
+            result = op(self);
+        }
+        if !self.reserve.is_present() && result.is_ok() {
+            self.checkpoint_truncate();
+        }
+        result
+    }
+
+    /// `PRAGMA wal_checkpoint(TRUNCATE)`, best effort: copies the WAL into the main file and
+    /// cuts the WAL to zero bytes. Fails harmlessly (logged at debug) when a reader holds an old
+    /// snapshot or the main file cannot grow.
+    fn checkpoint_truncate(&mut self) {
+        let r = self.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+            Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?))
+        });
+        match r {
+            Ok((0, _, _)) => {}
+            Ok((busy, log, done)) => tracing::debug!(busy, log, done, "WAL checkpoint did not complete"),
+            Err(e) => tracing::debug!(error = %e, "WAL checkpoint failed"),
+        }
+    }
+
+    /// Bytes of free pages inside the database file (`freelist_count * page_size`): room for
+    /// new rows that does not grow the file. 0 if SQLite cannot say.
+    fn free_bytes_in_file(&self) -> u64 {
+        let q = |p: &str| self.conn.pragma_query_value(None, p, |r| r.get::<_, u64>(0)).unwrap_or(0);
+        q("freelist_count").saturating_mul(q("page_size"))
+    }
+
+    /// How many times the disk reserve was released because the file system was full.
+    pub fn disk_reserve_releases(&self) -> u64 {
+        self.reserve.releases
     }
 
     /// Test access to the raw connection (e.g. to impose `max_page_count`).
@@ -441,6 +530,7 @@ fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) ->
     })
     .map_err(ctx("inserting a chunk"))?;
     let chunk_id = tx.last_insert_rowid();
+    crate::crash_point!("spool::seal::chunk_row_written");
     tx.prepare_cached("UPDATE batches SET chunk_id = ?1 WHERE stream_id = ?2 AND chunk_id IS NULL")
         .and_then(|mut s| s.execute((chunk_id, stream.id)))
         .map_err(ctx("assigning batches to a chunk"))?;

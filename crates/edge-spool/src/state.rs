@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use rusqlite::Connection;
+use rusqlite::{Connection, OptionalExtension};
 
 use crate::error::ctx;
 use crate::schema::{META_DROPPED_CHUNKS, META_DROPPED_RECORDS};
@@ -99,9 +99,14 @@ impl State {
         st.quarantined_chunks = conn
             .query_row("SELECT count(*) FROM chunks WHERE quarantine IS NOT NULL", [], |r| r.get(0))
             .map_err(ctx("counting quarantined chunks"))?;
+        // A missing counter row (one flipped bit in its key is enough, and quick_check does not
+        // see it) is a file our schema cannot hold: `Inconsistent` lets `open` move it aside
+        // instead of refusing to start (found by the `spool_recovery` fuzz target).
         let meta = |key: &str| -> Result<u64, SpoolError> {
             conn.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))
-                .map_err(ctx("loading meta counters"))
+                .optional()
+                .map_err(ctx("loading meta counters"))?
+                .ok_or_else(|| SpoolError::Inconsistent(format!("meta row {key:?} is missing")))
         };
         st.dropped_chunks = meta(META_DROPPED_CHUNKS)?;
         st.dropped_records = meta(META_DROPPED_RECORDS)?;

@@ -74,9 +74,13 @@ pub const QUIC_LOST_PACKETS_TOTAL: &str = "edge_uploader_quic_lost_packets_total
 pub const QUIC_CONGESTION_WINDOW_BYTES: &str = "edge_uploader_quic_congestion_window_bytes";
 /// Records deleted from the spool without being sent, by `reason`.
 pub const DROPPED_RECORDS_TOTAL: &str = "edge_uploader_dropped_records_total";
+/// Chunks found corrupt in the spool (checksum or SQLite damage) and quarantined, never sent.
+pub const SPOOL_CORRUPT_CHUNKS_TOTAL: &str = "edge_uploader_spool_corrupt_chunks_total";
+/// Chunks held in quarantine in the spool (corrupt, or refused by the server).
+pub const SPOOL_QUARANTINED_CHUNKS: &str = "edge_uploader_spool_quarantined_chunks";
 
 /// Every metric name above.
-pub const ALL: [&str; 17] = [
+pub const ALL: [&str; 19] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
@@ -94,6 +98,8 @@ pub const ALL: [&str; 17] = [
     QUIC_LOST_PACKETS_TOTAL,
     QUIC_CONGESTION_WINDOW_BYTES,
     DROPPED_RECORDS_TOTAL,
+    SPOOL_CORRUPT_CHUNKS_TOTAL,
+    SPOOL_QUARANTINED_CHUNKS,
 ];
 
 /// Distinct `stream` label values before further streams are folded into [`OTHER_STREAM`].
@@ -329,7 +335,16 @@ const LIVE_CONNECTED: Live =
     Live::gauge(CONNECTED, "1 while a QUIC connection to the ingest server is up, 0 otherwise.");
 const LIVE_RECONNECTS: Live =
     Live::counter(RECONNECTS_TOTAL, "Connections to the ingest server established after the first one since start.");
-const LIVE_ALL: [&Live; 9] = [
+const LIVE_CORRUPT: Live = Live::counter(
+    SPOOL_CORRUPT_CHUNKS_TOTAL,
+    "Chunks whose bytes failed their checksum (or whose pages SQLite found damaged) when read for upload; \
+           each was quarantined and never sent. Counted since start; `edge-uploader spool check` lists them.",
+);
+const LIVE_QUARANTINED: Live = Live::gauge(
+    SPOOL_QUARANTINED_CHUNKS,
+    "Chunks held in quarantine in the spool (corrupt, or refused by the server), kept for inspection.",
+);
+const LIVE_ALL: [&Live; 11] = [
     &LIVE_SPOOL_BYTES,
     &LIVE_SPOOL_CHUNKS,
     &LIVE_OLDEST_AGE,
@@ -339,6 +354,8 @@ const LIVE_ALL: [&Live; 9] = [
     &LIVE_IN_FLIGHT,
     &LIVE_CONNECTED,
     &LIVE_RECONNECTS,
+    &LIVE_CORRUPT,
+    &LIVE_QUARANTINED,
 ];
 
 /// The [`LIVE_ALL`] families from the spool statistics and the upload atomics, at scrape time.
@@ -364,6 +381,8 @@ fn live_families(spool: &SpoolStatsView, u: &UploadCounters) -> Vec<MetricFamily
         LIVE_IN_FLIGHT.family(&[("", u.in_flight.load(Relaxed) as f64)]),
         LIVE_CONNECTED.family(&[("", if u.connected.load(Relaxed) { 1.0 } else { 0.0 })]),
         LIVE_RECONNECTS.family(&[("", u.connects_total.load(Relaxed).saturating_sub(1) as f64)]),
+        LIVE_CORRUPT.family(&[("", u.spool_corrupt_chunks.load(Relaxed) as f64)]),
+        LIVE_QUARANTINED.family(&[("", s.quarantined_chunks as f64)]),
     ]
 }
 

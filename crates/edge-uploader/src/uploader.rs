@@ -67,6 +67,8 @@ pub struct UploadCounters {
     pub rejected: AckCounter,
     /// Records in chunks answered `Stored` or `Duplicate`.
     pub records_acked_total: AtomicU64,
+    /// Chunks found corrupt when read from the spool; quarantined, never sent.
+    pub spool_corrupt_chunks: AtomicU64,
     /// Bytes put on the wire for chunk payloads.
     pub wire_bytes_total: AtomicU64,
     pub in_flight: AtomicU64,
@@ -466,8 +468,17 @@ impl<'a> Connection<'a> {
                         Ok(d) => d,
                         Err(SpoolError::ChunkGone(_)) => continue,
                         Err(SpoolError::Corrupt { chunk, detail }) => {
-                            error!(chunk = chunk.0, stream = %meta.stream, seq = meta.seq, %detail, "spool chunk is corrupt; quarantined, it will not be uploaded");
+                            error!(chunk = chunk.0, stream = %meta.stream, seq = meta.seq, records = meta.records, bytes = meta.bytes, %detail, "spool chunk is corrupt; quarantined, it will not be uploaded");
+                            self.counters.spool_corrupt_chunks.fetch_add(1, Ordering::Relaxed);
                             self.spool.quarantine(chunk, format!("corrupt in spool: {detail}"));
+                            continue;
+                        }
+                        // Damage SQLite itself found in this chunk's pages: failing the whole
+                        // upload loop would hit the same pages after every reconnect.
+                        Err(e) if e.is_corruption() => {
+                            error!(chunk = meta.id.0, stream = %meta.stream, seq = meta.seq, records = meta.records, bytes = meta.bytes, error = %e, "spool chunk is unreadable (database damage); quarantined, it will not be uploaded");
+                            self.counters.spool_corrupt_chunks.fetch_add(1, Ordering::Relaxed);
+                            self.spool.quarantine(meta.id, format!("unreadable in spool: {e}"));
                             continue;
                         }
                         Err(e) => return Err(e.into()),

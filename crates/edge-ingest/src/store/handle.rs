@@ -208,6 +208,7 @@ fn run(
         }
         let outcomes = store.persist(chunks);
         *shared.stats.lock().unwrap_or_else(PoisonError::into_inner) = store.stats();
+        crate::crash_point!("ingest::persist::before_acks");
         for (reply, outcome) in replies.into_iter().zip(outcomes) {
             // The caller may have gone away (connection closed); the chunk is stored anyway.
             let _ = reply.send(outcome);

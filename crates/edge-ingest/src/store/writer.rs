@@ -319,6 +319,7 @@ impl Store {
     fn roll(&mut self) {
         if let Some(seg) = self.active.take() {
             tracing::debug!(segment = seg.number, len = seg.len, "segment rolled");
+            crate::crash_point!("ingest::segment::rolled");
         }
     }
 
@@ -331,6 +332,7 @@ impl Store {
         {
             return Err(self.fail(commit, &e, "creating segment"));
         }
+        crate::crash_point!("ingest::commit::segment_ready");
         let seg = self.active.as_mut().expect("an active segment exists: created just above when missing");
         let start_len = seg.len;
         let stored_ms = now_ms();
@@ -378,11 +380,13 @@ impl Store {
         if let Err(e) = written {
             return Err(self.fail(commit, &e, "writing"));
         }
+        crate::crash_point!("ingest::commit::written");
         self.stats.fsyncs += 1;
         let synced = self.faults.before_sync().and_then(|()| seg.file.sync_data());
         if let Err(e) = synced {
             return Err(self.fail(commit, &e, "fdatasync"));
         }
+        crate::crash_point!("ingest::commit::fdatasynced");
         if seg.created {
             self.stats.dir_fsyncs += 1;
             let dir_synced = self.faults.before_dir_sync().and_then(|()| self.dir.sync_all());
@@ -401,6 +405,7 @@ impl Store {
                 self.stats.bytes += chunk.payload.len() as u64;
             }
         }
+        crate::crash_point!("ingest::commit::indexed");
         self.stats.commits += 1;
         self.stats.last_failure = None;
         self.stats.streams = self.index.streams();

@@ -1,0 +1,291 @@
+//! [`check`]: an offline (or read-only, next to a running agent) audit of a spool file, for
+//! `edge-uploader spool check`.
+//!
+//! It runs SQLite's full `PRAGMA integrity_check` (b-tree structure, index consistency, page
+//! accounting) and then reads every batch, sealed or open, quarantined or not, and compares it
+//! with its stored CRC-32C, and every chunk row with the sizes of its batches. It never writes:
+//! the connection is read-only, so it can run while the agent appends (WAL readers see one
+//! consistent snapshot and never block the writer).
+//!
+//! Salvage: each batch has its own checksum, so the good batches of a damaged chunk are known
+//! intact and are reported (`salvageable_records` / `salvageable_bytes`). Re-sealing them into
+//! a new chunk is not done: a chunk's sequence number and contents never change once sealed,
+//! and the records lost in the bad batches would make any re-sealed chunk a partial one.
+
+use std::path::Path;
+
+use rusqlite::{Connection, OpenFlags};
+
+use crate::error::ctx;
+use crate::{SpoolError, schema};
+
+/// Damage found in one sealed chunk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DamagedChunk {
+    /// Chunk id (`chunks.id`).
+    pub id: i64,
+    /// Stream name (`?` if the stream row is missing).
+    pub stream: String,
+    /// Sequence number.
+    pub seq: i64,
+    /// Records and payload bytes the chunk row claims.
+    pub records: i64,
+    /// Payload bytes the chunk row claims.
+    pub bytes: i64,
+    /// Already quarantined (by the agent); the reason it gave.
+    pub quarantined: Option<String>,
+    /// Batches whose checksum failed (or could not be read).
+    pub bad_batches: u64,
+    /// Records in batches whose checksum passed: what a salvage could keep.
+    pub salvageable_records: u64,
+    /// Bytes of those batches.
+    pub salvageable_bytes: u64,
+    /// What did not match, first problem first.
+    pub detail: String,
+}
+
+/// Damage found in one open (not yet sealed) batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DamagedBatch {
+    /// Batch id.
+    pub id: i64,
+    /// Stream name.
+    pub stream: String,
+    /// Records the row claims.
+    pub records: i64,
+    /// Bytes of its data.
+    pub bytes: u64,
+    /// What did not match.
+    pub detail: String,
+}
+
+/// What [`check`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CheckReport {
+    /// `integrity_check` problems (empty: "ok"). At most 100 lines.
+    pub integrity: Vec<String>,
+    /// Chunks examined (quarantined ones included).
+    pub chunks: u64,
+    /// Batches examined (sealed and open).
+    pub batches: u64,
+    /// Payload bytes examined.
+    pub bytes: u64,
+    /// Chunks with damage, not yet quarantined: these would be found and quarantined by the
+    /// agent when it reads them.
+    pub damaged_chunks: Vec<DamagedChunk>,
+    /// Quarantined chunks whose bytes are damaged (known damage, already out of circulation).
+    pub quarantined_damaged: Vec<DamagedChunk>,
+    /// Quarantined chunks whose bytes check out (e.g. rejected by the server for their size).
+    pub quarantined_intact: u64,
+    /// Open batches with damage.
+    pub damaged_open_batches: Vec<DamagedBatch>,
+    /// A read error that stopped the walk over the rows (SQLite-level damage), if any.
+    pub read_error: Option<String>,
+}
+
+impl CheckReport {
+    /// True when there is damage that is not yet quarantined: SQLite-level problems, damaged
+    /// live chunks or open batches, or rows that could not be read.
+    pub fn has_damage(&self) -> bool {
+        !self.integrity.is_empty()
+            || !self.damaged_chunks.is_empty()
+            || !self.damaged_open_batches.is_empty()
+            || self.read_error.is_some()
+    }
+
+    /// Records in damaged live chunks and open batches (what is lost unless salvaged).
+    pub fn damaged_records(&self) -> u64 {
+        let chunks: i64 = self.damaged_chunks.iter().map(|c| c.records).sum();
+        let open: i64 = self.damaged_open_batches.iter().map(|b| b.records).sum();
+        u64::try_from(chunks.saturating_add(open)).unwrap_or(0)
+    }
+}
+
+/// Audits the spool file at `path` read-only. See the module docs.
+///
+/// # Errors
+/// [`SpoolError::Io`] if the file does not exist; [`SpoolError::Sqlite`] if SQLite cannot open
+/// it at all. A file that is not a database is *reported* (in `integrity`), not an error.
+pub fn check(path: &Path) -> Result<CheckReport, SpoolError> {
+    std::fs::metadata(path).map_err(|source| SpoolError::Io { path: path.to_owned(), source })?;
+    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
+        .map_err(ctx("opening the database read-only"))?;
+    conn.busy_timeout(schema::BUSY_TIMEOUT).map_err(ctx("setting busy_timeout"))?;
+    let mut report = CheckReport::default();
+    match integrity(&conn) {
+        Ok(lines) => report.integrity = lines,
+        Err(e) => {
+            report.integrity = vec![error_text(&e)];
+            return Ok(report);
+        }
+    }
+    // An empty or truncated-to-nothing file passes integrity_check as an empty database.
+    match schema::inspect(&conn) {
+        Ok((schema::SCHEMA_VERSION, _)) => {}
+        Ok((version, objects)) => {
+            report.integrity.push(format!("not an edge spool: user_version {version}, {objects} schema objects"));
+            return Ok(report);
+        }
+        Err(e) => {
+            report.integrity.push(error_text(&e));
+            return Ok(report);
+        }
+    }
+    if let Err(e) = walk(&conn, &mut report) {
+        report.read_error = Some(error_text(&e));
+    }
+    Ok(report)
+}
+
+fn error_text(e: &SpoolError) -> String {
+    let mut out = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        src = s.source();
+    }
+    out
+}
+
+/// `PRAGMA integrity_check(100)`: empty when "ok".
+fn integrity(conn: &Connection) -> Result<Vec<String>, SpoolError> {
+    let mut lines = Vec::new();
+    conn.pragma_query(None, "integrity_check", |r| {
+        lines.push(r.get::<_, String>(0)?);
+        Ok(())
+    })
+    .map_err(ctx("running integrity_check"))?;
+    if lines.len() == 1 && lines[0] == "ok" {
+        lines.clear();
+    }
+    lines.truncate(100);
+    Ok(lines)
+}
+
+/// One batch row's verdict.
+struct BatchCheck {
+    records: i64,
+    len: u64,
+    problem: Option<String>,
+}
+
+fn check_batch(r: &rusqlite::Row<'_>) -> rusqlite::Result<BatchCheck> {
+    let id: i64 = r.get("id")?;
+    let records: i64 = r.get("records")?;
+    let stored: i64 = r.get("crc32c")?;
+    let data = r.get_ref("data")?;
+    let Ok(data) = data.as_blob() else {
+        return Ok(BatchCheck { records, len: 0, problem: Some(format!("batch {id}: data is not a blob")) });
+    };
+    let computed = crc32c::crc32c(data);
+    let len = crate::len_u64(data);
+    let problem = (stored != i64::from(computed))
+        .then(|| format!("batch {id}: crc32c stored {stored:08x}, computed {computed:08x} over {len} bytes"));
+    Ok(BatchCheck { records, len, problem })
+}
+
+fn walk(conn: &Connection, report: &mut CheckReport) -> Result<(), SpoolError> {
+    let mut chunks = conn
+        .prepare(
+            "SELECT c.id, coalesce(s.name, '?'), c.seq, c.records, c.bytes, c.quarantine
+             FROM chunks c LEFT JOIN streams s ON s.id = c.stream_id ORDER BY c.id",
+        )
+        .map_err(ctx("listing chunks"))?;
+    let mut batches = conn
+        .prepare("SELECT id, data, records, crc32c FROM batches WHERE chunk_id = ?1 ORDER BY id")
+        .map_err(ctx("reading batches"))?;
+    let mut rows = chunks.query([]).map_err(ctx("listing chunks"))?;
+    while let Some(r) = rows.next().map_err(ctx("listing chunks"))? {
+        let get = |e| ctx("listing chunks")(e);
+        let mut c = DamagedChunk {
+            id: r.get(0).map_err(get)?,
+            stream: r.get(1).map_err(get)?,
+            seq: r.get(2).map_err(get)?,
+            records: r.get(3).map_err(get)?,
+            bytes: r.get(4).map_err(get)?,
+            quarantined: r.get(5).map_err(get)?,
+            bad_batches: 0,
+            salvageable_records: 0,
+            salvageable_bytes: 0,
+            detail: String::new(),
+        };
+        report.chunks += 1;
+        let mut problems = Vec::new();
+        let (mut records, mut bytes, mut n) = (0i64, 0u64, 0u64);
+        let mut b = batches.query([c.id]).map_err(ctx("reading batches"))?;
+        loop {
+            let row = match b.next() {
+                Ok(Some(row)) => row,
+                Ok(None) => break,
+                Err(e) => {
+                    problems.push(format!("batches unreadable: {e}"));
+                    c.bad_batches += 1;
+                    break;
+                }
+            };
+            match check_batch(row) {
+                Ok(v) => {
+                    n += 1;
+                    records = records.saturating_add(v.records);
+                    bytes += v.len;
+                    report.bytes += v.len;
+                    match v.problem {
+                        Some(p) => {
+                            c.bad_batches += 1;
+                            problems.push(p);
+                        }
+                        None => {
+                            c.salvageable_records += u64::try_from(v.records).unwrap_or(0);
+                            c.salvageable_bytes += v.len;
+                        }
+                    }
+                }
+                Err(e) => {
+                    c.bad_batches += 1;
+                    problems.push(format!("a batch row is unreadable: {e}"));
+                }
+            }
+        }
+        report.batches += n;
+        if n == 0 && problems.is_empty() {
+            problems.push("chunk has no batches".into());
+        } else if problems.is_empty() && (records != c.records || i64::try_from(bytes).ok() != Some(c.bytes)) {
+            problems.push(format!(
+                "chunk row says {} bytes / {} records, batches hold {bytes} bytes / {records} records",
+                c.bytes, c.records
+            ));
+        }
+        match (problems.is_empty(), c.quarantined.is_some()) {
+            (true, false) => {}
+            (true, true) => report.quarantined_intact += 1,
+            (false, quarantined) => {
+                c.detail = problems.join("; ");
+                if quarantined { report.quarantined_damaged.push(c) } else { report.damaged_chunks.push(c) }
+            }
+        }
+    }
+    let mut open = conn
+        .prepare(
+            "SELECT b.id, coalesce(s.name, '?') AS stream, b.data, b.records, b.crc32c
+             FROM batches b LEFT JOIN streams s ON s.id = b.stream_id
+             WHERE b.chunk_id IS NULL ORDER BY b.id",
+        )
+        .map_err(ctx("reading open batches"))?;
+    let mut rows = open.query([]).map_err(ctx("reading open batches"))?;
+    while let Some(r) = rows.next().map_err(ctx("reading open batches"))? {
+        let v = check_batch(r).map_err(ctx("reading open batches"))?;
+        report.batches += 1;
+        report.bytes += v.len;
+        if let Some(detail) = v.problem {
+            report.damaged_open_batches.push(DamagedBatch {
+                id: r.get(0).map_err(ctx("reading open batches"))?,
+                stream: r.get(1).map_err(ctx("reading open batches"))?,
+                records: v.records,
+                bytes: v.len,
+                detail,
+            });
+        }
+    }
+    Ok(())
+}
