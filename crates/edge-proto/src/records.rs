@@ -107,14 +107,50 @@ pub fn decode_payload(codec: Codec, wire: &[u8], raw_len: u32) -> Result<std::bo
             Ok(std::borrow::Cow::Borrowed(wire))
         }
         Codec::Zstd => {
-            let raw =
-                zstd::bulk::decompress(wire, raw_len as usize).map_err(|e| RecordError::Decompress(e.to_string()))?;
+            let raw = decompress_bounded(wire, raw_len as usize)?;
             if raw.len() != raw_len as usize {
                 return Err(RecordError::RawLenMismatch { expected: raw_len, found: raw.len() });
             }
             Ok(std::borrow::Cow::Owned(raw))
         }
     }
+}
+
+/// First output buffer of [`decompress_bounded`], before the payload has shown how much it
+/// really expands.
+const FIRST_OUTPUT: usize = 64 * 1024;
+
+/// Decompresses `wire`, keeping at most `raw_len + 1` output bytes (one more than announced, so
+/// an over-long payload is detected) without trusting `raw_len` for the allocation.
+///
+/// The output buffer starts small and at most doubles as bytes actually come out, so memory is
+/// proportional to what the payload really decompresses to. Decompressing in one call into a
+/// buffer of `raw_len` bytes would let a peer make the server allocate `max_raw_len` (64 MiB) for
+/// a few bytes of payload, outside the payload memory budget, once per chunk in flight.
+fn decompress_bounded(wire: &[u8], raw_len: usize) -> Result<Vec<u8>, RecordError> {
+    use std::io::Read;
+    let decompress_err = |e: std::io::Error| RecordError::Decompress(e.to_string());
+    let limit = raw_len.saturating_add(1);
+    let mut decoder = zstd::stream::read::Decoder::with_buffer(wire).map_err(decompress_err)?;
+    let mut out = vec![0u8; limit.min(FIRST_OUTPUT.max(wire.len().saturating_mul(4)))];
+    let mut filled = 0;
+    loop {
+        if filled == out.len() {
+            if out.len() >= limit {
+                break;
+            }
+            let grown = out.len().saturating_mul(2).min(limit);
+            out.resize(grown, 0);
+        }
+        match decoder.read(&mut out[filled..]) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(decompress_err(e)),
+        }
+    }
+    out.truncate(filled);
+    Ok(out)
 }
 
 /// Compresses a raw payload for the wire with zstd at `level`.
@@ -163,5 +199,30 @@ mod tests {
         assert_eq!(&*back, &raw[..]);
         // Announcing a smaller raw length than the real one must fail, not allocate more.
         assert!(decode_payload(Codec::Zstd, &wire, 10).is_err());
+    }
+
+    #[test]
+    fn announced_raw_len_is_checked_against_what_really_comes_out() {
+        let raw = vec![7u8; 300_000];
+        let wire = compress_payload(&raw, 1).expect("compress");
+        // Bigger than the first output buffer, so the buffer grows on the way.
+        assert_eq!(&*decode_payload(Codec::Zstd, &wire, 300_000).expect("exact length"), &raw[..]);
+        assert_eq!(
+            decode_payload(Codec::Zstd, &wire, 64 << 20),
+            Err(RecordError::RawLenMismatch { expected: 64 << 20, found: 300_000 })
+        );
+        assert_eq!(
+            decode_payload(Codec::Zstd, &wire, 299_999),
+            Err(RecordError::RawLenMismatch { expected: 299_999, found: 300_000 })
+        );
+        // Two frames back to back decode as their concatenation; garbage after a frame does not.
+        let mut two = wire.clone();
+        two.extend_from_slice(&wire);
+        assert_eq!(decode_payload(Codec::Zstd, &two, 600_000).map(|r| r.len()), Ok(600_000));
+        let mut trailing = wire.clone();
+        trailing.extend_from_slice(b"junk");
+        assert!(matches!(decode_payload(Codec::Zstd, &trailing, 300_000), Err(RecordError::Decompress(_))));
+        let cut = decode_payload(Codec::Zstd, &wire[..wire.len() - 3], 300_000);
+        assert!(matches!(cut, Err(RecordError::Decompress(_) | RecordError::RawLenMismatch { .. })), "{cut:?}");
     }
 }
