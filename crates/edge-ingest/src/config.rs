@@ -33,6 +33,11 @@ pub struct RawServer {
     pub max_chunk_bytes: ByteSize,
     pub memory_budget: ByteSize,
     pub shutdown_grace: String,
+    /// Let a connection follow its agent to a new address (QUIC migration); `false` makes the
+    /// agent reconnect instead.
+    pub allow_migration: bool,
+    /// Most TLS handshakes in progress at once (Retry from half of it, refused beyond it).
+    pub max_pending_handshakes: u32,
 }
 
 impl Default for RawServer {
@@ -43,6 +48,8 @@ impl Default for RawServer {
             max_chunk_bytes: ByteSize::mib(32),
             memory_budget: ByteSize::mib(512),
             shutdown_grace: "10s".into(),
+            allow_migration: true,
+            max_pending_handshakes: crate::server::DEFAULT_MAX_PENDING_HANDSHAKES,
         }
     }
 }
@@ -114,6 +121,8 @@ pub struct Config {
     pub tls: edge_transport::ServerTls,
     pub store: crate::store::StoreOptions,
     pub tuning: edge_transport::Tuning,
+    /// `server.allow_migration`: whether QUIC connections may move to a new client address.
+    pub allow_migration: bool,
     /// Address of the `/metrics` endpoint; `None` when disabled.
     pub metrics_listen: Option<SocketAddr>,
     pub log_level: String,
@@ -161,6 +170,9 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
         u32::try_from(raw.server.max_chunk_bytes.as_u64()).ok().filter(|v| (1024..=256 << 20).contains(v)).ok_or_else(
             || anyhow::anyhow!("server.max_chunk_bytes: expected 1 KiB..=256 MiB, got {}", raw.server.max_chunk_bytes),
         )?;
+    if !(1..=65_536).contains(&raw.server.max_pending_handshakes) {
+        bail!("server.max_pending_handshakes: expected 1..=65536, got {}", raw.server.max_pending_handshakes);
+    }
     if raw.server.memory_budget.as_u64() < u64::from(max_chunk) {
         bail!("server.memory_budget must be at least server.max_chunk_bytes");
     }
@@ -190,6 +202,21 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     };
     edge_telemetry::logging::parse_filter(&raw.log.level).map_err(|e| anyhow::anyhow!("log.level: {e}"))?;
     let limits = edge_proto::Limits { max_chunk_payload: max_chunk, ..edge_proto::Limits::default() };
+    let tls = edge_transport::ServerTls {
+        cert: raw.tls.cert,
+        key: raw.tls.key,
+        client_ca: raw.tls.client_ca,
+        crls: raw.tls.crls,
+    };
+    let tuning = edge_transport::Tuning::default();
+    // With CRLs configured, the server re-reads them when they change (and on SIGHUP).
+    let revocation = (!tls.crls.is_empty()).then(|| crate::server::RevocationWatch {
+        tls: tls.clone(),
+        tuning: tuning.clone(),
+        allow_migration: raw.server.allow_migration,
+        interval: crate::server::RevocationWatch::DEFAULT_INTERVAL,
+        on_sighup: true,
+    });
     let mut store = crate::store::StoreOptions::new(raw.store.data_dir);
     store.segment_max_bytes = raw.store.segment_max_bytes.as_u64();
     Ok(Config {
@@ -199,15 +226,14 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             max_in_flight: raw.server.max_in_flight,
             memory_budget: raw.server.memory_budget.as_u64(),
             shutdown_grace: grace,
+            max_pending_handshakes: raw.server.max_pending_handshakes,
+            tls_handshake_timeout: crate::server::ServerOptions::default().tls_handshake_timeout,
+            revocation,
         },
-        tls: edge_transport::ServerTls {
-            cert: raw.tls.cert,
-            key: raw.tls.key,
-            client_ca: raw.tls.client_ca,
-            crls: raw.tls.crls,
-        },
+        tls,
         store,
-        tuning: edge_transport::Tuning::default(),
+        tuning,
+        allow_migration: raw.server.allow_migration,
         metrics_listen,
         log_level: raw.log.level,
         log_format,

@@ -98,6 +98,9 @@ enum Format {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Crash points (`FAILPOINTS=name=actions;...`) exist only in test builds (`failpoints`).
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     match cli.command {
         Command::CheckConfig { config } => match config::load(config.as_deref()) {
             Ok(c) => {
@@ -151,8 +154,9 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
         .with_context(|| format!("opening the store in {}", dir.display()))?;
     tracing::info!(dir = %dir.display(), ?report, "store open");
     let store = StoreHandle::spawn(store);
-    let server_config = edge_transport::server_config(&cfg.tls, &cfg.tuning)
+    let mut server_config = edge_transport::server_config(&cfg.tls, &cfg.tuning)
         .context("loading TLS files (tls.cert, tls.key, tls.client_ca)")?;
+    server_config.migration(cfg.allow_migration);
     let endpoint = edge_transport::server_endpoint(cfg.server.listen, server_config, &cfg.tuning)
         .with_context(|| format!("binding server.listen {}", cfg.server.listen))?;
     let server = Server::start(endpoint, store.clone(), cfg.server.clone())?;

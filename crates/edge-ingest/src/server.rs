@@ -13,19 +13,21 @@
 //! unaffected. Shutdown sends GoAway, lets chunks in flight finish within a grace period, then
 //! closes the endpoint politely.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use edge_proto::server::{ServerEvent, ServerSession};
 use edge_proto::{AckStatus, ChunkHeader, ErrorCode, Limits, ProtoError, RejectReason, RetryReason, StreamName};
+use edge_transport::tls::RevocationList;
+use edge_transport::{ServerTls, Tuning};
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::store::{ChunkKey, IncomingChunk, PersistOutcome, StoreFailure, StoreHandle, StoreStatsView};
 
@@ -42,6 +44,17 @@ pub struct ServerOptions {
     pub memory_budget: u64,
     /// How long shutdown waits for chunks in flight.
     pub shutdown_grace: Duration,
+    /// Most TLS handshakes in progress at once. From half of it on, a client whose address is
+    /// not yet validated is first sent a QUIC Retry (a spoofed source never comes back, and a
+    /// real one costs the server nothing until it does); at the limit new attempts are refused.
+    /// Each pending handshake costs a task and its buffered Initials; completed connections do
+    /// not count.
+    pub max_pending_handshakes: u32,
+    /// Longest a TLS handshake may take; a client that stops half-way frees its slot then.
+    pub tls_handshake_timeout: Duration,
+    /// Re-read the client CA and CRLs while running (see [`RevocationWatch`]); `None` keeps the
+    /// revocation state of the TLS config the endpoint was built with.
+    pub revocation: Option<RevocationWatch>,
 }
 
 impl Default for ServerOptions {
@@ -52,8 +65,49 @@ impl Default for ServerOptions {
             max_in_flight: 64,
             memory_budget: 512 << 20,
             shutdown_grace: Duration::from_secs(10),
+            max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
+            tls_handshake_timeout: Duration::from_secs(10),
+            revocation: None,
         }
     }
+}
+
+/// Default of [`ServerOptions::max_pending_handshakes`]: a reconnect wave of a few hundred
+/// agents completes at full speed (a handshake takes about a millisecond of CPU), while a flood
+/// of half-open handshakes holds at most this many tasks.
+pub const DEFAULT_MAX_PENDING_HANDSHAKES: u32 = 256;
+
+/// Revocation while running: the server re-reads the client CA and the CRLs when their files
+/// change (checked every `interval`, and on SIGHUP when `on_sighup`), then
+///
+/// 1. installs a new TLS config built from `tls` on the endpoint, so new handshakes are
+///    verified against the new CRLs (this also drops every resumption ticket, so a revoked
+///    device cannot resume past the new list), and
+/// 2. closes every live connection whose client certificate the new list revokes, with the
+///    application close code [`ErrorCode::Revoked`] and a log line naming the device.
+///
+/// Every new connection is also checked against the current list once its handshake is done
+/// (resumed sessions skip the TLS client-certificate check). A file set that does not load
+/// (unreadable, half-written, not signed by a client CA, past its `nextUpdate`) is refused
+/// with an error log and the previous list and TLS config stay in force; the server tries it
+/// again at every check until it loads.
+#[derive(Debug, Clone)]
+pub struct RevocationWatch {
+    /// The TLS files: `client_ca` and `crls` are watched; all of them are re-read on a change.
+    pub tls: ServerTls,
+    /// Transport settings for the rebuilt server config.
+    pub tuning: Tuning,
+    /// `server.allow_migration`, applied to the rebuilt server config.
+    pub allow_migration: bool,
+    /// How often the files' metadata is checked.
+    pub interval: Duration,
+    /// Also check at once on SIGHUP (the daemon's reload signal).
+    pub on_sighup: bool,
+}
+
+impl RevocationWatch {
+    /// Default check period: a revocation takes effect within this long without a SIGHUP.
+    pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(10);
 }
 
 /// Counters the server keeps; read by metrics and `status`.
@@ -79,6 +133,18 @@ pub struct ServerCounters {
     pub bytes_stored_total: AtomicU64,
     /// Connections closed for a protocol violation.
     pub protocol_errors_total: AtomicU64,
+    /// TLS handshakes in progress now (see [`ServerOptions::max_pending_handshakes`]).
+    pub handshakes_pending: AtomicU64,
+    /// Connection attempts refused because too many handshakes were pending.
+    pub handshakes_refused_total: AtomicU64,
+    /// Connection attempts answered with a QUIC Retry (address validation under load).
+    pub handshakes_retried_total: AtomicU64,
+    /// Connections closed because their device certificate is revoked (at accept or later).
+    pub revoked_closed_total: AtomicU64,
+    /// Revocation lists loaded while running (not counting the one at start).
+    pub crl_reloads_total: AtomicU64,
+    /// Revocation file sets refused while running (each distinct bad state counted once).
+    pub crl_reload_failures_total: AtomicU64,
     /// Payload received → store durable, per durable chunk (for `/metrics`).
     pub persist_latency: crate::metrics::PersistLatency,
     /// Devices connected now, with their connections (for `status`).
@@ -298,8 +364,21 @@ pub struct Server {
 
 impl Server {
     /// Binds and starts serving on the given endpoint.
+    ///
+    /// With [`ServerOptions::revocation`], the CRLs are loaded and checked first; a set that
+    /// does not load is an error (the TLS config built from the same files would refuse every
+    /// device or miss revocations).
     pub fn start(endpoint: quinn::Endpoint, store: StoreHandle, opts: ServerOptions) -> std::io::Result<Self> {
         let local_addr = endpoint.local_addr()?;
+        let (revoked, watch_state) = match &opts.revocation {
+            Some(w) => {
+                let state = FileState::of(&w.tls);
+                let list = RevocationList::load(&w.tls.client_ca, &w.tls.crls)
+                    .map_err(|e| std::io::Error::other(format!("loading the revocation lists (tls.crls): {e}")))?;
+                (list, Some(state))
+            }
+            None => (RevocationList::default(), None),
+        };
         let cancel = CancellationToken::new();
         let counters = Arc::new(ServerCounters::default());
         let sampler = tokio::spawn(sample_rates(counters.clone(), store.stats_view(), cancel.clone()));
@@ -309,10 +388,28 @@ impl Server {
             budget: Arc::new(Semaphore::new(0)),
             counters: counters.clone(),
             cancel: cancel.clone(),
+            revoked: RwLock::new(Arc::new(revoked)),
+            live: LiveConnections::default(),
         });
         let permits =
             usize::try_from(shared.opts.memory_budget >> 10).unwrap_or(usize::MAX).min(Semaphore::MAX_PERMITS);
         shared.budget.add_permits(permits);
+        if let (Some(watch), Some(state)) = (shared.opts.revocation.clone(), watch_state) {
+            // Registered here, not in the task, so a SIGHUP sent once `start` returned is
+            // never missed (nor, with no handler yet, fatal).
+            let hangup = if watch.on_sighup {
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        warn!(error = %e, "cannot listen for SIGHUP; revocation lists are reloaded on file changes only");
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            tokio::spawn(watch_revocations(endpoint.clone(), shared.clone(), watch, state, hangup));
+        }
         let done = tokio::spawn(accept_loop(endpoint, shared));
         Ok(Self { local_addr, cancel, done, sampler, counters })
     }
@@ -359,8 +456,157 @@ struct Shared {
     budget: Arc<Semaphore>,
     counters: Arc<ServerCounters>,
     cancel: CancellationToken,
+    /// The revocation list in force (see [`RevocationWatch`]).
+    revoked: RwLock<Arc<RevocationList>>,
+    /// Connections past their handshake, so a new revocation list can close them.
+    live: LiveConnections,
 }
 
+impl Shared {
+    fn revocation_list(&self) -> Arc<RevocationList> {
+        self.revoked.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+}
+
+/// Connections whose handshake completed, with their peer certificate.
+#[derive(Debug, Default)]
+struct LiveConnections {
+    map: Mutex<HashMap<u64, LiveConn>>,
+    next_id: AtomicU64,
+}
+
+#[derive(Debug)]
+struct LiveConn {
+    device: String,
+    cert: Vec<u8>,
+    conn: quinn::Connection,
+}
+
+/// Removes its connection from [`LiveConnections`] when dropped.
+struct LiveGuard<'a> {
+    live: &'a LiveConnections,
+    id: u64,
+}
+
+impl Drop for LiveGuard<'_> {
+    fn drop(&mut self) {
+        self.live.lock().remove(&self.id);
+    }
+}
+
+impl LiveConnections {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, LiveConn>> {
+        self.map.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn insert(&self, device: &str, cert: Vec<u8>, conn: &quinn::Connection) -> LiveGuard<'_> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.lock().insert(id, LiveConn { device: device.to_owned(), cert, conn: conn.clone() });
+        LiveGuard { live: self, id }
+    }
+}
+
+/// Closes `conn` if `list` revokes its certificate; returns whether it did.
+fn close_if_revoked(
+    shared: &Shared,
+    list: &RevocationList,
+    device: &str,
+    cert: &[u8],
+    conn: &quinn::Connection,
+) -> bool {
+    let Some(serial) = list.revoked_serial(cert) else {
+        return false;
+    };
+    shared.counters.revoked_closed_total.fetch_add(1, Ordering::Relaxed);
+    warn!(%device, %serial, remote = %conn.remote_address(), "device certificate revoked; closing its connection");
+    conn.close(ErrorCode::Revoked.to_u32().into(), format!("certificate of device {device} revoked").as_bytes());
+    true
+}
+
+/// Counts a pending TLS handshake for as long as it lives.
+struct PendingHandshake(Arc<ServerCounters>);
+
+impl PendingHandshake {
+    fn new(counters: Arc<ServerCounters>) -> Self {
+        counters.handshakes_pending.fetch_add(1, Ordering::Relaxed);
+        Self(counters)
+    }
+}
+
+impl Drop for PendingHandshake {
+    fn drop(&mut self) {
+        self.0.handshakes_pending.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What the accept loop does with a new connection attempt, given the handshakes pending.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Admission {
+    Accept,
+    /// Ask the client to prove its address first (QUIC Retry).
+    Retry,
+    Refuse,
+}
+
+fn admission(pending: u64, max: u32, address_validated: bool, may_retry: bool) -> Admission {
+    let max = u64::from(max.max(1));
+    if pending >= max {
+        Admission::Refuse
+    } else if pending >= max.div_ceil(2) && !address_validated && may_retry {
+        Admission::Retry
+    } else {
+        Admission::Accept
+    }
+}
+
+enum HandshakeEnd {
+    Failed(quinn::ConnectionError),
+    TimedOut,
+}
+
+/// Runs the TLS handshake of `incoming` to completion, or closes it after `timeout`.
+///
+/// The `Connection` handle is taken at once (`Connecting::into_0rtt`, which on a server always
+/// succeeds) only so that a handshake past its deadline can be closed: dropping a `Connecting`
+/// does not end the connection (quinn's driver keeps it until the idle timeout), so a flood of
+/// half-open handshakes would otherwise hold quinn state far longer than its slot. Nothing
+/// reads or writes the connection, nor reads its identity, before `established` resolves.
+async fn complete_handshake(incoming: quinn::Incoming, timeout: Duration) -> Result<quinn::Connection, HandshakeEnd> {
+    let connecting = incoming.accept().map_err(HandshakeEnd::Failed)?;
+    let (conn, established) = match connecting.into_0rtt() {
+        Ok(pair) => pair,
+        // Not possible on a server; fall back to waiting without a handle.
+        Err(connecting) => {
+            return match tokio::time::timeout(timeout, connecting).await {
+                Ok(r) => r.map_err(HandshakeEnd::Failed),
+                Err(_elapsed) => Err(HandshakeEnd::TimedOut),
+            };
+        }
+    };
+    let done = async {
+        tokio::select! {
+            _ = established => conn.close_reason(),
+            e = conn.closed() => Some(e),
+        }
+    };
+    match tokio::time::timeout(timeout, done).await {
+        Ok(None) => Ok(conn),
+        Ok(Some(e)) => Err(HandshakeEnd::Failed(e)),
+        Err(_elapsed) => {
+            conn.close(ErrorCode::HandshakeTimeout.to_u32().into(), b"TLS handshake timeout");
+            Err(HandshakeEnd::TimedOut)
+        }
+    }
+}
+
+// 0-RTT: the TLS config accepts early data (see `edge_transport`'s crate docs). This server
+// takes 0.5-RTT connection handles only to close stalled handshakes (`complete_handshake`) and
+// acts on nothing before the handshake is complete; quinn buffers the streams a client opened
+// in 0-RTT until then. So no application data is acted on before the client has proved it
+// holds the session's keys, and a replayed first flight, which cannot finish the handshake,
+// never reaches `serve_connection`. A legitimate resend of a chunk (the client's 0-RTT rejected and
+// sent again in 1-RTT) is harmless: chunks are deduplicated by (device, spool, stream, seq)
+// before they are acked, and Hello only names the spool.
 async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
     let tracker = TaskTracker::new();
     loop {
@@ -371,14 +617,45 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
                 None => break,
             },
         };
+        let counters = &shared.counters;
+        let pending = counters.handshakes_pending.load(Ordering::Relaxed);
+        let remote = incoming.remote_address();
+        match admission(
+            pending,
+            shared.opts.max_pending_handshakes,
+            incoming.remote_address_validated(),
+            incoming.may_retry(),
+        ) {
+            Admission::Refuse => {
+                counters.handshakes_refused_total.fetch_add(1, Ordering::Relaxed);
+                debug!(%remote, pending, "too many handshakes pending; connection refused");
+                incoming.refuse();
+                continue;
+            }
+            Admission::Retry => {
+                counters.handshakes_retried_total.fetch_add(1, Ordering::Relaxed);
+                debug!(%remote, pending, "handshakes pending; validating the client address first");
+                if let Err(e) = incoming.retry() {
+                    e.into_incoming().refuse();
+                }
+                continue;
+            }
+            Admission::Accept => {}
+        }
+        let slot = PendingHandshake::new(counters.clone());
         let shared = shared.clone();
         tracker.spawn(async move {
-            let remote = incoming.remote_address();
-            match incoming.await {
+            let handshake = complete_handshake(incoming, shared.opts.tls_handshake_timeout).await;
+            drop(slot);
+            match handshake {
                 Ok(conn) => serve_connection(conn, shared).await,
-                Err(e) => {
+                Err(HandshakeEnd::Failed(e)) => {
                     shared.counters.auth_failures_total.fetch_add(1, Ordering::Relaxed);
                     info!(%remote, error = %e, "handshake failed");
+                }
+                Err(HandshakeEnd::TimedOut) => {
+                    shared.counters.auth_failures_total.fetch_add(1, Ordering::Relaxed);
+                    info!(%remote, timeout = ?shared.opts.tls_handshake_timeout, "handshake timed out");
                 }
             }
         });
@@ -390,6 +667,95 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
     }
     endpoint.close(ErrorCode::ShuttingDown.to_u32().into(), b"shutting down");
     endpoint.wait_idle().await;
+}
+
+/// Metadata of the watched TLS files (client CA and CRLs), to notice a change cheaply: length,
+/// modification time and inode (a file replaced by rename gets a new one). `None` for a file
+/// that cannot be read now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FileState(Vec<Option<(u64, std::time::SystemTime, u64)>>);
+
+impl FileState {
+    fn of(tls: &ServerTls) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        let files = std::iter::once(&tls.client_ca).chain(&tls.crls);
+        Self(
+            files
+                .map(|p| std::fs::metadata(p).ok().and_then(|m| Some((m.len(), m.modified().ok()?, m.ino()))))
+                .collect(),
+        )
+    }
+}
+
+/// Reloads the revocation state when its files change or on SIGHUP (see [`RevocationWatch`]).
+async fn watch_revocations(
+    endpoint: quinn::Endpoint,
+    shared: Arc<Shared>,
+    watch: RevocationWatch,
+    mut seen: FileState,
+    mut hangup: Option<tokio::signal::unix::Signal>,
+) {
+    let mut tick = tokio::time::interval(watch.interval.max(Duration::from_millis(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.reset(); // The first check is one interval after start, not at once.
+    // The file state whose load failed last, so each bad state is reported once while it is
+    // retried at every check (a file caught half-written loads at the next one).
+    let mut failed: Option<FileState> = None;
+    loop {
+        let forced = tokio::select! {
+            () = shared.cancel.cancelled() => break,
+            _ = tick.tick() => false,
+            Some(()) = async { match hangup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => true,
+        };
+        let now = FileState::of(&watch.tls);
+        if !forced && now == seen && failed.is_none() {
+            continue;
+        }
+        let tls = watch.tls.clone();
+        let tuning = watch.tuning.clone();
+        let loaded = tokio::task::spawn_blocking(move || {
+            let list = RevocationList::load(&tls.client_ca, &tls.crls)?;
+            // Built only once the list is known good; a failure here keeps the old TLS config
+            // but still applies the list (the post-handshake check enforces it).
+            let config = edge_transport::server_config(&tls, &tuning);
+            Ok::<_, edge_transport::tls::RevocationError>((list, config))
+        })
+        .await;
+        match loaded {
+            Ok(Ok((list, config))) => {
+                seen = now;
+                failed = None;
+                match config {
+                    Ok(mut config) => {
+                        config.migration(watch.allow_migration);
+                        endpoint.set_server_config(Some(config));
+                    }
+                    Err(e) => {
+                        error!(error = %e, "TLS config not rebuilt after a revocation list change; new handshakes use the previous CRLs, the new list is enforced after them")
+                    }
+                }
+                let list = Arc::new(list);
+                *shared.revoked.write().unwrap_or_else(PoisonError::into_inner) = list.clone();
+                shared.counters.crl_reloads_total.fetch_add(1, Ordering::Relaxed);
+                info!(crls = list.crl_count(), revoked = list.len(), "revocation lists reloaded");
+                // Close outside the lock: `close` only queues a CONNECTION_CLOSE, but the
+                // connection tasks take the same lock when they end.
+                let live: Vec<(String, Vec<u8>, quinn::Connection)> =
+                    shared.live.lock().values().map(|c| (c.device.clone(), c.cert.clone(), c.conn.clone())).collect();
+                for (device, cert, conn) in live {
+                    close_if_revoked(&shared, &list, &device, &cert, &conn);
+                }
+            }
+            Ok(Err(e)) => {
+                if forced || failed.as_ref() != Some(&now) {
+                    shared.counters.crl_reload_failures_total.fetch_add(1, Ordering::Relaxed);
+                    error!(error = %e, "revocation lists not reloaded; the previous list stays in force");
+                }
+                failed = Some(now);
+            }
+            Err(e) => error!(error = %e, "revocation reload task failed"),
+        }
+    }
 }
 
 /// The per-connection state shared by the control task and chunk tasks.
@@ -419,6 +785,14 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
             return;
         }
     };
+    // Registered before the check, so a list swapped in meanwhile is applied by either this
+    // check or the reloader's sweep.
+    let cert = edge_transport::peer::peer_certificate(&conn).map(|c| c.to_vec()).unwrap_or_default();
+    let _live = shared.live.insert(&device, cert.clone(), &conn);
+    if close_if_revoked(&shared, &shared.revocation_list(), &device, &cert, &conn) {
+        shared.counters.auth_failures_total.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
     shared.counters.connections_total.fetch_add(1, Ordering::Relaxed);
     shared.counters.connections_open.fetch_add(1, Ordering::Relaxed);
     let registration = shared.counters.devices.connect(&device, remote, crate::status::now_ms());
@@ -458,11 +832,15 @@ async fn run_connection(
     // opened before Hello is a violation (an honest agent waits for Welcome).
     let deadline = tokio::time::Instant::now() + limits.handshake_timeout;
     let early_chunk = || ProtoError::UnexpectedFrame { frame: "chunk stream", reason: "opened before Hello" };
-    // `biased`: a chunk stream that is already there when Hello arrives came first.
+    // `biased` towards the control stream: when the control stream and a chunk stream are both
+    // there, they came in the same flight (a client that resumed with 0-RTT sends its Hello and
+    // first chunks before the handshake completes, and quinn hands them over together), and the
+    // client opened the control stream first. A chunk stream that arrives while no Hello is
+    // there is refused.
     let (mut ctl_send, mut ctl_recv) = tokio::select! {
         biased;
-        _ = conn.accept_uni() => return Err(early_chunk().into()),
         r = conn.accept_bi() => r.map_err(|e| ConnEnd::Lost(e.to_string()))?,
+        _ = conn.accept_uni() => return Err(early_chunk().into()),
         () = tokio::time::sleep_until(deadline) => {
             return Err(ProtoError::HandshakeTimeout.into());
         }
@@ -489,8 +867,8 @@ async fn run_connection(
         loop {
             let n = tokio::select! {
                 biased;
-                _ = conn.accept_uni() => return Err(early_chunk().into()),
                 r = ctl_recv.read(&mut buf) => r.map_err(|e| ConnEnd::Lost(e.to_string()))?,
+                _ = conn.accept_uni() => return Err(early_chunk().into()),
                 () = tokio::time::sleep_until(deadline) => return Err(ProtoError::HandshakeTimeout.into()),
             };
             let Some(n) = n else {
@@ -611,9 +989,12 @@ impl From<ProtoError> for ChunkEnd {
 
 async fn receive_chunk(recv: &mut quinn::RecvStream, ctx: &ChunkCtx) -> Result<(), ChunkEnd> {
     let limits = &ctx.shared.opts.limits;
-    // 1. Header: read until it decodes; the decoder refuses oversized declared lengths.
+    // 1. Header: read until it decodes; the decoder refuses oversized declared lengths. A
+    //    header trickled byte by byte (slowloris) must arrive within the fixed allowance; the
+    //    stream is then stopped, so it holds no task or stream slot for longer.
     let mut head = BytesMut::with_capacity(256);
     let max_head = limits.max_chunk_header as usize + 16;
+    let header_deadline = tokio::time::Instant::now() + PAYLOAD_ALLOWANCE;
     let (header, consumed) = loop {
         if let Some(found) = ChunkHeader::decode(&head, limits)? {
             break found;
@@ -621,10 +1002,15 @@ async fn receive_chunk(recv: &mut quinn::RecvStream, ctx: &ChunkCtx) -> Result<(
         if head.len() > max_head {
             return Err(ProtoError::FrameTooLarge { len: head.len() as u64, max: max_head as u64 }.into());
         }
-        match recv.read_chunk(max_head.saturating_sub(head.len()).max(1), true).await {
-            Ok(Some(c)) => head.extend_from_slice(&c.bytes),
-            Ok(None) => return Err(ChunkEnd::Stream("stream finished inside the chunk header".into())),
-            Err(e) => return Err(ChunkEnd::Stream(e.to_string())),
+        let read = recv.read_chunk(max_head.saturating_sub(head.len()).max(1), true);
+        match tokio::time::timeout_at(header_deadline, read).await {
+            Ok(Ok(Some(c))) => head.extend_from_slice(&c.bytes),
+            Ok(Ok(None)) => return Err(ChunkEnd::Stream("stream finished inside the chunk header".into())),
+            Ok(Err(e)) => return Err(ChunkEnd::Stream(e.to_string())),
+            Err(_elapsed) => {
+                let _gone = recv.stop(0u32.into());
+                return Err(ChunkEnd::Stream(format!("chunk header incomplete after {PAYLOAD_ALLOWANCE:?}")));
+            }
         }
     };
     lock(&ctx.state).session.accept_chunk(&header)?;
@@ -799,6 +1185,22 @@ pub fn hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn handshakes_are_accepted_then_address_validated_then_refused() {
+        // Below half the limit everyone is accepted.
+        assert_eq!(admission(0, 256, false, true), Admission::Accept);
+        assert_eq!(admission(127, 256, false, true), Admission::Accept);
+        // From half of it, unvalidated addresses are asked to retry; validated ones pass.
+        assert_eq!(admission(128, 256, false, true), Admission::Retry);
+        assert_eq!(admission(128, 256, true, false), Admission::Accept);
+        // quinn cannot Retry a Retry: then the attempt is accepted while there is room.
+        assert_eq!(admission(200, 256, false, false), Admission::Accept);
+        // At the limit, everyone is refused.
+        assert_eq!(admission(256, 256, true, false), Admission::Refuse);
+        assert_eq!(admission(9, 1, false, true), Admission::Refuse);
+        assert_eq!(admission(0, 0, false, true), Admission::Accept, "0 is treated as 1");
+    }
 
     #[test]
     fn a_device_is_listed_while_any_of_its_connections_is_open() {

@@ -48,11 +48,17 @@ pub enum IdentityError {
 /// or `Connection::authenticated` resolved when 0.5-RTT is in use). Resumed connections carry
 /// the chain of their original handshake, so they work too.
 pub fn peer_device_id(conn: &quinn::Connection) -> Result<String, IdentityError> {
+    device_id_from_cert_der(peer_certificate(conn)?.as_ref())
+}
+
+/// The verified leaf certificate of the peer of `conn` (DER), for checks after the handshake
+/// such as [`RevocationList::revoked_serial`](crate::tls::RevocationList::revoked_serial).
+/// Same preconditions as [`peer_device_id`].
+pub fn peer_certificate(conn: &quinn::Connection) -> Result<CertificateDer<'static>, IdentityError> {
     let identity = conn.peer_identity().ok_or(IdentityError::NoPeerIdentity)?;
     let chain =
         identity.downcast::<Vec<CertificateDer<'static>>>().map_err(|_| IdentityError::UnexpectedIdentityType)?;
-    let leaf = chain.first().ok_or(IdentityError::EmptyChain)?;
-    device_id_from_cert_der(leaf.as_ref())
+    chain.first().cloned().ok_or(IdentityError::EmptyChain)
 }
 
 /// The device id in a DER certificate: its single subject CN, validated as a device id.

@@ -305,6 +305,151 @@ impl Pem {
     }
 }
 
+/// Why a set of CRLs was refused by [`RevocationList::load`]: the server keeps its previous
+/// list rather than run with one that would refuse every device or miss revocations.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RevocationError {
+    /// A file could not be read, or is not PEM with at least one CRL / certificate in it.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The DER inside a PEM block is not a CRL.
+    #[error("certificate revocation list #{index} in {origin} does not parse: {detail}")]
+    Parse {
+        /// Where the CRL came from.
+        origin: PemOrigin,
+        /// Zero-based position of the CRL in its PEM text.
+        index: usize,
+        /// The parser's complaint.
+        detail: String,
+    },
+    /// No client CA has the CRL's issuer as its subject, or the CRL's signature does not verify
+    /// with that CA's key: it is not ours, or it was tampered with.
+    #[error("certificate revocation list #{index} in {origin} is not signed by a client CA: {detail}")]
+    NotIssuedByClientCa {
+        /// Where the CRL came from.
+        origin: PemOrigin,
+        /// Zero-based position of the CRL in its PEM text.
+        index: usize,
+        /// What did not match.
+        detail: String,
+    },
+    /// The CRL is past its `nextUpdate`; rustls would refuse every device with it
+    /// (`enforce_revocation_expiration`).
+    #[error("certificate revocation list #{index} in {origin} expired at {next_update} (nextUpdate)")]
+    Expired {
+        /// Where the CRL came from.
+        origin: PemOrigin,
+        /// Zero-based position of the CRL in its PEM text.
+        index: usize,
+        /// The CRL's `nextUpdate`, as text.
+        next_update: String,
+    },
+}
+
+/// The revoked device certificates named by a set of CRLs, for checks outside the TLS
+/// handshake: rustls consults its CRLs only when a handshake verifies a client certificate,
+/// so a device revoked while connected, or one resuming a session (resumption skips client
+/// certificate verification), must be checked by the server against this list.
+///
+/// [`RevocationList::load`] accepts only CRLs that parse, are signed by one of the client CAs
+/// and are not past their `nextUpdate`; the caller keeps its previous list on error, so a
+/// half-written or foreign file never replaces a good list.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RevocationList {
+    /// (issuer name as raw DER, serial number as raw bytes) of every revoked certificate.
+    revoked: std::collections::BTreeSet<(Vec<u8>, Vec<u8>)>,
+    /// CRLs the list was built from.
+    crls: usize,
+}
+
+impl RevocationList {
+    /// Loads and checks the CRL files against the client CA file (see [`ServerTls`]).
+    pub fn load(client_ca: &Path, crls: &[PathBuf]) -> Result<Self, RevocationError> {
+        let ca = Pem::from_file("client CA certificates", client_ca)?;
+        let crls =
+            crls.iter().map(|path| Pem::from_file("client CA revocation list", path)).collect::<Result<Vec<_>, _>>()?;
+        Self::build(&ca, &crls)
+    }
+
+    /// Like [`RevocationList::load`], from PEM text in memory (each entry may hold several CRLs).
+    pub fn from_pem(client_ca_pem: &str, crl_pems: &[&str]) -> Result<Self, RevocationError> {
+        let ca = Pem::from_memory("client CA certificates", "client_ca_pem", client_ca_pem);
+        let crls: Vec<Pem> =
+            crl_pems.iter().map(|text| Pem::from_memory("client CA revocation list", "crl_pems", text)).collect();
+        Self::build(&ca, &crls)
+    }
+
+    fn build(ca: &Pem, crls: &[Pem]) -> Result<Self, RevocationError> {
+        let ca_ders = ca.certificates()?;
+        let mut cas = Vec::with_capacity(ca_ders.len());
+        for (index, der) in ca_ders.iter().enumerate() {
+            let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).map_err(|e| TransportError::Pem {
+                what: ca.what,
+                origin: ca.origin.clone(),
+                detail: format!("certificate #{index}: {e}"),
+            })?;
+            cas.push(cert);
+        }
+        let now = x509_parser::time::ASN1Time::now();
+        let mut list = Self::default();
+        for pem in crls {
+            for (index, der) in pem.crls()?.iter().enumerate() {
+                let (_, crl) = x509_parser::parse_x509_crl(der.as_ref()).map_err(|e| RevocationError::Parse {
+                    origin: pem.origin.clone(),
+                    index,
+                    detail: e.to_string(),
+                })?;
+                let not_ours =
+                    |detail: String| RevocationError::NotIssuedByClientCa { origin: pem.origin.clone(), index, detail };
+                let issuer = cas
+                    .iter()
+                    .find(|ca| ca.subject().as_raw() == crl.issuer().as_raw())
+                    .ok_or_else(|| not_ours(format!("no client CA is named {:?}", crl.issuer().to_string())))?;
+                crl.verify_signature(issuer.public_key())
+                    .map_err(|e| not_ours(format!("its signature does not verify with the CA's key: {e}")))?;
+                if let Some(next) = crl.next_update()
+                    && next <= now
+                {
+                    return Err(RevocationError::Expired {
+                        origin: pem.origin.clone(),
+                        index,
+                        next_update: next.to_string(),
+                    });
+                }
+                for revoked in crl.iter_revoked_certificates() {
+                    list.revoked.insert((crl.issuer().as_raw().to_vec(), revoked.raw_serial().to_vec()));
+                }
+                list.crls += 1;
+            }
+        }
+        Ok(list)
+    }
+
+    /// Revoked certificates listed.
+    pub fn len(&self) -> usize {
+        self.revoked.len()
+    }
+
+    /// Whether no certificate is revoked.
+    pub fn is_empty(&self) -> bool {
+        self.revoked.is_empty()
+    }
+
+    /// CRLs the list was built from.
+    pub fn crl_count(&self) -> usize {
+        self.crls
+    }
+
+    /// The serial number (lowercase hex) of `cert_der` if this list revokes it; `None` if it
+    /// does not, or if the DER does not parse (the TLS handshake already verified it).
+    pub fn revoked_serial(&self, cert_der: &[u8]) -> Option<String> {
+        let (_, cert) = x509_parser::parse_x509_certificate(cert_der).ok()?;
+        let key = (cert.issuer().as_raw().to_vec(), cert.raw_serial().to_vec());
+        self.revoked.contains(&key).then(|| cert.raw_serial().iter().map(|b| format!("{b:02x}")).collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -398,6 +543,61 @@ mod tests {
         )
         .expect_err("garbage CRL");
         assert!(matches!(err, TransportError::BadCrl { origin: PemOrigin::Memory("crl_pems"), .. }), "{err}");
+    }
+
+    fn der(cert_pem: &str) -> Vec<u8> {
+        CertificateDer::from_pem_slice(cert_pem.as_bytes()).expect("certificate PEM").to_vec()
+    }
+
+    fn in_a_day() -> std::time::SystemTime {
+        std::time::SystemTime::now() + std::time::Duration::from_secs(86_400)
+    }
+
+    #[test]
+    fn revocation_list_names_exactly_the_revoked_certificates() {
+        let pki = pki();
+        let (revoked, _) = pki.issue_device("dev-revoked").expect("device");
+        let (kept, _) = pki.issue_device("dev-kept").expect("device");
+        let crl = pki.crl_pem(&[&revoked], in_a_day()).expect("crl");
+        let list = RevocationList::from_pem(&pki.ca_pem, &[&crl]).expect("valid CRL");
+        assert_eq!((list.len(), list.crl_count()), (1, 1));
+        assert!(list.revoked_serial(&der(&revoked)).is_some_and(|s| !s.is_empty()));
+        assert_eq!(list.revoked_serial(&der(&kept)), None);
+        assert_eq!(list.revoked_serial(b"garbage"), None);
+        assert!(RevocationList::from_pem(&pki.ca_pem, &[]).expect("no CRLs").is_empty());
+    }
+
+    #[test]
+    fn revocation_list_refuses_a_crl_of_another_ca() {
+        let pki = pki();
+        let other = InMemoryPki::generate(&["localhost"]).expect("other PKI");
+        let (cert, _) = other.issue_device("dev-1").expect("device");
+        let crl = other.crl_pem(&[&cert], in_a_day()).expect("crl");
+        let err = RevocationList::from_pem(&pki.ca_pem, &[&crl]).expect_err("foreign CRL");
+        assert!(matches!(err, RevocationError::NotIssuedByClientCa { index: 0, .. }), "{err}");
+    }
+
+    #[test]
+    fn revocation_list_refuses_an_expired_crl() {
+        let pki = pki();
+        let long_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(10 * 86_400);
+        let crl =
+            pki.crl_pem_with_validity(&[], long_ago, long_ago + std::time::Duration::from_secs(86_400)).expect("crl");
+        let err = RevocationList::from_pem(&pki.ca_pem, &[&crl]).expect_err("expired CRL");
+        assert!(matches!(err, RevocationError::Expired { .. }), "{err}");
+    }
+
+    #[test]
+    fn revocation_list_refuses_garbage_and_truncated_files() {
+        let pki = pki();
+        let crl = pki.crl_pem(&[], in_a_day()).expect("crl");
+        let garbage = "-----BEGIN X509 CRL-----\nAAAA\n-----END X509 CRL-----\n";
+        let err = RevocationList::from_pem(&pki.ca_pem, &[garbage]).expect_err("garbage");
+        assert!(matches!(err, RevocationError::Parse { .. }), "{err}");
+        let err = RevocationList::from_pem(&pki.ca_pem, &[&crl[..crl.len() / 2]]).expect_err("half a file");
+        assert!(matches!(err, RevocationError::Transport(_)), "{err}");
+        let err = RevocationList::from_pem(&pki.ca_pem, &[""]).expect_err("empty file");
+        assert!(matches!(err, RevocationError::Transport(TransportError::NoCrl { .. })), "{err}");
     }
 
     #[test]
