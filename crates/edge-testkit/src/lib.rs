@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
+pub mod netem;
 pub mod tier;
 pub mod workload;
 
@@ -232,6 +233,11 @@ impl Daemon {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    /// Process id while the child runs (for /proc sampling).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// Path of the log file.
