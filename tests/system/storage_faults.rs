@@ -1,1 +1,518 @@
-//! (being written)
+//! Storage faults on both sides, with the real daemons: the agent's spool file damaged (bit
+//! flips and truncation) and the spool's file system full; the ingest's file system full.
+//!
+//! Every run ends with the workload checker: nothing acknowledged to a producer is lost or
+//! stored twice, except records the run itself destroyed on purpose (damaged spool chunks),
+//! which must equal what the agent reports and quarantines.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use edge_testkit::workload::{ProducerOptions, Progress, Sent, Workload, check_store, produce};
+use edge_testkit::{Tier, report};
+use edge_uploader::client::IntakeClient;
+use rand::{Rng, SeedableRng};
+
+use crate::common::{World, json_output};
+
+/// A tmpfs mounted on `dir` (created if missing), unmounted on drop.
+struct Tmpfs {
+    dir: PathBuf,
+}
+
+impl Tmpfs {
+    /// `None` (with a message on stderr) when mounting is not possible here (not root).
+    fn mount(dir: &Path, size: &str) -> Option<Tmpfs> {
+        std::fs::create_dir_all(dir).ok()?;
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("SKIPPED: `mount -t tmpfs` on {} failed (not root?)", dir.display());
+            return None;
+        }
+        Some(Tmpfs { dir: dir.to_owned() })
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+    }
+}
+
+/// Edits the agent config: `[spool]` settings go after the `linger` line the world writes.
+fn spool_settings(world: &World, extra: &str) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&world.agent_config)?;
+    let text = text.replacen("linger = \"20ms\"\n", &format!("linger = \"20ms\"\n{extra}\n"), 1);
+    std::fs::write(&world.agent_config, text)?;
+    Ok(())
+}
+
+fn rt() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
+}
+
+/// Runs one producer per stream of `workload` for `per_stream` records each; returns the logs.
+fn produce_all(
+    rt: &tokio::runtime::Runtime,
+    workload: &Arc<Workload>,
+    socket: &Path,
+    per_stream: u64,
+    max_batch: u64,
+) -> anyhow::Result<Vec<Vec<Sent>>> {
+    let tasks: Vec<_> = (0..workload.streams.len())
+        .map(|s| {
+            let mut opts = ProducerOptions::new(s);
+            opts.total = Some(per_stream);
+            opts.max_batch = max_batch;
+            rt.spawn(produce(workload.clone(), socket.to_owned(), opts, Progress::default()))
+        })
+        .collect();
+    tasks.into_iter().map(|t| rt.block_on(t)?).collect()
+}
+
+/// Waits until the agent reports an empty spool and nothing in flight.
+fn drain(rt: &tokio::runtime::Runtime, socket: &Path, timeout: Duration) -> anyhow::Result<serde_json::Value> {
+    rt.block_on(async {
+        let mut client = IntakeClient::new(socket);
+        let deadline = Instant::now() + timeout;
+        loop {
+            let s = client.get_json("/v1/status").await?.body;
+            if s["spool"]["sealed_chunks"] == 0 && s["spool"]["open_bytes"] == 0 && s["upload"]["in_flight"] == 0 {
+                return Ok(s);
+            }
+            anyhow::ensure!(Instant::now() < deadline, "agent did not drain: {s}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+}
+
+fn spool_check(path: &Path) -> anyhow::Result<(i32, serde_json::Value)> {
+    json_output("edge-uploader", &["spool", "check", "--spool", &path.to_string_lossy(), "--json"])
+}
+
+/// Every table of a spool file as text rows, to tell a flip that changed data from one that
+/// landed in unused bytes. `None` if SQLite cannot read it at all.
+fn logical_dump(path: &Path) -> Option<Vec<String>> {
+    let conn = rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).ok()?;
+    let mut out = Vec::new();
+    for sql in [
+        "SELECT key, quote(value) FROM meta ORDER BY key",
+        "SELECT id, name, next_seq FROM streams ORDER BY id",
+        "SELECT id, stream_id, seq, records, bytes, first_ms, sealed_ms, quote(quarantine) FROM chunks ORDER BY id",
+        "SELECT id, stream_id, quote(chunk_id), hex(data), records, crc32c, commit_ms FROM batches ORDER BY id",
+    ] {
+        let mut stmt = conn.prepare(sql).ok()?;
+        let n = stmt.column_count();
+        let rows = stmt
+            .query_map([], |r| {
+                let cols: Result<Vec<String>, _> =
+                    (0..n).map(|i| r.get::<_, rusqlite::types::Value>(i).map(|v| format!("{v:?}"))).collect();
+                cols.map(|c| c.join("|"))
+            })
+            .ok()?;
+        for row in rows {
+            out.push(row.ok()?);
+        }
+    }
+    Some(out)
+}
+
+/// Offsets in `bytes` where a workload record's header starts (`wl:<seed>:`).
+fn record_offsets(bytes: &[u8], seed: u64) -> Vec<usize> {
+    let needle = format!("wl:{seed:x}:").into_bytes();
+    bytes.windows(needle.len()).enumerate().filter(|(_, w)| *w == needle.as_slice()).map(|(i, _)| i).collect()
+}
+
+/// A stopped agent's spool with sealed chunks of `workload`, made by the real agent (no ingest
+/// running, so nothing leaves). Returns the producer logs.
+fn build_spool(world: &World, workload: &Arc<Workload>, per_stream: u64) -> anyhow::Result<Vec<Vec<Sent>>> {
+    let rt = rt()?;
+    let mut agent = world.start_agent()?;
+    let sent = produce_all(&rt, workload, &world.intake_socket(), per_stream, 20)?;
+    let status = agent.terminate(Duration::from_secs(30))?;
+    anyhow::ensure!(status.success(), "agent exit: {status}");
+    Ok(sent)
+}
+
+const SPOOL_SEED: u64 = 0x5F00_1001;
+
+#[test]
+fn spool_check_finds_every_injected_flip_and_truncation() -> anyhow::Result<()> {
+    let tier = Tier::current();
+    let world = World::new("gw-sf-check", "")?;
+    spool_settings(&world, "chunk_target = \"16KiB\"")?;
+    let workload = Arc::new(Workload::new(SPOOL_SEED).with_sizes(16, 1500));
+    build_spool(&world, &workload, tier.pick(150, 1500))?;
+    let spool = world.path().join("agent/spool.db");
+    anyhow::ensure!(!world.path().join("agent/spool.db-wal").exists(), "the agent left a WAL behind");
+    let pristine = std::fs::read(&spool)?;
+    let pristine_dump = logical_dump(&spool).context("pristine spool unreadable")?;
+    let (code, doc) = spool_check(&spool)?;
+    assert_eq!(code, 0, "pristine spool is clean: {doc}");
+    assert!(doc["chunks"].as_u64().unwrap_or(0) >= 5, "too few chunks to damage: {doc}");
+
+    let offsets = record_offsets(&pristine, SPOOL_SEED);
+    anyhow::ensure!(!offsets.is_empty(), "no record bytes found in the file");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0xF1_1B5);
+    let rounds = tier.pick(30, 300);
+    let victim = world.path().join("victim.db");
+    // kind → (injected, detected)
+    let mut tally: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+    let (mut anywhere_harmless, mut anywhere_missed) = (0u64, 0u64);
+    for round in 0..rounds {
+        let mut bytes = pristine.clone();
+        let kind = match round % 3 {
+            0 => {
+                // A bit inside a record's bytes, never past its page. The file also holds dead
+                // copies of records (free pages, old page versions); a flip there changes no
+                // data, so pick again until the flip lands in live data.
+                for _ in 0..50 {
+                    bytes.clone_from(&pristine);
+                    let start = offsets[rng.random_range(0..offsets.len())];
+                    let page_end = (start / 4096 + 1) * 4096;
+                    let at = rng.random_range(start..(start + 64).min(page_end).min(bytes.len()));
+                    bytes[at] ^= 1 << rng.random_range(0..8);
+                    std::fs::write(&victim, &bytes)?;
+                    if logical_dump(&victim).as_ref() != Some(&pristine_dump) {
+                        break;
+                    }
+                }
+                "payload_bit_flip"
+            }
+            1 => {
+                let len = rng.random_range(0..bytes.len());
+                bytes.truncate(len);
+                "truncation"
+            }
+            _ => {
+                let at = rng.random_range(0..bytes.len());
+                bytes[at] ^= 1 << rng.random_range(0..8);
+                "db_bit_flip_anywhere"
+            }
+        };
+        std::fs::write(&victim, &bytes)?;
+        let (code, doc) = spool_check(&victim)?;
+        assert!(code == 0 || code == 1, "spool check exit {code}: {doc}");
+        let detected = code == 1;
+        let entry = tally.entry(kind).or_default();
+        entry.0 += 1;
+        if detected {
+            entry.1 += 1;
+        }
+        match kind {
+            "payload_bit_flip" => {
+                assert!(detected, "round {round}: payload flip not detected: {doc}");
+                assert_eq!(doc["damaged_chunks"].as_array().map_or(0, Vec::len), 1, "exactly one chunk: {doc}");
+            }
+            "truncation" => assert!(detected, "round {round}: truncation to {} bytes not detected: {doc}", bytes.len()),
+            _ if !detected => {
+                // Not detected: fine only if the flip changed no data (unused bytes of a page).
+                if logical_dump(&victim).as_ref() == Some(&pristine_dump) {
+                    anywhere_harmless += 1;
+                } else {
+                    anywhere_missed += 1;
+                    eprintln!("round {round}: a flip changed data that no check covers");
+                }
+            }
+            _ => {}
+        }
+    }
+    let figures = serde_json::json!({
+        "tier": tier.name(),
+        "spool_bytes": pristine.len(),
+        "chunks": doc["chunks"],
+        "seed": 0xF1_1B5,
+        "injections": tally.iter().map(|(k, (i, d))| (k.to_string(), serde_json::json!({"injected": i, "detected": d}))).collect::<serde_json::Map<_, _>>(),
+        "anywhere_undetected_harmless": anywhere_harmless,
+        "anywhere_undetected_data_changed": anywhere_missed,
+    });
+    report("storage_faults_spool_check", &figures)?;
+    eprintln!("{figures:#}");
+    Ok(())
+}
+
+#[test]
+fn corrupt_spool_chunks_are_quarantined_never_sent_and_the_agent_keeps_working() -> anyhow::Result<()> {
+    let tier = Tier::current();
+    let world = World::new("gw-sf-quarantine", "")?;
+    spool_settings(&world, "chunk_target = \"16KiB\"")?;
+    let old = Arc::new(Workload::new(SPOOL_SEED).with_sizes(16, 1500));
+    let sent_old = build_spool(&world, &old, tier.pick(150, 1500))?;
+    let spool = world.path().join("agent/spool.db");
+
+    // Flip one bit in the records of `flips` different places (seeded).
+    let mut bytes = std::fs::read(&spool)?;
+    let offsets = record_offsets(&bytes, SPOOL_SEED);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0xBAD_C0DE);
+    let flips = tier.pick(3, 12);
+    for _ in 0..flips {
+        let start = offsets[rng.random_range(0..offsets.len())];
+        let at = rng.random_range(start..(start + 64).min((start / 4096 + 1) * 4096));
+        bytes[at] ^= 1 << rng.random_range(0..8);
+    }
+    std::fs::write(&spool, &bytes)?;
+    let (code, check) = spool_check(&spool)?;
+    assert_eq!(code, 1, "damage found: {check}");
+    let damaged_chunks = check["damaged_chunks"].as_array().map_or(0, Vec::len) as u64;
+    let damaged_records = check["damaged_records"].as_u64().context("damaged_records")?;
+    assert!(damaged_chunks >= 1 && damaged_records >= 1);
+
+    // The agent starts on the damaged file, with the ingest up: it must quarantine the damaged
+    // chunks (loudly), upload everything else, and take and deliver new data.
+    let _ingest = world.start_ingest()?;
+    let mut agent = world.start_agent()?;
+    let rt = rt()?;
+    // Other stream names, so each checker sees only its own workload's records.
+    let new = Arc::new(
+        Workload::new(SPOOL_SEED + 1).with_streams(&["after.temperature", "after.vibration"]).with_sizes(16, 1500),
+    );
+    let sent_new = produce_all(&rt, &new, &world.intake_socket(), tier.pick(100, 1000), 20)?;
+    drain(&rt, &world.intake_socket(), Duration::from_secs(120))?;
+    agent.wait_log("spool chunk is corrupt", Duration::from_secs(5))?;
+    let m = World::scrape(world.agent_metrics)?;
+    let corrupt_metric = m.get("edge_uploader_spool_corrupt_chunks_total").copied().unwrap_or(-1.0);
+    assert_eq!(corrupt_metric, damaged_chunks as f64, "metric counts each damaged chunk once");
+    assert_eq!(m.get("edge_uploader_spool_quarantined_chunks").copied(), Some(damaged_chunks as f64));
+    agent.terminate(Duration::from_secs(30))?;
+
+    let old_report = check_store(&old, &world.data_dir(), &sent_old)?;
+    let new_report = check_store(&new, &world.data_dir(), &sent_new)?;
+    assert_eq!(old_report.lost, damaged_records, "missing = exactly the records of the damaged chunks: {old_report:?}");
+    assert_eq!(old_report.duplicates_stored + old_report.corrupted + old_report.unexpected, 0, "{old_report:?}");
+    assert!(new_report.is_exact(), "new data after the damage: {new_report:?}");
+    // After the agent quarantined them, the check lists them as known damage and exits 0.
+    let (code, after) = spool_check(&spool)?;
+    assert_eq!(code, 0, "quarantined damage only: {after}");
+    assert_eq!(after["quarantined_damaged"].as_array().map_or(0, Vec::len) as u64, damaged_chunks);
+
+    let figures = serde_json::json!({
+        "tier": tier.name(),
+        "bit_flips_injected": flips,
+        "damaged_chunks_found_by_check": damaged_chunks,
+        "damaged_records_found_by_check": damaged_records,
+        "agent_corrupt_chunks_metric": corrupt_metric,
+        "old_data": old_report.to_json(),
+        "new_data": new_report.to_json(),
+    });
+    report("storage_faults_spool_quarantine", &figures)?;
+    eprintln!("{figures:#}");
+    Ok(())
+}
+
+/// Starts one endless producer per stream; returns their tasks and progress handles.
+fn start_producers(
+    rt: &tokio::runtime::Runtime,
+    workload: &Arc<Workload>,
+    socket: &Path,
+) -> Vec<(tokio::task::JoinHandle<anyhow::Result<Vec<Sent>>>, Progress)> {
+    (0..workload.streams.len())
+        .map(|s| {
+            let mut opts = ProducerOptions::new(s);
+            opts.max_batch = 30;
+            opts.retry_pause = Duration::from_millis(100);
+            let progress = Progress::default();
+            let task = rt.spawn(produce(workload.clone(), socket.to_owned(), opts, progress.clone()));
+            (task, progress)
+        })
+        .collect()
+}
+
+fn total(ps: &[(tokio::task::JoinHandle<anyhow::Result<Vec<Sent>>>, Progress)], f: fn(&Progress) -> u64) -> u64 {
+    ps.iter().map(|(_, p)| f(p)).sum()
+}
+
+fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> anyhow::Result<bool>) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !cond()? {
+        anyhow::ensure!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
+
+fn metric(addr: std::net::SocketAddr, series: &str) -> anyhow::Result<f64> {
+    Ok(World::scrape(addr)?.get(series).copied().unwrap_or(0.0))
+}
+
+#[test]
+#[ignore = "known bug, open: on a full tmpfs the running agent does not accept again within 90 s after the ingest comes up (spool-level test disk_full.rs passes; see the storage-faults report)"]
+fn agent_disk_full_answers_507_then_recovers_once_uploads_free_the_spool() -> anyhow::Result<()> {
+    let world = World::new("gw-sf-agentfull", "")?;
+    spool_settings(&world, "chunk_target = \"64KiB\"")?;
+    // The spool's own cap (4 GiB) is far away: the file system (24 MiB, 8 of them the spool's
+    // disk reserve) fills first, so this is SQLITE_FULL from ENOSPC.
+    let Some(_fs) = Tmpfs::mount(&world.path().join("agent"), "24m") else { return Ok(()) };
+    let mut agent = world.start_agent()?;
+    let rt = rt()?;
+    let workload = Arc::new(Workload::new(0xD15C_F011).with_sizes(200, 4000));
+    let producers = start_producers(&rt, &workload, &world.intake_socket());
+
+    // No ingest yet: the spool fills the file system and intake refuses with 507.
+    wait_for("a 507", Duration::from_secs(90), || Ok(total(&producers, |p| p.refused.load(Ordering::Relaxed)) > 0))?;
+    let acked_at_full = total(&producers, |p| p.acked.load(Ordering::Relaxed));
+    // A probe on a stream of its own (whatever it stores is not checked): a 512 KiB request
+    // cannot slip into the last free pages the way a tiny one can.
+    let line = format!("{}\n", "x".repeat(2047));
+    let body = bytes::Bytes::from(line.repeat(256));
+    let probe = rt.block_on(async {
+        let mut client = IntakeClient::new(world.intake_socket());
+        let mut last = None;
+        for _ in 0..20 {
+            let r = client.post("probe", "application/x-ndjson", body.clone()).await?;
+            if r.status == 507 {
+                return Ok::<_, anyhow::Error>(r);
+            }
+            last = Some(r);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        anyhow::bail!("intake on a full disk never answered 507: {:?}", last.map(|r| (r.status, r.body)))
+    })?;
+    assert_eq!(probe.body["error"], "spool_full", "JSON body names the reason: {}", probe.body);
+    assert_eq!(probe.body["detail"], "disk under the spool is full", "{}", probe.body);
+    let full_since = Instant::now();
+    std::thread::sleep(Duration::from_secs(2));
+    let acked_while_full = total(&producers, |p| p.acked.load(Ordering::Relaxed)) - acked_at_full;
+
+    // The ingest comes up: uploads and acks must free the spool even though its file system is
+    // full, and intake must accept again.
+    let mut ingest = world.start_ingest()?;
+    let ingest_up = Instant::now();
+    wait_for("intake to accept again", Duration::from_secs(90), || {
+        Ok(total(&producers, |p| p.acked.load(Ordering::Relaxed)) > acked_at_full + acked_while_full + 100)
+    })?;
+    let recovered_after = ingest_up.elapsed();
+    let refused = total(&producers, |p| p.refused.load(Ordering::Relaxed));
+    for (_, p) in &producers {
+        p.stop.store(true, Ordering::Relaxed);
+    }
+    let mut sent = Vec::new();
+    for (task, _) in producers {
+        sent.push(rt.block_on(task)??);
+    }
+    drain(&rt, &world.intake_socket(), Duration::from_secs(120))?;
+    agent.terminate(Duration::from_secs(30))?;
+    ingest.terminate(Duration::from_secs(30))?;
+    let r = check_store(&workload, &world.data_dir(), &sent)?;
+    assert!(r.is_exact() && r.lost == 0 && r.duplicates_stored == 0, "{r:?}");
+    assert!(r.acked > acked_at_full, "records were acknowledged after the recovery: {r:?}");
+    let figures = serde_json::json!({
+        "fault_layer": "tmpfs size=24m under the spool (real ENOSPC); disk reserve 8 MiB (default)",
+        "acked_before_full": acked_at_full,
+        "acked_while_full_without_ingest": acked_while_full,
+        "refused_507": refused,
+        "full_for_s_before_ingest": full_since.elapsed().as_secs_f64() - recovered_after.as_secs_f64(),
+        "recovered_s_after_ingest_up": recovered_after.as_secs_f64(),
+        "check": r.to_json(),
+    });
+    report("storage_faults_agent_disk_full", &figures)?;
+    eprintln!("{figures:#}");
+    Ok(())
+}
+
+#[test]
+fn agent_drop_oldest_drops_and_counts_exactly_what_is_missing() -> anyhow::Result<()> {
+    let world = World::new("gw-sf-drop", "")?;
+    let text = std::fs::read_to_string(&world.agent_config)?;
+    std::fs::write(
+        &world.agent_config,
+        text.replacen(
+            "max_bytes = \"4GiB\"",
+            "max_bytes = \"1MiB\"\nfull_policy = \"drop_oldest\"\nchunk_target = \"32KiB\"",
+            1,
+        ),
+    )?;
+    let mut agent = world.start_agent()?;
+    let rt = rt()?;
+    let workload = Arc::new(Workload::new(0xD20B).with_sizes(100, 2000));
+    // About 3 MiB through a 1 MiB spool with no ingest: the oldest chunks must go.
+    let sent = produce_all(&rt, &workload, &world.intake_socket(), Tier::current().pick(1000, 5000), 30)?;
+    let dropped_metric = metric(world.agent_metrics, "edge_uploader_dropped_records_total{reason=\"spool_full\"}")?;
+    assert!(dropped_metric > 0.0, "nothing was dropped");
+    let mut ingest = world.start_ingest()?;
+    drain(&rt, &world.intake_socket(), Duration::from_secs(120))?;
+    let dropped_after = metric(world.agent_metrics, "edge_uploader_dropped_records_total{reason=\"spool_full\"}")?;
+    agent.terminate(Duration::from_secs(30))?;
+    ingest.terminate(Duration::from_secs(30))?;
+    let r = check_store(&workload, &world.data_dir(), &sent)?;
+    assert_eq!(r.lost as f64, dropped_after, "missing records = the agent's dropped count: {r:?}");
+    assert_eq!(r.duplicates_stored + r.corrupted + r.unexpected + r.partial_requests, 0, "{r:?}");
+    let figures = serde_json::json!({
+        "max_bytes": "1MiB", "full_policy": "drop_oldest",
+        "dropped_records_metric": dropped_after,
+        "check": r.to_json(),
+    });
+    report("storage_faults_agent_drop_oldest", &figures)?;
+    eprintln!("{figures:#}");
+    Ok(())
+}
+
+#[test]
+#[ignore = "known bug, open: after the ingest data_dir was full, the agent stops sending (337 chunks sealed, in_flight 0, 7326 retries) and never drains once space returns"]
+fn ingest_disk_full_never_acks_backs_off_and_stores_everything_once_space_returns() -> anyhow::Result<()> {
+    let world = World::new("gw-sf-ingestfull", "")?;
+    let Some(fs) = Tmpfs::mount(&world.data_dir(), "8m") else { return Ok(()) };
+    // Another tenant takes most of the file system; deleting it is "space returns".
+    let tenant = fs.dir.join("other-tenant");
+    std::fs::write(&tenant, vec![7u8; 6 << 20])?;
+    let mut ingest = world.start_ingest()?;
+    let mut agent = world.start_agent()?;
+    let rt = rt()?;
+    let workload = Arc::new(Workload::new(0x1C_F011).with_sizes(200, 4000));
+    let producers = start_producers(&rt, &workload, &world.intake_socket());
+    let retry_series = "edge_ingest_chunks_total{result=\"retry\"}";
+    wait_for("the ingest to answer retry", Duration::from_secs(90), || {
+        Ok(metric(world.ingest_metrics, retry_series)? > 0.0)
+    })?;
+    // The full period: count chunk attempts answered retry over a fixed window.
+    let window = Duration::from_secs(5);
+    let r0 = metric(world.ingest_metrics, retry_series)?;
+    let s0 = metric(world.ingest_metrics, "edge_ingest_chunks_total{result=\"stored\"}")?;
+    std::thread::sleep(window);
+    let retries_in_window = metric(world.ingest_metrics, retry_series)? - r0;
+    let stored_in_window = metric(world.ingest_metrics, "edge_ingest_chunks_total{result=\"stored\"}")? - s0;
+    // Schedule: every retry round resends at most max_in_flight (32) chunks, and rounds are at
+    // least backoff_min/2 (25 ms, full jitter) apart.
+    let bound = 32.0 * (window.as_secs_f64() / 0.025 + 1.0);
+    assert!(retries_in_window <= bound, "retry storm: {retries_in_window} attempts in {window:?} (bound {bound})");
+
+    std::fs::remove_file(&tenant)?;
+    let space_back = Instant::now();
+    for (_, p) in &producers {
+        p.stop.store(true, Ordering::Relaxed);
+    }
+    let mut sent = Vec::new();
+    for (task, _) in producers {
+        sent.push(rt.block_on(task)??);
+    }
+    drain(&rt, &world.intake_socket(), Duration::from_secs(120))?;
+    let drained_after = space_back.elapsed();
+    agent.terminate(Duration::from_secs(30))?;
+    ingest.terminate(Duration::from_secs(30))?;
+    // A restart must find no torn segment in its way, and export must read everything.
+    let mut ingest = world.start_ingest()?;
+    ingest.terminate(Duration::from_secs(30))?;
+    let r = check_store(&workload, &world.data_dir(), &sent)?;
+    assert!(r.is_exact() && r.lost == 0 && r.duplicates_stored == 0, "{r:?}");
+    let figures = serde_json::json!({
+        "fault_layer": "tmpfs size=8m as data_dir, 6 MiB of it taken by another file (real ENOSPC)",
+        "retry_answers_in_window": retries_in_window,
+        "stored_in_window": stored_in_window,
+        "window_s": window.as_secs_f64(),
+        "retry_bound_from_schedule": bound,
+        "backoff": {"min_ms": 50, "max_ms": 1000, "max_in_flight": 32},
+        "drained_s_after_space_returned": drained_after.as_secs_f64(),
+        "check": r.to_json(),
+    });
+    report("storage_faults_ingest_disk_full", &figures)?;
+    eprintln!("{figures:#}");
+    Ok(())
+}
