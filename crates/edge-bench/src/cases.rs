@@ -1,0 +1,864 @@
+//! The cases, their repetitions, and the report (Markdown table, goal ratios, quick JSON).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use crate::baseline::{self, Kind};
+use crate::peers;
+use crate::sys::{self, Stat};
+use crate::world::{self, Bins, Load, World, WorldOptions};
+
+const KIB: usize = 1024;
+const MIB: u64 = 1 << 20;
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Run-wide settings.
+#[derive(Debug)]
+pub struct Ctx {
+    pub bins: Bins,
+    /// `target/` (parent of `target/release/`).
+    pub target: PathBuf,
+    /// Scratch space for spools, stores and broker data; removed case by case.
+    pub work: PathBuf,
+    pub reps: usize,
+    pub started: Instant,
+    pub command: String,
+}
+
+impl Ctx {
+    pub fn new(allow_stale: bool, reps: usize, quick: bool) -> anyhow::Result<Ctx> {
+        let bins = Bins::locate(allow_stale)?;
+        let exe = std::env::current_exe()?;
+        let target = exe.parent().and_then(Path::parent).context("bench binary location")?.to_path_buf();
+        let work = target.join("edge-bench-work");
+        std::fs::create_dir_all(&work)?;
+        // Measure one fixed build for the whole run: other builds may replace target/release/
+        // while the run starts daemons again and again.
+        let snap = work.join("bin");
+        std::fs::create_dir_all(&snap)?;
+        let mut bins = bins;
+        for (src, name) in [(&mut bins.agent, "edge-uploader"), (&mut bins.ingest, "edge-ingest")] {
+            let dst = snap.join(name);
+            let _ = std::fs::remove_file(&dst);
+            std::fs::copy(&*src, &dst).with_context(|| format!("copying {} to {}", src.display(), dst.display()))?;
+            *src = dst;
+        }
+        let command = if quick {
+            "cargo run --release -p edge-bench -- quick --json".to_owned()
+        } else {
+            format!("cargo run --release -p edge-bench -- all --reps {reps}")
+        };
+        let mut command = command;
+        if allow_stale {
+            command.push_str(" --allow-stale");
+        }
+        Ok(Ctx { bins, target, work, reps, started: Instant::now(), command })
+    }
+
+    fn progress(&self, msg: impl AsRef<str>) {
+        eprintln!("[{:6.1}s] {}", self.started.elapsed().as_secs_f64(), msg.as_ref());
+    }
+}
+
+/// One figure with all its samples.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Row {
+    pub group: &'static str,
+    pub case: String,
+    pub unit: &'static str,
+    pub prec: usize,
+    pub samples: Vec<f64>,
+}
+
+/// Everything measured in one run.
+#[derive(Debug, Default)]
+pub struct Results {
+    pub rows: Vec<Row>,
+    pub notes: Vec<String>,
+    pub load: Vec<(String, String)>,
+}
+
+impl Results {
+    fn add(&mut self, group: &'static str, case: impl Into<String>, unit: &'static str, prec: usize, v: f64) {
+        let case = case.into();
+        if let Some(r) = self.rows.iter_mut().find(|r| r.case == case && r.unit == unit) {
+            r.samples.push(v);
+        } else {
+            self.rows.push(Row { group, case, unit, prec, samples: vec![v] });
+        }
+    }
+
+    fn stat(&self, case: &str, unit: &str) -> Option<Stat> {
+        self.rows.iter().find(|r| r.case == case && r.unit == unit).and_then(|r| Stat::of(&r.samples))
+    }
+
+    fn median(&self, case: &str, unit: &str) -> Option<f64> {
+        self.stat(case, unit).map(|s| s.median)
+    }
+
+    fn max(&self, case: &str, unit: &str) -> Option<f64> {
+        self.stat(case, unit).map(|s| s.max)
+    }
+
+    /// Records a failed repetition as a note instead of ending the run.
+    fn failed(&mut self, case: &str, rep: usize, r: anyhow::Result<()>) {
+        if let Err(e) = r {
+            self.note(format!("{case}, repetition {}: FAILED: {e:#}", rep + 1));
+            self.add("failures", case.to_owned(), "failed repetitions", 0, 1.0);
+        }
+    }
+
+    fn note(&mut self, s: impl Into<String>) {
+        let s = s.into();
+        eprintln!("note: {s}");
+        self.notes.push(s);
+    }
+
+    fn mark_load(&mut self, what: &str) {
+        let l = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+        self.load.push((what.to_owned(), l.split_whitespace().take(3).collect::<Vec<_>>().join(" ")));
+    }
+
+    /// The `quick --json` object.
+    pub fn quick_json(&self) -> serde_json::Value {
+        let raw = self.median(RAW_QUINN_10K, MB_S);
+        let drain = self.median(DRAIN, MB_S);
+        let live = self.median(LIVE_10K, MB_S);
+        let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| round(a / b, 3));
+        let r1 = |v: Option<f64>| v.map(|v| round(v, 1));
+        let r2 = |v: Option<f64>| v.map(|v| round(v, 2));
+        serde_json::json!({
+            "raw_quinn_mb_s": r1(raw),
+            "tls_tcp_mb_s": r1(self.median(TLS_10K, MB_S)),
+            "drain_mb_s": r1(drain),
+            "drain_ratio": ratio(drain, raw),
+            "live_mb_s": r1(live),
+            "live_ratio": ratio(live, raw),
+            "live_batched_mb_s": r1(self.median(LIVE_BATCHED_10K, MB_S)),
+            "agent_cpu_s_per_gib": r2(self.median(LIVE_10K, AGENT_CPU)),
+            "agent_drain_cpu_s_per_gib": r2(self.median(DRAIN, AGENT_CPU)),
+            "ingest_cpu_s_per_gib": r2(self.median(LIVE_10K, INGEST_CPU)),
+            "raw_quinn_sender_cpu_s_per_gib": r2(self.median(RAW_QUINN_10K, SENDER_CPU)),
+            "p50_latency_ms": r1(self.median(LATENCY, P50)),
+            "p99_latency_ms": r1(self.median(LATENCY, P99)),
+            "small_records_per_s": self.median(SMALL, RECS_S).map(f64::round),
+            "agent_peak_rss_mib": r1(self.rows.iter().filter(|r| r.unit == RSS).filter_map(|r| Stat::of(&r.samples)).map(|s| s.max).reduce(f64::max)),
+            "flash_wear_bytes_per_byte": r2(self.median(LIVE_10K, WEAR)),
+            "producers_cpu_s_per_gib": r2(self.median(LIVE_10K, "CPU-s/GiB producers (bench client)")),
+            "mosquitto_mb_s": r1(self.median(MOSQ_10K, MB_S)),
+            "jetstream_mb_s": r1(self.median(JS_ALWAYS_10K, MB_S)),
+            "jetstream_machine_mb_s": r1(self.median(JS_MACHINE_10K, MB_S)),
+            "notes": self.notes,
+        })
+    }
+
+    /// Every sample, for later analysis.
+    pub fn samples_json(&self) -> serde_json::Value {
+        serde_json::json!({ "rows": self.rows, "notes": self.notes, "load": self.load })
+    }
+
+    /// The report: machine, command, table, goals.
+    pub fn markdown(&self, ctx: &Ctx) -> String {
+        let mut md = String::new();
+        let _ = writeln!(md, "### Run\n");
+        for (k, v) in machine_info() {
+            let _ = writeln!(md, "- **{k}:** {v}");
+        }
+        let _ = writeln!(
+            md,
+            "- **command:** `{}` ({} repetition(s) per case, {:.0} s in all)",
+            ctx.command,
+            ctx.reps,
+            ctx.started.elapsed().as_secs_f64()
+        );
+        let _ = writeln!(
+            md,
+            "- **load average (1/5/15 min) at the start of each group:** {}",
+            self.load.iter().map(|(w, l)| format!("{w}: {l}")).collect::<Vec<_>>().join("; ")
+        );
+        let _ = writeln!(md, "\n### Figures (median [min-max] over the repetitions)\n");
+        let _ = writeln!(md, "| group | case | figure | n |\n|---|---|---|---|");
+        for r in &self.rows {
+            if let Some(s) = Stat::of(&r.samples) {
+                let _ = writeln!(md, "| {} | {} | {} {} | {} |", r.group, r.case, s.show(r.prec), r.unit, s.n);
+            }
+        }
+        if self.median(RAW_QUINN_10K, MB_S).is_some() {
+            let _ = writeln!(md, "\n### Goals of issue 5 (ratios from medians of this run)\n");
+            let _ = writeln!(md, "| goal | measured | target | verdict |\n|---|---|---|---|");
+            for g in self.goals() {
+                let _ = writeln!(md, "| {} | {} | {} | {} |", g.0, g.1, g.2, g.3);
+            }
+        }
+        if !self.notes.is_empty() {
+            let _ = writeln!(md, "\n### Notes\n");
+            for n in &self.notes {
+                let _ = writeln!(md, "- {n}");
+            }
+        }
+        md
+    }
+
+    fn goals(&self) -> Vec<(String, String, String, String)> {
+        let mut out = Vec::new();
+        let mut at_least = |name: &str, value: Option<f64>, target: f64, fmt: &dyn Fn(f64) -> String| {
+            let (m, v) = match value {
+                Some(v) => (
+                    fmt(v),
+                    if v >= target {
+                        format!("met (+{:.0} %)", (v / target - 1.0) * 100.0)
+                    } else {
+                        format!("**not met** ({:.0} % short)", (1.0 - v / target) * 100.0)
+                    },
+                ),
+                None => ("-".into(), "not measured".into()),
+            };
+            out.push((name.to_owned(), m, format!("≥ {}", fmt(target)), v));
+        };
+        let raw = self.median(RAW_QUINN_10K, MB_S);
+        let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a / b);
+        let x = |v: f64| format!("{v:.2}×");
+        at_least("drain ÷ raw quinn (10 KiB)", ratio(self.median(DRAIN, MB_S), raw), 0.8, &x);
+        at_least(
+            "drain ÷ raw quinn (512 KiB, the chunk size)",
+            ratio(self.median(DRAIN, MB_S), self.median(RAW_QUINN_512K, MB_S)),
+            0.8,
+            &x,
+        );
+        at_least("live ÷ raw quinn (10 KiB)", ratio(self.median(LIVE_10K, MB_S), raw), 0.5, &x);
+        at_least(
+            "live ÷ Mosquitto QoS 1, 10 KiB",
+            ratio(self.median(LIVE_10K, MB_S), self.median(MOSQ_10K, MB_S)),
+            2.0,
+            &x,
+        );
+        at_least(
+            "live ÷ Mosquitto QoS 1, 100 KiB",
+            ratio(self.median(LIVE_100K, MB_S), self.median(MOSQ_100K, MB_S)),
+            2.0,
+            &x,
+        );
+        at_least(
+            "live ÷ JetStream sync always, 10 KiB",
+            ratio(self.median(LIVE_10K, MB_S), self.median(JS_ALWAYS_10K, MB_S)),
+            3.0,
+            &x,
+        );
+        at_least(
+            "live ÷ JetStream sync always, 100 KiB",
+            ratio(self.median(LIVE_100K, MB_S), self.median(JS_ALWAYS_100K, MB_S)),
+            3.0,
+            &x,
+        );
+        at_least("small records/s (100 B, NDJSON)", self.median(SMALL, RECS_S), 1e6, &|v| format!("{v:.0}"));
+        let mut at_most = |name: &str, value: Option<f64>, target: f64, fmt: &dyn Fn(f64) -> String| {
+            let (m, v) = match value {
+                Some(v) => (
+                    fmt(v),
+                    if v <= target {
+                        format!("met ({:.0} % margin)", (1.0 - v / target) * 100.0)
+                    } else {
+                        format!("**not met** ({:.0} % over)", (v / target - 1.0) * 100.0)
+                    },
+                ),
+                None => ("-".into(), "not measured".into()),
+            };
+            out.push((name.to_owned(), m, format!("≤ {}", fmt(target)), v));
+        };
+        let sender = self.median(RAW_QUINN_10K, SENDER_CPU);
+        at_most(
+            "agent CPU-s/GiB (live: intake + spool + upload) ÷ raw quinn sender's",
+            ratio(self.median(LIVE_10K, AGENT_CPU), sender),
+            1.5,
+            &x,
+        );
+        at_most(
+            "agent CPU-s/GiB (drain: upload only) ÷ raw quinn sender's",
+            ratio(self.median(DRAIN, AGENT_CPU), sender),
+            1.5,
+            &x,
+        );
+        at_most("p99 intake commit → ack at half the live maximum", self.median(LATENCY, P99), 25.0, &|v| {
+            format!("{v:.1} ms")
+        });
+        let mib = |v: f64| format!("{v:.1} MiB");
+        at_most("agent peak RSS, 1 GiB backlog (max of reps)", self.max(DRAIN, RSS), 48.0, &mib);
+        at_most("agent peak RSS, 4 GiB backlog (max of reps)", self.max(DRAIN_4G, RSS), 48.0, &mib);
+        at_most("agent peak RSS, live (max of reps)", self.max(LIVE_10K, RSS), 48.0, &mib);
+        at_most("flash wear (agent bytes written ÷ bytes accepted, live)", self.median(LIVE_10K, WEAR), 2.5, &|v| {
+            format!("{v:.2}")
+        });
+        out
+    }
+}
+
+fn round(v: f64, digits: i32) -> f64 {
+    let p = 10f64.powi(digits);
+    (v * p).round() / p
+}
+
+// Case names and units, shared by the cases, the JSON and the goals.
+const RAW_QUINN_10K: &str = "raw quinn, 10 KiB messages";
+const RAW_QUINN_512K: &str = "raw quinn, 512 KiB messages";
+const TLS_10K: &str = "TLS 1.3/TCP, 10 KiB messages";
+const DRAIN: &str = "drain of a prefilled spool";
+const DRAIN_4G: &str = "drain of a 4 GiB spool";
+const LIVE_10K: &str = "live, 10 KiB records, 1 per request";
+const LIVE_100K: &str = "live, 100 KiB records, 1 per request";
+const LIVE_BATCHED_10K: &str = "live, 10 KiB records, 100 per NDJSON request";
+const LATENCY: &str = "latency at half the live maximum (10 KiB)";
+const SMALL: &str = "small records, 100 B, 1000 per NDJSON request";
+const MOSQ_10K: &str = "Mosquitto QoS 1 persistent, 10 KiB";
+const MOSQ_100K: &str = "Mosquitto QoS 1 persistent, 100 KiB";
+const JS_ALWAYS_10K: &str = "JetStream file, sync_interval always, 10 KiB";
+const JS_ALWAYS_100K: &str = "JetStream file, sync_interval always, 100 KiB";
+const JS_MACHINE_10K: &str = "JetStream file, machine's server (default sync), 10 KiB";
+
+const MB_S: &str = "MB/s";
+const SENDER_CPU: &str = "CPU-s/GiB sender";
+const RECEIVER_CPU: &str = "CPU-s/GiB receiver";
+const AGENT_CPU: &str = "CPU-s/GiB agent";
+const INGEST_CPU: &str = "CPU-s/GiB ingest";
+const CLIENT_CPU: &str = "CPU-s/GiB client";
+const SERVER_CPU: &str = "CPU-s/GiB broker";
+const RSS: &str = "MiB agent peak RSS";
+const WEAR: &str = "bytes written per byte accepted (agent)";
+const P50: &str = "ms p50";
+const P99: &str = "ms p99";
+const RECS_S: &str = "records/s";
+const INTAKE_MB_S: &str = "MB/s accepted at intake";
+const CONNECT_MS: &str = "ms ingest up → agent connected";
+
+fn machine_info() -> Vec<(&'static str, String)> {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_owned())
+        })
+        .unwrap_or_default();
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned();
+    let nproc = std::thread::available_parallelism().map_or(0, usize::from);
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .next()
+                .map(|l| l.split_whitespace().nth(1).unwrap_or("0").parse::<f64>().unwrap_or(0.0) / 1048576.0)
+        })
+        .unwrap_or(0.0);
+    let cmd = |c: &str, args: &[&str]| {
+        std::process::Command::new(c)
+            .args(args)
+            .output()
+            .ok()
+            .map(|o| {
+                let s = if o.stdout.is_empty() { o.stderr } else { o.stdout };
+                String::from_utf8_lossy(&s).lines().next().unwrap_or_default().trim().to_owned()
+            })
+            .unwrap_or_else(|| "not found".into())
+    };
+    let lock =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.lock")).unwrap_or_default();
+    let version = |name: &str| {
+        let needle = format!("name = \"{name}\"\nversion = \"");
+        lock.find(&needle)
+            .map(|i| lock[i + needle.len()..].split('"').next().unwrap_or_default().to_owned())
+            .unwrap_or_else(|| "?".into())
+    };
+    vec![
+        ("machine", format!("{nproc} vCPU {cpu}, {mem:.0} GiB RAM, Linux {kernel}")),
+        ("rustc", cmd("rustc", &["--version"])),
+        (
+            "crates",
+            format!(
+                "quinn {}, quinn-proto {}, rustls {} (ring), tokio {}, tokio-rustls {}, rusqlite {}",
+                version("quinn"),
+                version("quinn-proto"),
+                version("rustls"),
+                version("tokio"),
+                version("tokio-rustls"),
+                version("rusqlite")
+            ),
+        ),
+        ("mosquitto", cmd("mosquitto", &["-h"])),
+        ("machine's nats-server", cmd("/usr/sbin/nats-server", &["--version"])),
+    ]
+}
+
+/// The short run behind `quick --json`.
+pub async fn quick(ctx: &Ctx) -> anyhow::Result<Results> {
+    let mut res = Results::default();
+    baselines(ctx, &mut res, &[10 * KIB], 256 * MIB).await?;
+    drain(ctx, &mut res, DRAIN, 256 * MIB).await?;
+    let live = live(ctx, &mut res, LIVE_10K, 10 * KIB, 1, Duration::from_secs(6)).await?;
+    latency(ctx, &mut res, live * 0.5, Duration::from_secs(5)).await?;
+    small(ctx, &mut res, Duration::from_secs(4)).await?;
+    peer_cases(ctx, &mut res, &[10 * KIB], Duration::from_secs(3)).await?;
+    Ok(res)
+}
+
+/// Everything, `ctx.reps` times.
+pub async fn all(ctx: &Ctx) -> anyhow::Result<Results> {
+    let mut res = Results::default();
+    baselines(ctx, &mut res, &[10 * KIB, 100 * KIB, 512 * KIB], 512 * MIB).await?;
+    drain(ctx, &mut res, DRAIN, 1 << 30).await?;
+    let live10 = live(ctx, &mut res, LIVE_10K, 10 * KIB, 1, Duration::from_secs(10)).await?;
+    live(ctx, &mut res, LIVE_100K, 100 * KIB, 1, Duration::from_secs(10)).await?;
+    live(ctx, &mut res, LIVE_BATCHED_10K, 10 * KIB, 100, Duration::from_secs(10)).await?;
+    latency(ctx, &mut res, live10 * 0.5, Duration::from_secs(8)).await?;
+    small(ctx, &mut res, Duration::from_secs(6)).await?;
+    peer_cases(ctx, &mut res, &[10 * KIB, 100 * KIB], Duration::from_secs(5)).await?;
+    reconnect(ctx, &mut res).await?;
+    let r = drain_once(ctx, &mut res, DRAIN_4G, 4 << 30, &WorldOptions::default()).await;
+    res.failed(DRAIN_4G, 0, r);
+    Ok(res)
+}
+
+async fn baselines(ctx: &Ctx, res: &mut Results, sizes: &[usize], total: u64) -> anyhow::Result<()> {
+    res.mark_load("baselines");
+    let pki = baseline::pki_dir(&ctx.work);
+    if pki.exists() {
+        std::fs::remove_dir_all(&pki)?;
+    }
+    let paths = baseline::Pki::write(&pki)?;
+    let _ = paths;
+    for &size in sizes {
+        for rep in 0..ctx.reps {
+            for kind in [Kind::Quic, Kind::Tls] {
+                let b = baseline::run(kind, &pki, total, size).await?;
+                let name = match kind {
+                    Kind::Quic => format!("raw quinn, {} KiB messages", size / KIB),
+                    Kind::Tls => format!("TLS 1.3/TCP, {} KiB messages", size / KIB),
+                };
+                ctx.progress(format!(
+                    "{name} rep {}: {:.0} MB/s, sender {:.2} / receiver {:.2} CPU-s/GiB",
+                    rep + 1,
+                    b.mb_s,
+                    b.sender_cpu_s_per_gib,
+                    b.receiver_cpu_s_per_gib
+                ));
+                res.add("baseline", name.clone(), MB_S, 0, b.mb_s);
+                res.add("baseline", name.clone(), SENDER_CPU, 2, b.sender_cpu_s_per_gib);
+                res.add("baseline", name, RECEIVER_CPU, 2, b.receiver_cpu_s_per_gib);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs the agent under `wrapper` (a profiler) through one live phase of `bytes` (10 KiB
+/// records, `per_request` per request) followed by the drain, then stops it with SIGTERM.
+pub async fn profile(ctx: &Ctx, wrapper: Vec<String>, bytes: u64, per_request: usize) -> anyhow::Result<()> {
+    let mut w = World::new(&ctx.bins, &ctx.work.join("profile"), &WorldOptions::default())?;
+    w.agent_wrapper = wrapper;
+    w.start_ingest()?;
+    w.start_agent()?;
+    ctx.progress(format!("profile: pushing {} MiB, {per_request} record(s) per request", bytes / MIB));
+    let producers = if per_request == 1 { 32 } else { 8 };
+    let load =
+        Load { producers, streams: 4, record: 10 * KIB, per_request, duration: None, bytes: Some(bytes), rate: None };
+    let p = world::produce(&w.socket, &load).await?;
+    w.wait_drained(p.bytes, Duration::from_secs(1200))?;
+    ctx.progress(format!(
+        "profile: {} MiB accepted and stored in {:.1} s; stopping the agent",
+        p.bytes / MIB,
+        p.seconds
+    ));
+    w.stop_agent_politely(Duration::from_secs(300))?;
+    w.cleanup();
+    Ok(())
+}
+
+/// Configuration sweep of the knobs that need no code change: live (10 KiB, one record per
+/// request) and the drain of a 256 MiB spool, for each variant.
+pub async fn sweep(ctx: &Ctx) -> anyhow::Result<Results> {
+    let mut res = Results::default();
+    let base = WorldOptions::default();
+    let variants = [
+        WorldOptions { label: "default (full, 512KiB chunks, 32 in flight)".into(), ..base.clone() },
+        WorldOptions { label: "durability normal".into(), durability: "normal", ..base.clone() },
+        WorldOptions { label: "chunk_target 2MiB".into(), chunk_target: "2MiB".into(), ..base.clone() },
+        WorldOptions { label: "chunk_target 128KiB".into(), chunk_target: "128KiB".into(), ..base.clone() },
+        WorldOptions { label: "max_in_flight 8".into(), max_in_flight: 8, ..base.clone() },
+        WorldOptions { label: "max_in_flight 128".into(), max_in_flight: 128, ..base.clone() },
+    ];
+    for v in &variants {
+        let case = format!("sweep {}: live 10 KiB, 1 per request", v.label);
+        live_with(ctx, &mut res, &case, 10 * KIB, 1, Duration::from_secs(6), v).await?;
+        let case = format!("sweep {}: drain 256 MiB", v.label);
+        for rep in 0..ctx.reps {
+            let r = drain_once(ctx, &mut res, &case, 256 * MIB, v).await;
+            res.failed(&case, rep, r);
+        }
+    }
+    Ok(res)
+}
+
+/// Reconnect cost on the transport the agent uses (edge-transport configs, raw quinn, two
+/// processes): full handshake, resumed 1-RTT handshake, 0-RTT.
+async fn reconnect(ctx: &Ctx, res: &mut Results) -> anyhow::Result<()> {
+    res.mark_load("reconnect");
+    let pki = baseline::pki_dir(&ctx.work);
+    for rep in 0..ctx.reps {
+        let r = baseline::reconnect(&pki, 50).await?;
+        ctx.progress(format!(
+            "reconnect rep {}: full {:.2} ms, resumed {:.2} ms, 0-RTT written {:.2} / acked {:.2} ms ({} of {} accepted)",
+            rep + 1,
+            r.full_ms,
+            r.resumed_ms,
+            r.zero_rtt_written_ms,
+            r.zero_rtt_acked_ms,
+            r.zero_rtt_accepted,
+            r.n
+        ));
+        let case = "reconnect: connect() → first 10 KiB chunk acked (transport, 50 conns)";
+        res.add("transport", format!("{case}, full handshake"), "ms", 2, r.full_ms);
+        res.add("transport", format!("{case}, resumed 1-RTT"), "ms", 2, r.resumed_ms);
+        res.add("transport", format!("{case}, 0-RTT"), "ms", 2, r.zero_rtt_acked_ms);
+        res.add("transport", "reconnect: 0-RTT chunk written after connect()", "ms", 2, r.zero_rtt_written_ms);
+        res.add("transport", "reconnect: 0-RTT accepted of 50", "conns", 0, f64::from(r.zero_rtt_accepted));
+    }
+    Ok(())
+}
+
+async fn drain(ctx: &Ctx, res: &mut Results, case: &str, prefill: u64) -> anyhow::Result<()> {
+    for rep in 0..ctx.reps {
+        let r = drain_once(ctx, res, case, prefill, &WorldOptions::default()).await;
+        res.failed(case, rep, r);
+    }
+    Ok(())
+}
+
+/// Prefills the spool with the ingest down, starts the ingest, times from the agent's
+/// connection until the spool is empty and the ingest has stored everything.
+async fn drain_once(ctx: &Ctx, res: &mut Results, case: &str, prefill: u64, opts: &WorldOptions) -> anyhow::Result<()> {
+    res.mark_load(case);
+    let group = if opts.label.is_empty() { "edge-uploader" } else { "sweep" };
+    let mut w = World::new(&ctx.bins, &ctx.work.join("drain"), opts)?;
+    w.start_agent()?;
+    let pid = w.agent_pid()?;
+    let wb0 = sys::write_bytes(pid)?;
+    ctx.progress(format!("{case}: prefilling {} MiB with the ingest down", prefill / MIB));
+    let load = Load {
+        producers: 4,
+        streams: 4,
+        record: 10 * KIB,
+        per_request: 100,
+        duration: None,
+        bytes: Some(prefill),
+        rate: None,
+    };
+    let p = world::produce(&w.socket, &load).await?;
+    // Let the linger seal the last open batches.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let wb_prefill = sys::write_bytes(pid)? - wb0;
+    let cpu0 = sys::cpu_seconds(pid)?;
+    let t_up = Instant::now();
+    w.start_ingest()?;
+    let ingest_pid = w.ingest_pid()?;
+    let icpu0 = sys::cpu_seconds(ingest_pid)?;
+    // The agent reconnects on its own backoff (20-100 ms here); time from its connection.
+    let t0 = loop {
+        if w.agent_scrape()?.sum("edge_uploader_connected") >= 1.0 {
+            break Instant::now();
+        }
+        if t_up.elapsed() > Duration::from_secs(30) {
+            anyhow::bail!("agent did not connect within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    let t1 = w.wait_drained(p.bytes, Duration::from_secs(600))?;
+    let secs = t1.duration_since(t0).as_secs_f64();
+    let mb_s = p.bytes as f64 / secs / 1e6;
+    let cpu = sys::cpu_seconds(pid)? - cpu0;
+    let icpu = sys::cpu_seconds(ingest_pid)? - icpu0;
+    let rss = sys::peak_rss_bytes(pid)? as f64 / MIB as f64;
+    let gib = p.bytes as f64 / GIB;
+    ctx.progress(format!(
+        "{case}: {} MiB in {secs:.2} s = {mb_s:.0} MB/s; agent {:.2}, ingest {:.2} CPU-s/GiB; agent peak RSS {rss:.1} MiB (prefill {:.0} MB/s)",
+        p.bytes / MIB,
+        cpu / gib,
+        icpu / gib,
+        p.bytes as f64 / p.seconds / 1e6
+    ));
+    res.add(group, case, MB_S, 0, mb_s);
+    res.add(group, case, AGENT_CPU, 2, cpu / gib);
+    res.add(group, case, INGEST_CPU, 2, icpu / gib);
+    res.add(group, case, RSS, 1, rss);
+    res.add(group, case, CONNECT_MS, 0, t0.duration_since(t_up).as_secs_f64() * 1e3);
+    res.add(
+        group,
+        format!("{case}: prefill (intake only, ingest down)"),
+        INTAKE_MB_S,
+        0,
+        p.bytes as f64 / p.seconds / 1e6,
+    );
+    res.add(group, format!("{case}: prefill (intake only, ingest down)"), WEAR, 2, wb_prefill as f64 / p.bytes as f64);
+    w.cleanup();
+    Ok(())
+}
+
+/// Producers push flat out for `duration`; the figure is bytes accepted ÷ time until all of
+/// it is stored at the ingest (the drain after the producers stop is included).
+async fn live(
+    ctx: &Ctx,
+    res: &mut Results,
+    case: &str,
+    record: usize,
+    per_request: usize,
+    duration: Duration,
+) -> anyhow::Result<f64> {
+    live_with(ctx, res, case, record, per_request, duration, &WorldOptions::default()).await
+}
+
+async fn live_with(
+    ctx: &Ctx,
+    res: &mut Results,
+    case: &str,
+    record: usize,
+    per_request: usize,
+    duration: Duration,
+    opts: &WorldOptions,
+) -> anyhow::Result<f64> {
+    let group = if opts.label.is_empty() { "edge-uploader" } else { "sweep" };
+    res.mark_load(case);
+    let mut medians = Vec::new();
+    for rep in 0..ctx.reps {
+        let r: anyhow::Result<()> = async {
+        let mut w = World::new(&ctx.bins, &ctx.work.join("live"), opts)?;
+        w.start_ingest()?;
+        w.start_agent()?;
+        let (pid, ipid) = (w.agent_pid()?, w.ingest_pid()?);
+        let (cpu0, icpu0, wb0) = (sys::cpu_seconds(pid)?, sys::cpu_seconds(ipid)?, sys::write_bytes(pid)?);
+        let bench_cpu0 = sys::self_cpu_seconds()?;
+        let t0 = Instant::now();
+        let producers = if per_request == 1 { 32 } else { 8 };
+        let load =
+            Load { producers, streams: 4, record, per_request, duration: Some(duration), bytes: None, rate: None };
+        let p = world::produce(&w.socket, &load).await?;
+        let t1 = w.wait_drained(p.bytes, Duration::from_secs(600))?;
+        let secs = t1.duration_since(t0).as_secs_f64();
+        let mb_s = p.bytes as f64 / secs / 1e6;
+        let gib = p.bytes as f64 / GIB;
+        let cpu = sys::cpu_seconds(pid)? - cpu0;
+        let icpu = sys::cpu_seconds(ipid)? - icpu0;
+        let wear = (sys::write_bytes(pid)? - wb0) as f64 / p.bytes as f64;
+        // The producers' own cost (this process), to show they are not the bottleneck.
+        let producers_cpu = sys::self_cpu_seconds()? - bench_cpu0;
+        let rss = sys::peak_rss_bytes(pid)? as f64 / MIB as f64;
+        ctx.progress(format!(
+            "{case} rep {}: {mb_s:.0} MB/s stored ({:.0} MB/s at intake, {} refused), agent {:.2} / ingest {:.2} CPU-s/GiB, wear {wear:.2}, RSS {rss:.1} MiB",
+            rep + 1,
+            p.bytes as f64 / p.seconds / 1e6,
+            p.refused,
+            cpu / gib,
+            icpu / gib
+        ));
+        res.add(group, case, MB_S, 0, mb_s);
+        res.add(group, case, INTAKE_MB_S, 0, p.bytes as f64 / p.seconds / 1e6);
+        res.add(group, case, AGENT_CPU, 2, cpu / gib);
+        res.add(group, case, INGEST_CPU, 2, icpu / gib);
+        res.add(group, case, WEAR, 2, wear);
+        res.add(group, case, "CPU-s/GiB producers (bench client)", 2, producers_cpu / gib);
+        res.add(group, case, RSS, 1, rss);
+        medians.push(mb_s);
+        w.cleanup();
+        Ok(())
+        }
+        .await;
+        res.failed(case, rep, r);
+    }
+    Ok(Stat::of(&medians).map_or(0.0, |s| s.median))
+}
+
+/// Producers paced at `rate` bytes/s; latency from the agent's own histogram
+/// `edge_uploader_end_to_end_latency_seconds` (intake commit of a chunk's oldest record →
+/// durable ack), as the difference of two scrapes around the run, interpolated in the bucket.
+async fn latency(ctx: &Ctx, res: &mut Results, rate_mb_s: f64, duration: Duration) -> anyhow::Result<()> {
+    res.mark_load(LATENCY);
+    for rep in 0..ctx.reps {
+        let r: anyhow::Result<()> = async {
+        let mut w = World::new(&ctx.bins, &ctx.work.join("latency"), &WorldOptions::default())?;
+        w.start_ingest()?;
+        w.start_agent()?;
+        let name = "edge_uploader_end_to_end_latency_seconds";
+        let chunk_name = "edge_uploader_chunk_upload_latency_seconds";
+        let before = w.agent_scrape()?;
+        let load = Load {
+            producers: 16,
+            streams: 4,
+            record: 10 * KIB,
+            per_request: 1,
+            duration: Some(duration),
+            bytes: None,
+            rate: Some(rate_mb_s * 1e6),
+        };
+        let p = world::produce(&w.socket, &load).await?;
+        w.wait_drained(p.bytes, Duration::from_secs(120))?;
+        let after = w.agent_scrape()?;
+        let q = |n: &str, q: f64| world::quantile(&before.buckets(n), &after.buckets(n), q).map(|s| s * 1e3);
+        let (p50, p99) = (q(name, 0.5), q(name, 0.99));
+        let (c50, c99) = (q(chunk_name, 0.5), q(chunk_name, 0.99));
+        ctx.progress(format!(
+            "latency rep {} at {:.0} MB/s offered ({:.0} accepted): intake→ack p50 {:?} ms p99 {:?} ms; sealed→ack p50 {:?} p99 {:?}",
+            rep + 1,
+            rate_mb_s,
+            p.bytes as f64 / p.seconds / 1e6,
+            p50,
+            p99,
+            c50,
+            c99
+        ));
+        if let (Some(p50), Some(p99)) = (p50, p99) {
+            res.add("edge-uploader", LATENCY, P50, 1, p50);
+            res.add("edge-uploader", LATENCY, P99, 1, p99);
+        }
+        if let (Some(c50), Some(c99)) = (c50, c99) {
+            res.add("edge-uploader", "latency: chunk sealed → ack (same runs)", P50, 1, c50);
+            res.add("edge-uploader", "latency: chunk sealed → ack (same runs)", P99, 1, c99);
+        }
+        res.add("edge-uploader", LATENCY, INTAKE_MB_S, 0, p.bytes as f64 / p.seconds / 1e6);
+        w.cleanup();
+        Ok(())
+        }
+        .await;
+        res.failed(LATENCY, rep, r);
+    }
+    Ok(())
+}
+
+/// 100-byte records as NDJSON, 1000 per request, 8 producers; records/s acknowledged (each
+/// answer comes after the durable commit). Uploads run at the same time.
+async fn small(ctx: &Ctx, res: &mut Results, duration: Duration) -> anyhow::Result<()> {
+    res.mark_load(SMALL);
+    for rep in 0..ctx.reps {
+        let mut w = World::new(&ctx.bins, &ctx.work.join("small"), &WorldOptions::default())?;
+        w.start_ingest()?;
+        w.start_agent()?;
+        let pid = w.agent_pid()?;
+        let cpu0 = sys::cpu_seconds(pid)?;
+        let load = Load {
+            producers: 8,
+            streams: 4,
+            record: 100,
+            per_request: 1000,
+            duration: Some(duration),
+            bytes: None,
+            rate: None,
+        };
+        let p = world::produce(&w.socket, &load).await?;
+        let cpu = sys::cpu_seconds(pid)? - cpu0;
+        let rps = p.records as f64 / p.seconds;
+        ctx.progress(format!(
+            "small records rep {}: {rps:.0} records/s acknowledged, agent {:.2} CPU-s per million",
+            rep + 1,
+            cpu / (p.records as f64 / 1e6)
+        ));
+        res.add("edge-uploader", SMALL, RECS_S, 0, rps);
+        res.add("edge-uploader", SMALL, "agent CPU-s per million records", 2, cpu / (p.records as f64 / 1e6));
+        w.cleanup();
+    }
+    Ok(())
+}
+
+async fn peer_cases(ctx: &Ctx, res: &mut Results, sizes: &[usize], duration: Duration) -> anyhow::Result<()> {
+    res.mark_load("peers");
+    let nats_bin = match peers::nats_server_bin(&ctx.target) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            res.note(format!("JetStream with sync_interval always not measured: {e:#}"));
+            None
+        }
+    };
+    let machine_nats = std::net::TcpStream::connect(("127.0.0.1", 4222)).is_ok();
+    if !machine_nats {
+        res.note("the machine's NATS server (127.0.0.1:4222) is not running; its row is missing");
+    }
+    for &size in sizes {
+        let k = size / KIB;
+        for rep in 0..ctx.reps {
+            // Mosquitto: a fresh broker per run so its in-memory queue starts empty.
+            let dir = ctx.work.join("mosquitto");
+            let _ = std::fs::remove_dir_all(&dir);
+            match peers::start_mosquitto(&dir) {
+                Ok(broker) => {
+                    let case =
+                        if k == 10 { MOSQ_10K.to_owned() } else { format!("Mosquitto QoS 1 persistent, {k} KiB") };
+                    match peers::mosquitto(&broker, size, duration).await {
+                        Ok(r) => record_peer(ctx, res, &case, rep, r),
+                        Err(e) => res.failed(&case, rep, Err(e)),
+                    }
+                    drop(broker);
+                }
+                Err(e) => res.note(format!("Mosquitto not measured: {e:#}")),
+            }
+            if let Some(bin) = &nats_bin {
+                let dir = ctx.work.join("nats");
+                let _ = std::fs::remove_dir_all(&dir);
+                let case = if k == 10 {
+                    JS_ALWAYS_10K.to_owned()
+                } else {
+                    format!("JetStream file, sync_interval always, {k} KiB")
+                };
+                let r = match peers::start_nats(bin, &dir) {
+                    Ok(broker) => peers::jetstream(broker.port, Some(broker.pid()), size, duration).await,
+                    Err(e) => Err(e),
+                };
+                match r {
+                    Ok(r) => record_peer(ctx, res, &case, rep, r),
+                    Err(e) => res.failed(&case, rep, Err(e)),
+                }
+            }
+            if machine_nats {
+                match peers::jetstream(4222, machine_nats_pid(), size, duration).await {
+                    Ok(r) => {
+                        let case = if k == 10 {
+                            JS_MACHINE_10K.to_owned()
+                        } else {
+                            format!("JetStream file, machine's server (default sync), {k} KiB")
+                        };
+                        record_peer(ctx, res, &case, rep, r);
+                    }
+                    Err(e) => res.note(format!("machine's JetStream run failed: {e:#}")),
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(ctx.work.join("nats"));
+    let _ = std::fs::remove_dir_all(ctx.work.join("mosquitto"));
+    Ok(())
+}
+
+fn record_peer(ctx: &Ctx, res: &mut Results, case: &str, rep: usize, r: peers::PeerRun) {
+    ctx.progress(format!(
+        "{case} rep {}: {:.0} MB/s ({:.0} msg/s), client {:.2} / broker {} CPU-s/GiB",
+        rep + 1,
+        r.mb_s,
+        r.msgs_s,
+        r.client_cpu_s_per_gib,
+        r.server_cpu_s_per_gib.map_or("-".into(), |c| format!("{c:.2}"))
+    ));
+    res.add("peer", case.to_owned(), MB_S, 0, r.mb_s);
+    res.add("peer", case.to_owned(), CLIENT_CPU, 2, r.client_cpu_s_per_gib);
+    if let Some(c) = r.server_cpu_s_per_gib {
+        res.add("peer", case.to_owned(), SERVER_CPU, 2, c);
+    }
+}
+
+/// The pid of the machine's `nats-server` (for its CPU), if it can be found in `/proc`.
+fn machine_nats_pid() -> Option<u32> {
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(cmd) = std::fs::read_to_string(format!("/proc/{pid}/cmdline")) else { continue };
+        if cmd.starts_with("/usr/sbin/nats-server") && cmd.contains("4222") {
+            return Some(pid);
+        }
+    }
+    None
+}

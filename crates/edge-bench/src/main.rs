@@ -1,0 +1,156 @@
+//! `edge-bench`: measures edge-uploader against the physical limits of the machine (raw quinn,
+//! TLS 1.3 over TCP) and against the peers a user would pick instead (Mosquitto QoS 1,
+//! NATS JetStream), in one run, and reports ratios (the machines are shared and noisy, so
+//! ratios measured side by side mean more than absolute figures).
+//!
+//! * `edge-bench all [--reps 3] [--out FILE]`: everything, each case repeated, progress on
+//!   stderr, a Markdown table (median [min-max]) on stdout and in `--out`.
+//! * `edge-bench quick --json`: a short run (under 90 s) printing one JSON object.
+//!
+//! Every party runs as its own process: the daemons are the release binaries next to this one
+//! (`cargo build --release --workspace` first), the baselines are this binary re-executed in a
+//! server and a client role.
+
+mod baseline;
+mod cases;
+mod peers;
+mod sys;
+mod world;
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(name = "edge-bench", about = "Benchmarks edge-uploader against raw quinn, TLS/TCP and real peers")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Every case, repeated; Markdown table on stdout (and in --out).
+    All {
+        /// Repetitions per case (at least 3 for a median with spread).
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Also write the Markdown report here.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Also write every sample as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Measure the daemon binaries even if older than their sources.
+        #[arg(long)]
+        allow_stale: bool,
+    },
+    /// A short run (under 90 s); prints one JSON object with --json, a table otherwise.
+    Quick {
+        #[arg(long)]
+        json: bool,
+        #[arg(long)]
+        allow_stale: bool,
+    },
+    /// Runs the agent under a profiler (e.g. `--wrapper "valgrind --tool=callgrind"`) through
+    /// one live phase and its drain, then stops it with SIGTERM so the profiler writes out.
+    Profile {
+        #[arg(long)]
+        wrapper: String,
+        #[arg(long, default_value_t = 32)]
+        mib: u64,
+        #[arg(long, default_value_t = 1)]
+        per_request: usize,
+        #[arg(long)]
+        allow_stale: bool,
+    },
+    /// Configuration sweep (durability, chunk size, chunks in flight): live and drain per variant.
+    Sweep {
+        #[arg(long, default_value_t = 1)]
+        reps: usize,
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[arg(long)]
+        allow_stale: bool,
+    },
+    /// Internal: one party of a baseline.
+    #[command(hide = true)]
+    Role {
+        side: Side,
+        #[arg(long, value_enum)]
+        kind: baseline::Kind,
+        #[arg(long)]
+        pki: PathBuf,
+        #[arg(long)]
+        bytes: u64,
+        #[arg(long, default_value_t = 10240)]
+        msg_size: usize,
+        #[arg(long, default_value_t = 0)]
+        port: u16,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Side {
+    Server,
+    Client,
+    HandshakeServer,
+    HandshakeClient,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Role { side, kind, pki, bytes, msg_size, port } => match side {
+            Side::Server | Side::Client => baseline::role(side == Side::Server, kind, &pki, bytes, msg_size, port),
+            Side::HandshakeServer | Side::HandshakeClient => {
+                baseline::handshake_role(side == Side::HandshakeServer, &pki, bytes, port)
+            }
+        },
+        Cmd::Quick { json, allow_stale } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let ctx = cases::Ctx::new(allow_stale, 1, true)?;
+            let results = rt.block_on(cases::quick(&ctx))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&results.quick_json())?);
+            } else {
+                println!("{}", results.markdown(&ctx));
+            }
+            Ok(())
+        }
+        Cmd::Profile { wrapper, mib, per_request, allow_stale } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let ctx = cases::Ctx::new(allow_stale, 1, true)?;
+            let wrapper = wrapper.split_whitespace().map(str::to_owned).collect();
+            rt.block_on(cases::profile(&ctx, wrapper, mib << 20, per_request))
+        }
+        Cmd::Sweep { reps, out, allow_stale } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
+            ctx.command = format!("cargo run --release -p edge-bench -- sweep --reps {}", ctx.reps);
+            let results = rt.block_on(cases::sweep(&ctx))?;
+            let md = results.markdown(&ctx);
+            println!("{md}");
+            if let Some(out) = out {
+                std::fs::write(&out, &md).with_context(|| format!("writing {}", out.display()))?;
+            }
+            Ok(())
+        }
+        Cmd::All { reps, out, json, allow_stale } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
+            let results = rt.block_on(cases::all(&ctx))?;
+            let md = results.markdown(&ctx);
+            println!("{md}");
+            if let Some(out) = out {
+                std::fs::write(&out, &md).with_context(|| format!("writing {}", out.display()))?;
+            }
+            if let Some(path) = json {
+                std::fs::write(&path, serde_json::to_string_pretty(&results.samples_json())?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            Ok(())
+        }
+    }
+}

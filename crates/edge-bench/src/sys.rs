@@ -1,0 +1,173 @@
+//! Process accounting from `/proc` (CPU seconds, peak RSS, bytes written to storage), free
+//! ports, and small statistics helpers.
+//!
+//! Everything is read from `/proc/<pid>/...` rather than `getrusage`, because the parties of a
+//! case are long-lived child processes measured while they run, and reading `/proc` needs no
+//! `unsafe`.
+
+use std::net::{TcpListener, UdpSocket};
+use std::path::Path;
+
+use anyhow::{Context, bail};
+
+/// Kernel clock ticks per second for `utime`/`stime` in `/proc/<pid>/stat`. Linux reports these
+/// in `USER_HZ`, which is 100 on every architecture the project targets (`getconf CLK_TCK`).
+const CLK_TCK: f64 = 100.0;
+
+/// User + system CPU seconds of a process (all its threads), so far.
+pub fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat =
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).with_context(|| format!("reading /proc/{pid}/stat"))?;
+    // The command name is in parentheses and may contain spaces; fields are counted after it.
+    let after = stat.rsplit_once(')').map(|(_, rest)| rest).context("malformed /proc/<pid>/stat")?;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    // After ")": field 3 (state) is index 0, so utime (14) is index 11 and stime (15) index 12.
+    let utime: f64 = fields.get(11).context("no utime")?.parse()?;
+    let stime: f64 = fields.get(12).context("no stime")?.parse()?;
+    Ok((utime + stime) / CLK_TCK)
+}
+
+/// CPU seconds of this process.
+pub fn self_cpu_seconds() -> anyhow::Result<f64> {
+    cpu_seconds(std::process::id())
+}
+
+/// Peak resident set size (`VmHWM`) in bytes.
+pub fn peak_rss_bytes(pid: u32) -> anyhow::Result<u64> {
+    status_kib(pid, "VmHWM:").map(|k| k * 1024)
+}
+
+fn status_kib(pid: u32, key: &str) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    for line in status.lines() {
+        if let Some(rest) = line.strip_prefix(key) {
+            let kib = rest.trim().trim_end_matches("kB").trim();
+            return kib.parse().with_context(|| format!("parsing {key} {kib:?}"));
+        }
+    }
+    bail!("{key} not found in /proc/{pid}/status")
+}
+
+/// Bytes the process caused to be sent to the storage layer (`write_bytes` of `/proc/<pid>/io`).
+pub fn write_bytes(pid: u32) -> anyhow::Result<u64> {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).with_context(|| format!("reading /proc/{pid}/io"))?;
+    for line in io.lines() {
+        if let Some(v) = line.strip_prefix("write_bytes:") {
+            return v.trim().parse().context("parsing write_bytes");
+        }
+    }
+    bail!("write_bytes not found in /proc/{pid}/io")
+}
+
+/// A UDP port that was free a moment ago on 127.0.0.1.
+pub fn free_udp_port() -> anyhow::Result<u16> {
+    Ok(UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A TCP port that was free a moment ago on 127.0.0.1.
+pub fn free_tcp_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Median and spread of repeated measurements.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Stat {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+    pub n: usize,
+}
+
+impl Stat {
+    /// `None` when there is no sample.
+    pub fn of(samples: &[f64]) -> Option<Stat> {
+        let mut v: Vec<f64> = samples.iter().copied().filter(|x| x.is_finite()).collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+        Some(Stat { median, min: v[0], max: v[n - 1], n })
+    }
+
+    /// `median [min-max]` with `prec` decimals.
+    pub fn show(&self, prec: usize) -> String {
+        if self.n == 1 {
+            format!("{:.prec$}", self.median)
+        } else {
+            format!("{:.prec$} [{:.prec$}-{:.prec$}]", self.median, self.min, self.max)
+        }
+    }
+}
+
+/// Fails with a clear message unless `bin` exists and is newer than every source file of the
+/// crates it is built from (the bench measures the release binaries as they are on disk).
+pub fn check_fresh(bin: &Path, sources: &[&Path]) -> anyhow::Result<()> {
+    let meta = std::fs::metadata(bin)
+        .with_context(|| format!("{} does not exist: run `cargo build --release --workspace` first", bin.display()))?;
+    let built = meta.modified()?;
+    let mut newest: Option<(std::time::SystemTime, std::path::PathBuf)> = None;
+    for dir in sources {
+        walk(dir, &mut |p, t| {
+            if newest.as_ref().is_none_or(|(n, _)| t > *n) {
+                newest = Some((t, p.to_path_buf()));
+            }
+        })?;
+    }
+    if let Some((t, p)) = newest
+        && t > built
+    {
+        bail!(
+            "{} is older than {}: run `cargo build --release --workspace` first (or pass --allow-stale)",
+            bin.display(),
+            p.display()
+        );
+    }
+    Ok(())
+}
+
+fn walk(dir: &Path, f: &mut dyn FnMut(&Path, std::time::SystemTime)) -> anyhow::Result<()> {
+    let meta = match std::fs::metadata(dir) {
+        Ok(m) => m,
+        Err(_) => return Ok(()),
+    };
+    if meta.is_file() {
+        f(dir, meta.modified()?);
+        return Ok(());
+    }
+    for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let entry = entry?;
+        let p = entry.path();
+        let ft = entry.file_type()?;
+        if ft.is_dir() {
+            walk(&p, f)?;
+        } else if p.extension().is_some_and(|e| e == "rs" || e == "toml") {
+            f(&p, entry.metadata()?.modified()?);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_median_and_spread() {
+        let s = Stat::of(&[3.0, 1.0, 2.0]).expect("samples");
+        assert_eq!((s.median, s.min, s.max, s.n), (2.0, 1.0, 3.0, 3));
+        let s = Stat::of(&[4.0, 1.0]).expect("samples");
+        assert_eq!(s.median, 2.5);
+        assert!(Stat::of(&[]).is_none());
+    }
+
+    #[test]
+    fn own_process_accounting_reads() {
+        let pid = std::process::id();
+        assert!(cpu_seconds(pid).expect("cpu") >= 0.0);
+        assert!(peak_rss_bytes(pid).expect("rss") > 0);
+        assert!(write_bytes(pid).is_ok());
+    }
+}

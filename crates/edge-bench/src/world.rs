@@ -1,0 +1,621 @@
+//! The real daemons as child processes: certificates, config files, start/stop, Prometheus
+//! scraping, and the intake producers.
+//!
+//! Both daemons are the release binaries next to the bench binary (`target/release/`), started
+//! with generated config files on loopback. Everything the bench learns about them comes from
+//! outside: their `/metrics` endpoints, `/proc/<pid>/{stat,status,io}`, and the HTTP answers
+//! the intake gives the producers.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+
+use crate::sys;
+
+/// The two daemon binaries.
+#[derive(Debug, Clone)]
+pub struct Bins {
+    pub agent: PathBuf,
+    pub ingest: PathBuf,
+}
+
+impl Bins {
+    /// The release binaries next to this executable; checks they exist and are fresh.
+    pub fn locate(allow_stale: bool) -> anyhow::Result<Bins> {
+        let exe = std::env::current_exe()?;
+        let dir = exe.parent().context("bench binary has no directory")?;
+        let bins = Bins { agent: dir.join("edge-uploader"), ingest: dir.join("edge-ingest") };
+        // crates/edge-bench/ -> workspace root, as compiled in.
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        // The crates each binary is built from (its own and the workspace crates it links).
+        let ingest_crates = ["edge-ingest", "edge-proto", "edge-transport", "edge-telemetry"];
+        let agent_crates =
+            ["edge-uploader", "edge-ingest", "edge-spool", "edge-transport", "edge-proto", "edge-telemetry"];
+        for (bin, crates) in [(&bins.agent, &agent_crates[..]), (&bins.ingest, &ingest_crates[..])] {
+            if !bin.is_file() {
+                bail!("{} does not exist: run `cargo build --release --workspace` first", bin.display());
+            }
+            if !allow_stale {
+                let srcs: Vec<PathBuf> = crates.iter().map(|c| root.join("crates").join(c).join("src")).collect();
+                let srcs: Vec<&Path> = srcs.iter().map(PathBuf::as_path).collect();
+                sys::check_fresh(bin, &srcs)?;
+            }
+        }
+        Ok(bins)
+    }
+}
+
+/// A running daemon; killed when dropped.
+#[derive(Debug)]
+pub struct Daemon {
+    pub child: Child,
+    pub name: &'static str,
+}
+
+impl Daemon {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Fails if the process has exited.
+    pub fn check_alive(&mut self) -> anyhow::Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!("{} exited early: {status}", self.name);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Knobs of one world.
+#[derive(Debug, Clone)]
+pub struct WorldOptions {
+    pub spool_max_bytes: u64,
+    pub chunk_target: String,
+    pub max_in_flight: u32,
+    pub durability: &'static str,
+    /// Name of a sweep variant; empty for the default configuration.
+    pub label: String,
+}
+
+impl Default for WorldOptions {
+    fn default() -> Self {
+        Self {
+            spool_max_bytes: 8 << 30,
+            chunk_target: "512KiB".into(),
+            max_in_flight: 32,
+            durability: "full",
+            label: String::new(),
+        }
+    }
+}
+
+/// One agent and one ingest server with their files under `dir`.
+#[derive(Debug)]
+pub struct World {
+    pub dir: PathBuf,
+    bins: Bins,
+    agent_config: PathBuf,
+    ingest_config: PathBuf,
+    pub socket: PathBuf,
+    pub agent_metrics: u16,
+    pub ingest_metrics: u16,
+    pub agent: Option<Daemon>,
+    pub ingest: Option<Daemon>,
+    /// A command the agent is run under (e.g. `valgrind --tool=callgrind ...`); empty: none.
+    pub agent_wrapper: Vec<String>,
+}
+
+impl World {
+    pub fn new(bins: &Bins, dir: &Path, opts: &WorldOptions) -> anyhow::Result<World> {
+        if dir.exists() {
+            std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
+        }
+        std::fs::create_dir_all(dir)?;
+        let pki = edge_transport::pki::InMemoryPki::generate(&["localhost", "127.0.0.1"])?;
+        let server = pki.write_server_files(&dir.join("pki/server"))?;
+        let device = pki.write_device_files("bench-gateway", &dir.join("pki/device"))?;
+        let port = sys::free_udp_port()?;
+        let agent_metrics = sys::free_tcp_port()?;
+        let ingest_metrics = sys::free_tcp_port()?;
+        let socket = dir.join("agent/intake.sock");
+        std::fs::create_dir_all(dir.join("agent"))?;
+        std::fs::create_dir_all(dir.join("ingest"))?;
+        let q = |p: &Path| format!("{:?}", p.display().to_string());
+        let ingest_toml = format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\n\n[tls]\ncert = {}\nkey = {}\nclient_ca = {}\n\n\
+             [store]\ndata_dir = {}\n\n[metrics]\nlisten = \"127.0.0.1:{ingest_metrics}\"\n\n[log]\nlevel = \"warn\"\n",
+            q(&server.cert),
+            q(&server.key),
+            q(&server.client_ca),
+            q(&dir.join("ingest/data")),
+        );
+        let agent_toml = format!(
+            "[intake]\nsocket = {}\n\n[spool]\npath = {}\nmax_bytes = {}\ndurability = \"{}\"\nchunk_target = \"{}\"\n\n\
+             [upload]\nserver = \"127.0.0.1:{port}\"\nserver_name = \"localhost\"\nca = {}\ncert = {}\nkey = {}\n\
+             max_in_flight = {}\nbackoff_min = \"20ms\"\nbackoff_max = \"100ms\"\n\n\
+             [metrics]\nlisten = \"127.0.0.1:{agent_metrics}\"\n\n[log]\nlevel = \"warn\"\n",
+            q(&socket),
+            q(&dir.join("agent/spool.db")),
+            opts.spool_max_bytes,
+            opts.durability,
+            opts.chunk_target,
+            q(&device.ca_cert),
+            q(&device.cert),
+            q(&device.key),
+            opts.max_in_flight,
+        );
+        let agent_config = dir.join("agent.toml");
+        let ingest_config = dir.join("ingest.toml");
+        std::fs::write(&agent_config, agent_toml)?;
+        std::fs::write(&ingest_config, ingest_toml)?;
+        Ok(World {
+            dir: dir.to_path_buf(),
+            bins: bins.clone(),
+            agent_config,
+            ingest_config,
+            socket,
+            agent_metrics,
+            ingest_metrics,
+            agent: None,
+            ingest: None,
+            agent_wrapper: Vec::new(),
+        })
+    }
+
+    fn spawn(&self, bin: &Path, config: &Path, name: &'static str) -> anyhow::Result<Daemon> {
+        let log = std::fs::File::create(self.dir.join(format!("{name}.log")))?;
+        let mut cmd = match (name, self.agent_wrapper.split_first()) {
+            ("edge-uploader", Some((first, rest))) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin);
+                c
+            }
+            _ => Command::new(bin),
+        };
+        let child = cmd
+            .arg("run")
+            .arg("--config")
+            .arg(config)
+            .env_remove("NOTIFY_SOCKET")
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        Ok(Daemon { child, name })
+    }
+
+    /// Starts the ingest server and waits until its metrics endpoint answers.
+    pub fn start_ingest(&mut self) -> anyhow::Result<()> {
+        let mut d = self.spawn(&self.bins.ingest, &self.ingest_config, "edge-ingest")?;
+        wait_until(Duration::from_secs(30), || {
+            d.check_alive()?;
+            Ok(scrape(self.ingest_metrics).is_ok())
+        })
+        .with_context(|| format!("edge-ingest did not come up; see {}/edge-ingest.log", self.dir.display()))?;
+        self.ingest = Some(d);
+        Ok(())
+    }
+
+    /// Starts the agent and waits until its metrics endpoint and intake socket answer.
+    pub fn start_agent(&mut self) -> anyhow::Result<()> {
+        let mut d = self.spawn(&self.bins.agent, &self.agent_config, "edge-uploader")?;
+        let socket = self.socket.clone();
+        wait_until(Duration::from_secs(60), || {
+            d.check_alive()?;
+            Ok(scrape(self.agent_metrics).is_ok() && std::os::unix::net::UnixStream::connect(&socket).is_ok())
+        })
+        .with_context(|| format!("edge-uploader did not come up; see {}/edge-uploader.log", self.dir.display()))?;
+        self.agent = Some(d);
+        Ok(())
+    }
+
+    pub fn agent_pid(&self) -> anyhow::Result<u32> {
+        Ok(self.agent.as_ref().context("agent not running")?.pid())
+    }
+
+    pub fn ingest_pid(&self) -> anyhow::Result<u32> {
+        Ok(self.ingest.as_ref().context("ingest not running")?.pid())
+    }
+
+    /// Agent metrics now.
+    pub fn agent_scrape(&self) -> anyhow::Result<Metrics> {
+        scrape(self.agent_metrics)
+    }
+
+    /// Ingest metrics now.
+    pub fn ingest_scrape(&self) -> anyhow::Result<Metrics> {
+        scrape(self.ingest_metrics)
+    }
+
+    /// Waits until the agent's spool is empty and the ingest has stored at least `stored_bytes`
+    /// payload bytes; returns the instant it saw that. Polls every 5 ms.
+    pub fn wait_drained(&mut self, stored_bytes: u64, timeout: Duration) -> anyhow::Result<Instant> {
+        let deadline = Instant::now() + timeout;
+        // (ingest bytes, when they last moved): a stall is reported after 20 s without progress.
+        let mut last_progress = (-1.0f64, Instant::now());
+        loop {
+            let a = self.agent_scrape()?;
+            let i = self.ingest_scrape()?;
+            let (spool_bytes, spool_chunks) = (a.sum("edge_uploader_spool_bytes"), a.sum("edge_uploader_spool_chunks"));
+            let stored = i.sum("edge_ingest_bytes_total");
+            if spool_bytes == 0.0 && spool_chunks == 0.0 && stored >= stored_bytes as f64 {
+                return Ok(Instant::now());
+            }
+            if stored != last_progress.0 {
+                last_progress = (stored, Instant::now());
+            } else if last_progress.1.elapsed() > Duration::from_secs(20) {
+                bail!(
+                    "upload stalled: no progress for 20 s with {spool_chunks} sealed chunks ({spool_bytes} bytes) in \
+                     the spool, {} chunks in flight, connected = {}; ingest stored {stored} of {stored_bytes} bytes",
+                    a.sum("edge_uploader_chunks_in_flight"),
+                    a.sum("edge_uploader_connected"),
+                );
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "not drained after {timeout:?}: spool {spool_bytes} bytes, {spool_chunks} chunks; ingest stored \
+                     {stored} of {stored_bytes} bytes"
+                );
+            }
+            if let Some(d) = self.agent.as_mut() {
+                d.check_alive()?;
+            }
+            if let Some(d) = self.ingest.as_mut() {
+                d.check_alive()?;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Stops the agent with SIGTERM (so a profiler wrapping it writes its output) and waits.
+    pub fn stop_agent_politely(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let Some(mut d) = self.agent.take() else { return Ok(()) };
+        Command::new("kill").arg("-TERM").arg(d.pid().to_string()).status()?;
+        let deadline = Instant::now() + timeout;
+        while d.child.try_wait()?.is_none() {
+            if Instant::now() > deadline {
+                bail!("the agent did not exit within {timeout:?} of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
+    /// Removes the world's files (spool, store).
+    pub fn cleanup(mut self) {
+        self.agent = None;
+        self.ingest = None;
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn wait_until(timeout: Duration, mut f: impl FnMut() -> anyhow::Result<bool>) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f()? {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A Prometheus text exposition, as `(series, value)` pairs.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    series: Vec<(String, f64)>,
+}
+
+impl Metrics {
+    /// Sum over every series of metric `name` (any labels).
+    pub fn sum(&self, name: &str) -> f64 {
+        self.series
+            .iter()
+            .filter(|(s, _)| s == name || s.strip_prefix(name).is_some_and(|r| r.starts_with('{')))
+            .map(|(_, v)| v)
+            .sum()
+    }
+
+    /// Cumulative buckets `(le, count)` of histogram `name`, sorted by `le`.
+    pub fn buckets(&self, name: &str) -> Vec<(f64, f64)> {
+        let prefix = format!("{name}_bucket{{");
+        let mut out: Vec<(f64, f64)> = self
+            .series
+            .iter()
+            .filter_map(|(s, v)| {
+                let labels = s.strip_prefix(&prefix)?;
+                let le = labels.split("le=\"").nth(1)?.split('"').next()?;
+                let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+                Some((le, *v))
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.total_cmp(&b.0));
+        out
+    }
+}
+
+/// Quantile `q` of the histogram that is `after - before` (cumulative buckets), by linear
+/// interpolation inside the bucket, as Prometheus' `histogram_quantile` does. `None` without
+/// observations.
+pub fn quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Option<f64> {
+    let delta: Vec<(f64, f64)> =
+        after.iter().map(|(le, c)| (*le, c - before.iter().find(|(l, _)| l == le).map_or(0.0, |(_, b)| *b))).collect();
+    let total = delta.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let mut prev = (0.0, 0.0);
+    for (le, c) in &delta {
+        if *c >= rank {
+            if le.is_infinite() {
+                return Some(prev.0);
+            }
+            let width = c - prev.1;
+            let frac = if width > 0.0 { (rank - prev.1) / width } else { 1.0 };
+            return Some(prev.0 + (le - prev.0) * frac);
+        }
+        prev = (*le, *c);
+    }
+    None
+}
+
+/// `GET /metrics` from a daemon on 127.0.0.1.
+pub fn scrape(port: u16) -> anyhow::Result<Metrics> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b).context("no HTTP body")?;
+    if !text.starts_with("HTTP/1.1 200") {
+        bail!("metrics answered {}", text.lines().next().unwrap_or_default());
+    }
+    let series = body
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            Some((name.to_owned(), value.parse().ok()?))
+        })
+        .collect();
+    Ok(Metrics { series })
+}
+
+/// How producers load the intake.
+#[derive(Debug, Clone)]
+pub struct Load {
+    /// Concurrent producer connections (each one request in flight).
+    pub producers: usize,
+    /// Distinct streams the producers write to (producer `k` writes stream `k % streams`).
+    pub streams: usize,
+    /// Bytes per record.
+    pub record: usize,
+    /// Records per request: 1 posts `application/octet-stream`, more post NDJSON.
+    pub per_request: usize,
+    /// Stop after this long...
+    pub duration: Option<Duration>,
+    /// ...or once this many record bytes were accepted.
+    pub bytes: Option<u64>,
+    /// Total offered rate in record bytes per second (paced per producer); `None` = flat out.
+    pub rate: Option<f64>,
+}
+
+/// What the producers got acknowledged.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Produced {
+    pub records: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub refused: u64,
+}
+
+/// Runs the producers until the load's end; every count is of records answered 200, which
+/// the agent sends only after the durable commit.
+pub async fn produce(socket: &Path, load: &Load) -> anyhow::Result<Produced> {
+    let records = Arc::new(AtomicU64::new(0));
+    let bytes = Arc::new(AtomicU64::new(0));
+    let refused = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let body = request_body(load.record, load.per_request);
+    let ctype = if load.per_request == 1 { "application/octet-stream" } else { "application/x-ndjson" };
+    let req_bytes = (load.record * load.per_request) as u64;
+    let mut set = tokio::task::JoinSet::new();
+    for k in 0..load.producers {
+        let socket = socket.to_path_buf();
+        let (records, bytes, refused, stop) = (records.clone(), bytes.clone(), refused.clone(), stop.clone());
+        let body = body.clone();
+        let load = load.clone();
+        let stream = format!("bench-{}", k % load.streams.max(1));
+        set.spawn(async move {
+            let mut client = IntakeConn::new(&socket);
+            let interval = load.rate.map(|r| Duration::from_secs_f64(req_bytes as f64 * load.producers as f64 / r));
+            // Stagger paced producers over one interval so requests do not arrive in waves.
+            let mut next =
+                Instant::now() + interval.map_or(Duration::ZERO, |i| i.mul_f64(k as f64 / load.producers as f64));
+            loop {
+                if stop.load(Ordering::Relaxed) || load.duration.is_some_and(|d| start.elapsed() >= d) {
+                    break;
+                }
+                if let Some(i) = interval {
+                    tokio::time::sleep_until(next.into()).await;
+                    next += i;
+                }
+                let (status, answer) = client.post(&stream, ctype, &body).await?;
+                match status {
+                    200 => {
+                        records.fetch_add(load.per_request as u64, Ordering::Relaxed);
+                        let total = bytes.fetch_add(req_bytes, Ordering::Relaxed) + req_bytes;
+                        if load.bytes.is_some_and(|b| total >= b) {
+                            stop.store(true, Ordering::Relaxed);
+                        }
+                    }
+                    503 | 507 => {
+                        refused.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    s => bail!("intake answered {s}: {}", String::from_utf8_lossy(&answer)),
+                }
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        r??;
+    }
+    Ok(Produced {
+        records: records.load(Ordering::Relaxed),
+        bytes: bytes.load(Ordering::Relaxed),
+        seconds: start.elapsed().as_secs_f64(),
+        refused: refused.load(Ordering::Relaxed),
+    })
+}
+
+/// A minimal HTTP/1.1 keep-alive client for the intake socket: one request at a time,
+/// `Content-Length` framing both ways (the intake answers with small JSON bodies). Written
+/// here so the bench does not link the agent's code, and so its own cost stays visible and
+/// small: one `write` of headers and body, one buffered read of the answer.
+struct IntakeConn {
+    path: PathBuf,
+    conn: Option<tokio::io::BufReader<tokio::net::UnixStream>>,
+    head: Vec<u8>,
+}
+
+impl IntakeConn {
+    fn new(path: &Path) -> Self {
+        Self { path: path.to_path_buf(), conn: None, head: Vec::with_capacity(256) }
+    }
+
+    async fn post(&mut self, stream: &str, ctype: &str, body: &Bytes) -> anyhow::Result<(u16, Vec<u8>)> {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+        if self.conn.is_none() {
+            let s = tokio::net::UnixStream::connect(&self.path)
+                .await
+                .with_context(|| format!("connecting to {}", self.path.display()))?;
+            self.conn = Some(tokio::io::BufReader::with_capacity(16 * 1024, s));
+        }
+        let conn = self.conn.as_mut().context("intake connection")?;
+        self.head.clear();
+        write!(
+            self.head,
+            "POST /v1/streams/{stream} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )?;
+        let result: anyhow::Result<(u16, Vec<u8>, bool)> = async {
+            conn.get_mut().write_all(&self.head).await?;
+            conn.get_mut().write_all(body).await?;
+            let mut line = String::new();
+            conn.read_line(&mut line).await?;
+            let status: u16 = line.split_whitespace().nth(1).context("no HTTP status line")?.parse()?;
+            let mut len = 0usize;
+            let mut close = false;
+            loop {
+                line.clear();
+                if conn.read_line(&mut line).await? == 0 {
+                    bail!("intake closed the connection");
+                }
+                let l = line.trim_end();
+                if l.is_empty() {
+                    break;
+                }
+                if let Some((k, v)) = l.split_once(':') {
+                    if k.eq_ignore_ascii_case("content-length") {
+                        len = v.trim().parse()?;
+                    } else if k.eq_ignore_ascii_case("connection") && v.trim().eq_ignore_ascii_case("close") {
+                        close = true;
+                    } else if k.eq_ignore_ascii_case("transfer-encoding") {
+                        bail!("chunked answers are not supported by the bench client");
+                    }
+                }
+            }
+            let mut answer = vec![0u8; len];
+            conn.read_exact(&mut answer).await?;
+            Ok((status, answer, close))
+        }
+        .await;
+        match result {
+            Ok((status, answer, close)) => {
+                if close {
+                    self.conn = None;
+                }
+                Ok((status, answer))
+            }
+            Err(e) => {
+                self.conn = None;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A request body of `n` records of `len` bytes: printable, pseudo-random (so compression, if
+/// enabled, would not flatter the figures), newline-separated when `n > 1`.
+fn request_body(len: usize, n: usize) -> Bytes {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    let mut v = Vec::with_capacity((len + 1) * n);
+    for _ in 0..n {
+        for _ in 0..len {
+            v.push(rng.random_range(b'!'..=b'~'));
+        }
+        if n > 1 {
+            v.push(b'\n');
+        }
+    }
+    Bytes::from(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantile_interpolates_inside_the_bucket() {
+        let before = vec![(0.001, 0.0), (0.01, 0.0), (f64::INFINITY, 0.0)];
+        let after = vec![(0.001, 50.0), (0.01, 100.0), (f64::INFINITY, 100.0)];
+        let p50 = quantile(&before, &after, 0.5).expect("observations");
+        assert!((p50 - 0.001).abs() < 1e-12);
+        let p99 = quantile(&before, &after, 0.99).expect("observations");
+        assert!(p99 > 0.009 && p99 <= 0.01, "{p99}");
+        assert!(quantile(&after, &after, 0.5).is_none());
+    }
+
+    #[test]
+    fn metrics_sum_over_labels() {
+        let m = Metrics {
+            series: vec![
+                ("a_total{result=\"stored\"}".into(), 2.0),
+                ("a_total{result=\"dup\"}".into(), 3.0),
+                ("a_total_other".into(), 7.0),
+            ],
+        };
+        assert_eq!(m.sum("a_total"), 5.0);
+    }
+
+    #[test]
+    fn request_bodies_are_framed_as_asked() {
+        let b = request_body(10, 3);
+        assert_eq!(b.len(), 33);
+        assert_eq!(b.iter().filter(|c| **c == b'\n').count(), 3);
+        assert_eq!(request_body(10, 1).len(), 10);
+    }
+}
