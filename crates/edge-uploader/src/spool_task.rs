@@ -3,7 +3,7 @@
 //! Intake requests and upload acks arrive on a channel. The thread takes everything queued at
 //! that moment and commits it in one transaction (group commit), so a thousand small concurrent
 //! producer requests cost one fsync, not a thousand. It also seals chunks whose linger expired
-//! and wakes the uploader whenever new chunks are sealed.
+//! and wakes the uploader whenever an iteration may have sealed a chunk.
 
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -167,9 +167,8 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, stats: Arc<Mutex<Spool
     let mut appends: Vec<(AppendRequest, oneshot::Sender<Result<(), AppendFailure>>)> = Vec::new();
     let mut acks: Vec<ChunkId> = Vec::new();
     let mut seal_waiters: Vec<oneshot::Sender<()>> = Vec::new();
-    let mut last_sealed = spool.stats().sealed_chunks;
     let mut open = true;
-    if last_sealed > 0 {
+    if spool.stats().sealed_chunks > 0 {
         sealed.notify_one();
     }
     while open {
@@ -204,7 +203,11 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, stats: Arc<Mutex<Spool
             }
         }
         let now = now_ms();
+        // Whether this iteration may have sealed a chunk: an append seals a stream that reached
+        // the chunk target. A net count would miss seals offset by acks in the same iteration.
+        let mut maybe_sealed = false;
         if !appends.is_empty() {
+            maybe_sealed = true;
             let (reqs, replies): (Vec<_>, Vec<_>) = std::mem::take(&mut appends).into_iter().unzip();
             match spool.append(&reqs, now) {
                 Ok(outcomes) => {
@@ -239,17 +242,17 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, stats: Arc<Mutex<Spool
             }
         }
         let seal = if seal_waiters.is_empty() || !open { spool.seal_due(now) } else { spool.seal_all(now) };
-        if let Err(e) = seal {
-            warn!(error = %e, "sealing failed");
+        match seal {
+            Ok(n) => maybe_sealed |= n > 0,
+            Err(e) => warn!(error = %e, "sealing failed"),
         }
         for w in seal_waiters.drain(..) {
             let _gone = w.send(());
         }
         let snapshot = spool.stats();
-        if snapshot.sealed_chunks > last_sealed {
+        if maybe_sealed && snapshot.sealed_chunks > 0 {
             sealed.notify_one();
         }
-        last_sealed = snapshot.sealed_chunks;
         *stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = snapshot;
     }
 }
