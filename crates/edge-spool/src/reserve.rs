@@ -10,11 +10,15 @@
 //! hits `SQLITE_FULL` deletes the ballast, runs `wal_checkpoint(TRUNCATE)` and tries again.
 //!
 //! Appends never use the headroom: while the ballast is missing, an append first tries to write
-//! it again ([`Reserve::try_restore`], at most once per [`RESTORE_EVERY_MS`]) and is refused with
+//! it again ([`Reserve::try_restore`], at most once per [`RESTORE_EVERY_MS`], and only when the
+//! file system has room for it twice, so the restored ballast does not take the WAL's last
+//! blocks) and is refused with
 //! `DiskFull` when that fails, unless the database file holds at least as many bytes of free
 //! pages (acked chunks leave those behind; the file never shrinks) that new rows can reuse
 //! without growing the file. So producer data never eats the space that acks need, and a spool
-//! whose file has room inside is not refused forever because the file system has none.
+//! whose file has room inside is not refused forever because the file system has none. For the
+//! same reason, an append that fails with the ballast in place releases it and tries once more
+//! when the file holds at least twice its size in free pages (a drained spool on a full disk).
 //!
 //! The ballast is written with real bytes (not `set_len`), because a sparse file reserves
 //! nothing. A size of 0 disables the mechanism.
@@ -67,6 +71,10 @@ impl Reserve {
         if self.last_attempt_ms.is_some_and(|t| now_ms >= t && now_ms - t < RESTORE_EVERY_MS) {
             return false;
         }
+        if !self.room_for_twice() {
+            self.last_attempt_ms = Some(now_ms);
+            return false;
+        }
         match self.write() {
             Ok(()) => {
                 tracing::info!(path = %self.path.display(), "disk space is back: spool disk reserve restored");
@@ -102,6 +110,21 @@ impl Reserve {
         tracing::warn!(path = %self.path.display(), bytes = self.size,
             "file system under the spool is full: released the disk reserve so acks can free space");
         true
+    }
+
+    /// Whether the file system has room for the ballast twice over: once for the ballast, once
+    /// for the WAL that keeps the spool working. Restoring into the last free blocks would only
+    /// take them from the WAL, so the next write fails and releases the ballast again, over and
+    /// over. True when the file system cannot say (the write then decides).
+    fn room_for_twice(&self) -> bool {
+        let dir = match self.path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => std::path::Path::new("."),
+        };
+        match rustix::fs::statvfs(dir) {
+            Ok(st) => st.f_bavail.saturating_mul(st.f_frsize) >= self.size.saturating_mul(2),
+            Err(_) => true,
+        }
     }
 
     /// Writes the ballast with real bytes and fsyncs it; removes a partial file on failure.

@@ -96,10 +96,22 @@ impl Spool {
                 return Err(SpoolError::DiskFull);
             }
         }
-        let result = self.append_once(reqs, now_ms);
+        let mut result = self.append_once(reqs, now_ms);
         if matches!(result, Err(SpoolError::DiskFull)) {
             // A large WAL may be what fills the disk; shrinking it costs nothing if it works.
             self.checkpoint_truncate();
+            // The file has room inside for the rows (acked chunks left free pages behind, and
+            // the file never shrinks): only the WAL lacks disk blocks, and the ballast holds
+            // them. Without this, a drained spool on a full file system refuses every append
+            // forever. The guard above still keeps the last `disk_reserve_bytes` of free pages
+            // for acks, and the ballast comes back once the file system has room for it twice.
+            if self.reserve.is_present()
+                && self.free_bytes_in_file() >= self.opts.disk_reserve_bytes.saturating_mul(2)
+                && self.reserve.release()
+            {
+                self.checkpoint_truncate();
+                result = self.append_once(reqs, now_ms);
+            }
         }
         result
     }
