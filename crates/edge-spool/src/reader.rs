@@ -52,11 +52,13 @@ impl SpoolReader {
     pub fn read(&mut self, meta: &ChunkMeta) -> Result<Vec<u8>, SpoolError> {
         let id = meta.id;
         let tx = self.conn.transaction().map_err(ctx("beginning a read transaction"))?;
-        let row: Option<(u64, u64)> = tx
-            .prepare_cached("SELECT records, bytes FROM chunks WHERE id = ?1")
-            .and_then(|mut s| s.query_row([id.0], |r| Ok((r.get(0)?, r.get(1)?))).optional())
+        let row: Option<(u64, u64, i64, i64, i64)> = tx
+            .prepare_cached("SELECT records, bytes, stream_id, first_batch, last_batch FROM chunks WHERE id = ?1")
+            .and_then(|mut s| {
+                s.query_row([id.0], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))).optional()
+            })
             .map_err(ctx("looking up a chunk"))?;
-        let Some((want_records, want_bytes)) = row else {
+        let Some((want_records, want_bytes, stream_id, first_batch, last_batch)) = row else {
             return Err(SpoolError::ChunkGone(id));
         };
         let corrupt = |detail: String| SpoolError::Corrupt { chunk: id, detail };
@@ -65,9 +67,13 @@ impl SpoolReader {
         let mut batches = 0u64;
         {
             let mut stmt = tx
-                .prepare_cached("SELECT id, data, records, crc32c FROM batches WHERE chunk_id = ?1 ORDER BY id")
+                .prepare_cached(
+                    "SELECT id, data, records, crc32c FROM batches
+                     WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 ORDER BY id",
+                )
                 .map_err(ctx("reading a chunk's batches"))?;
-            let mut rows = stmt.query([id.0]).map_err(ctx("reading a chunk's batches"))?;
+            let mut rows =
+                stmt.query((stream_id, first_batch, last_batch)).map_err(ctx("reading a chunk's batches"))?;
             while let Some(r) = rows.next().map_err(ctx("reading a chunk's batches"))? {
                 let batch: i64 = r.get(0).map_err(ctx("reading a chunk's batches"))?;
                 let data = r

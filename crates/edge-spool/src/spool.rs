@@ -120,20 +120,30 @@ impl Spool {
                     // Keeps a chunk's record count within ChunkMeta::records (u32).
                     seal_stream(&tx, &mut st, &batch.stream, now_ms)?;
                 }
+                let batch_id = st.next_batch_id;
                 let stream = stream_entry(&tx, &mut st, &batch.stream)?;
                 tx.prepare_cached(
-                    "INSERT INTO batches (stream_id, chunk_id, data, records, crc32c, commit_ms)
-                     VALUES (?1, NULL, ?2, ?3, ?4, ?5)",
+                    "INSERT INTO batches (id, stream_id, records, crc32c, commit_ms, data)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
                 )
                 .and_then(|mut s| {
-                    s.execute((stream.id, &batch.data, batch.records, crc32c::crc32c(&batch.data), sql_u64(now_ms)))
+                    s.execute((
+                        batch_id,
+                        stream.id,
+                        batch.records,
+                        crc32c::crc32c(&batch.data),
+                        sql_u64(now_ms),
+                        &batch.data,
+                    ))
                 })
                 .map_err(ctx("inserting a batch"))?;
                 stream.open_batches += 1;
                 stream.open_records += u64::from(batch.records);
                 stream.open_bytes += len_u64(&batch.data);
                 stream.oldest_open_ms = min_opt(stream.oldest_open_ms, Some(now_ms));
-                if stream.open_bytes >= self.opts.chunk_target_bytes {
+                let seal = stream.open_bytes >= self.opts.chunk_target_bytes;
+                st.next_batch_id = batch_id.saturating_add(1);
+                if seal {
                     seal_stream(&tx, &mut st, &batch.stream, now_ms)?;
                 }
             }
@@ -302,12 +312,13 @@ impl Spool {
 
     fn purge_quarantined_once(&mut self) -> Result<u64, SpoolError> {
         let tx = begin(&mut self.conn)?;
-        tx.execute(
-            "DELETE FROM batches
-             WHERE chunk_id IN (SELECT id FROM chunks WHERE quarantine IS NOT NULL)",
-            [],
-        )
-        .map_err(ctx("purging quarantined batches"))?;
+        let ranges: Vec<(i64, i64, i64)> = tx
+            .prepare("SELECT stream_id, first_batch, last_batch FROM chunks WHERE quarantine IS NOT NULL")
+            .and_then(|mut s| s.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?.collect())
+            .map_err(ctx("listing quarantined chunks"))?;
+        for range in ranges {
+            delete_batches(&tx, range)?;
+        }
         let n = tx
             .execute("DELETE FROM chunks WHERE quarantine IS NOT NULL", [])
             .map_err(ctx("purging quarantined chunks"))?;
@@ -453,16 +464,19 @@ fn make_room(
 /// Deletes a live (not quarantined) chunk and its batches, updating the counters except the
 /// per-stream oldest time (see [`refresh_oldest_sealed`]). `None` if there is no such chunk.
 fn delete_chunk(tx: &Transaction<'_>, st: &mut State, id: ChunkId) -> Result<Option<DeletedChunk>, SpoolError> {
-    let row: Option<(i64, u64, u64)> = tx
-        .prepare_cached("SELECT stream_id, records, bytes FROM chunks WHERE id = ?1 AND quarantine IS NULL")
-        .and_then(|mut s| s.query_row([id.0], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional())
+    let row: Option<(i64, u64, u64, i64, i64)> = tx
+        .prepare_cached(
+            "SELECT stream_id, records, bytes, first_batch, last_batch FROM chunks
+             WHERE id = ?1 AND quarantine IS NULL",
+        )
+        .and_then(|mut s| {
+            s.query_row([id.0], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))).optional()
+        })
         .map_err(ctx("looking up a chunk"))?;
-    let Some((stream_id, records, bytes)) = row else {
+    let Some((stream_id, records, bytes, first_batch, last_batch)) = row else {
         return Ok(None);
     };
-    tx.prepare_cached("DELETE FROM batches WHERE chunk_id = ?1")
-        .and_then(|mut s| s.execute([id.0]))
-        .map_err(ctx("deleting a chunk's batches"))?;
+    delete_batches(tx, (stream_id, first_batch, last_batch))?;
     tx.prepare_cached("DELETE FROM chunks WHERE id = ?1")
         .and_then(|mut s| s.execute([id.0]))
         .map_err(ctx("deleting a chunk"))?;
@@ -470,6 +484,14 @@ fn delete_chunk(tx: &Transaction<'_>, st: &mut State, id: ChunkId) -> Result<Opt
     stream.sealed_chunks = stream.sealed_chunks.saturating_sub(1);
     stream.sealed_bytes = stream.sealed_bytes.saturating_sub(bytes);
     Ok(Some(DeletedChunk { stream_id, records }))
+}
+
+/// Deletes the batches of a chunk: those of stream `.0` with ids in `.1..=.2`.
+fn delete_batches(tx: &Transaction<'_>, (stream_id, first, last): (i64, i64, i64)) -> Result<(), SpoolError> {
+    tx.prepare_cached("DELETE FROM batches WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3")
+        .and_then(|mut s| s.execute((stream_id, first, last)))
+        .map_err(ctx("deleting a chunk's batches"))?;
+    Ok(())
 }
 
 /// Re-reads the oldest sealed time of the given streams after chunks were removed.
@@ -509,35 +531,48 @@ fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) ->
     let Some(stream) = st.streams.get_mut(name) else {
         return Ok(false);
     };
-    let (batches, records, bytes, first_ms): (u64, u64, u64, Option<u64>) = tx
+    type Open = (u64, u64, u64, Option<u64>, Option<i64>, Option<i64>);
+    let (batches, records, bytes, first_ms, first_batch, last_batch): Open = tx
         .prepare_cached(
             "SELECT count(*), coalesce(sum(records), 0), coalesce(sum(length(data)), 0),
-                    min(commit_ms)
-             FROM batches WHERE stream_id = ?1 AND chunk_id IS NULL",
+                    min(commit_ms), min(id), max(id)
+             FROM batches WHERE stream_id = ?1 AND id > ?2",
         )
-        .and_then(|mut s| s.query_row([stream.id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))))
+        .and_then(|mut s| {
+            s.query_row((stream.id, stream.sealed_through), |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?))
+            })
+        })
         .map_err(ctx("summing open batches"))?;
-    let Some(first_ms) = first_ms else {
+    let (Some(first_ms), Some(first_batch), Some(last_batch)) = (first_ms, first_batch, last_batch) else {
         return Ok(false);
     };
     let seq = stream.next_seq;
     tx.prepare_cached(
-        "INSERT INTO chunks (stream_id, seq, records, bytes, first_ms, sealed_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        "INSERT INTO chunks (stream_id, seq, records, bytes, first_ms, sealed_ms, first_batch, last_batch)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
     )
     .and_then(|mut s| {
-        s.execute((stream.id, sql_u64(seq), sql_u64(records), sql_u64(bytes), sql_u64(first_ms), sql_u64(now_ms)))
+        s.execute((
+            stream.id,
+            sql_u64(seq),
+            sql_u64(records),
+            sql_u64(bytes),
+            sql_u64(first_ms),
+            sql_u64(now_ms),
+            first_batch,
+            last_batch,
+        ))
     })
     .map_err(ctx("inserting a chunk"))?;
-    let chunk_id = tx.last_insert_rowid();
     crate::crash_point!("spool::seal::chunk_row_written");
-    tx.prepare_cached("UPDATE batches SET chunk_id = ?1 WHERE stream_id = ?2 AND chunk_id IS NULL")
-        .and_then(|mut s| s.execute((chunk_id, stream.id)))
-        .map_err(ctx("assigning batches to a chunk"))?;
-    tx.prepare_cached("UPDATE streams SET next_seq = ?1 WHERE id = ?2")
-        .and_then(|mut s| s.execute((sql_u64(seq + 1), stream.id)))
+    // The batches themselves are not touched: the chunk row names their range, and moving
+    // `sealed_through` past it closes the stream's open set.
+    tx.prepare_cached("UPDATE streams SET next_seq = ?1, sealed_through = ?2 WHERE id = ?3")
+        .and_then(|mut s| s.execute((sql_u64(seq + 1), last_batch, stream.id)))
         .map_err(ctx("advancing a stream's sequence"))?;
     stream.next_seq = seq + 1;
+    stream.sealed_through = last_batch;
     stream.sealed_chunks += 1;
     stream.sealed_bytes += bytes;
     stream.oldest_sealed_ms = min_opt(stream.oldest_sealed_ms, Some(first_ms));
@@ -713,6 +748,40 @@ mod tests {
         spool.append(&[req(vec![batch("a", b"a")])], 2).expect("append");
         spool.seal_all(2).expect("seal");
         assert!(all_sealed(&spool)[0].id > first);
+    }
+
+    #[test]
+    fn a_batch_appended_after_the_newest_chunk_was_acked_is_open_not_taken_for_sealed() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("b", b"b1")])], 1).expect("append");
+        spool.append(&[req(vec![batch("a", b"a1")])], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        let ids: Vec<ChunkId> = all_sealed(&spool).iter().map(|c| c.id).collect();
+        spool.ack(&ids).expect("ack: the batch table is now empty");
+        spool.append(&[req(vec![batch("a", b"a2")])], 2).expect("append");
+        assert_eq!(spool.stats().open_bytes, 2);
+        drop(spool);
+        let (mut spool, report) = open(&opts);
+        assert_eq!(report.open_batches, 1);
+        spool.append(&[req(vec![batch("a", b"a3")])], 3).expect("append after reopen");
+        assert_eq!(spool.seal_all(3).expect("seal"), 1);
+        let chunks = all_sealed(&spool);
+        assert_eq!((chunks.len(), chunks[0].seq), (1, 2));
+        assert_eq!(read(&spool, &chunks[0]).expect("read"), b"a2a3");
+    }
+
+    #[test]
+    fn sealing_writes_only_small_rows_not_the_batches_again() {
+        let (dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", &[5; 200_000])])], 1).expect("append");
+        let wal = || std::fs::metadata(dir.path().join("spool.db-wal")).expect("wal").len();
+        let before = wal();
+        assert_eq!(spool.seal_all(2).expect("seal"), 1);
+        let written = wal() - before;
+        assert!(written < 32 << 10, "sealing a 200 kB batch wrote {written} bytes of WAL");
+        assert_eq!(read(&spool, &all_sealed(&spool)[0]).expect("read"), vec![5; 200_000]);
     }
 
     #[test]
