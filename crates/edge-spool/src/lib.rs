@@ -52,8 +52,11 @@
 //!
 //! # Commit sequence
 //!
-//! Every write call (`append`, `seal_*`, `ack`, `quarantine`, `purge_quarantined`) is one
-//! `BEGIN IMMEDIATE` ... `COMMIT`. At `COMMIT` SQLite appends the changed pages to `-wal` with a
+//! Every write call (`commit`, and `append`, `seal_*`, `ack`, which are `commit`s with one kind
+//! of work; `quarantine`, `purge_quarantined`) is one `BEGIN IMMEDIATE` ... `COMMIT`.
+//! [`Spool::commit`] puts a writer iteration's acks, appends and seals (in that order) into one
+//! transaction, so the agent pays one fsync per iteration; a call with nothing to do opens no
+//! transaction. At `COMMIT` SQLite appends the changed pages to `-wal` with a
 //! commit frame; under `synchronous=FULL` it then fsyncs `-wal` before `COMMIT` returns, under
 //! `NORMAL` it does not. Checkpoints (automatic, every ~1000 WAL pages, and when the last
 //! connection closes) copy WAL pages into the main file and fsync both in either mode; the WAL is
@@ -62,7 +65,8 @@
 //!
 //! # Durability contract
 //!
-//! * When [`Spool::append`] returns `Ok`, every request reported [`AppendOutcome::Accepted`] is in
+//! * When [`Spool::append`] returns `Ok` (or [`Spool::commit`] returns `Ok` with
+//!   [`CommitReport::appends`] `Ok`), every request reported [`AppendOutcome::Accepted`] is in
 //!   a committed transaction. With [`Durability::Full`] (`synchronous=FULL`) the WAL was fsynced
 //!   before `COMMIT` returned, so the batches survive a process crash *and* a power cut. With
 //!   [`Durability::Normal`] (`synchronous=NORMAL`) they survive a process crash; after a power
@@ -70,7 +74,9 @@
 //!   rolled back, but the database stays consistent.
 //! * A request reported [`AppendOutcome::Full`] stored none of its batches; the other requests of
 //!   the same call are unaffected. When `append` returns `Err`, the whole call was rolled back and
-//!   no request was accepted. (Caveat from SQLite: after an I/O error *during* `COMMIT` the
+//!   no request was accepted. When the appends of a [`Spool::commit`] fail, its acks and seals
+//!   are committed on their own (with the disk-reserve headroom), and the appends' error is
+//!   reported in [`CommitReport::appends`]. (Caveat from SQLite: after an I/O error *during* `COMMIT` the
 //!   outcome is unknowable; such a transaction may reappear after a restart.)
 //! * Sealing happens inside a transaction together with the `streams.next_seq` and
 //!   `sealed_through` bump, so a chunk's id, sequence number and contents never change once
@@ -329,6 +335,31 @@ pub struct AckReport {
     pub acked: u32,
     /// Ids not found (already acked, dropped, quarantined, or never existed).
     pub unknown: u32,
+}
+
+/// Which streams [`Spool::commit`] seals after its appends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum SealWhat {
+    /// None (streams still seal by size during the appends).
+    #[default]
+    Nothing,
+    /// Those whose linger expired, as [`Spool::seal_due`].
+    Due,
+    /// Every stream with open batches, as [`Spool::seal_all`].
+    All,
+}
+
+/// What [`Spool::commit`] did, all of it in one committed transaction.
+#[derive(Debug)]
+pub struct CommitReport {
+    /// One outcome per append request, in order; or the error that kept every request out
+    /// (the acks and seals were then committed without them).
+    pub appends: Result<Vec<AppendOutcome>, SpoolError>,
+    /// The acks.
+    pub acks: AckReport,
+    /// Chunks sealed by the call: by size during the appends, and by `seal`. Not a net count:
+    /// the acks of the same call may have deleted as many chunks.
+    pub sealed: u32,
 }
 
 /// Counters of the spool, kept in memory and true to disk after every call.

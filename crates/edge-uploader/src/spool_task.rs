@@ -2,8 +2,9 @@
 //!
 //! Intake requests and upload acks arrive on a channel. The thread takes everything queued at
 //! that moment and commits it in one transaction (group commit), so a thousand small concurrent
-//! producer requests cost one fsync, not a thousand. It also seals chunks whose linger expired
-//! and wakes the uploader whenever new chunks are sealed.
+//! producer requests cost one fsync, not a thousand. The same transaction records the acks and
+//! seals the chunks whose linger expired (`Spool::commit`): one fsync per iteration. The thread
+//! wakes the uploader whenever a commit sealed at least one chunk.
 
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -11,7 +12,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use edge_spool::{
-    AppendOutcome, AppendRequest, ChunkId, FullPolicy, Spool, SpoolError, SpoolId, SpoolReader, SpoolStats,
+    AppendOutcome, AppendRequest, ChunkId, FullPolicy, SealWhat, Spool, SpoolError, SpoolId, SpoolReader, SpoolStats,
 };
 use tokio::sync::{Notify, oneshot};
 use tracing::{error, warn};
@@ -167,9 +168,8 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, stats: Arc<Mutex<Spool
     let mut appends: Vec<(AppendRequest, oneshot::Sender<Result<(), AppendFailure>>)> = Vec::new();
     let mut acks: Vec<ChunkId> = Vec::new();
     let mut seal_waiters: Vec<oneshot::Sender<()>> = Vec::new();
-    let mut last_sealed = spool.stats().sealed_chunks;
     let mut open = true;
-    if last_sealed > 0 {
+    if spool.stats().sealed_chunks > 0 {
         sealed.notify_one();
     }
     while open {
@@ -204,53 +204,56 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, stats: Arc<Mutex<Spool
             }
         }
         let now = now_ms();
-        if !appends.is_empty() {
-            let (reqs, replies): (Vec<_>, Vec<_>) = std::mem::take(&mut appends).into_iter().unzip();
-            match spool.append(&reqs, now) {
-                Ok(outcomes) => {
-                    // Publish the new state before answering, so a producer that got its 200
-                    // never sees statistics from before its own commit.
-                    publish(&spool, &stats);
-                    for (reply, outcome) in replies.into_iter().zip(outcomes) {
-                        let r = match outcome {
-                            AppendOutcome::Accepted => Ok(()),
-                            AppendOutcome::Full => Err(AppendFailure::Full),
-                        };
-                        let _gone = reply.send(r);
-                    }
-                }
-                Err(e) => {
-                    let failure = match e {
-                        SpoolError::DiskFull => AppendFailure::DiskFull,
-                        other => AppendFailure::Storage(other.to_string()),
+        let (reqs, replies): (Vec<_>, Vec<_>) = std::mem::take(&mut appends).into_iter().unzip();
+        let ids = std::mem::take(&mut acks);
+        let seal = if seal_waiters.is_empty() && open { SealWhat::Due } else { SealWhat::All };
+        // One transaction, one fsync: acks, appends, seals.
+        let (answer, sealed_now) = match spool.commit(&reqs, &ids, seal, now) {
+            Ok(report) => (report.appends.map_err(append_failure), report.sealed),
+            Err(e) => {
+                // Nothing was committed. Unacked chunks stay in the spool and are offered
+                // again (the server dedups them); open batches are sealed next time.
+                warn!(error = %e, chunks = ids.len(), "writer commit failed: no acks, seals or appends recorded");
+                (Err(append_failure(e)), 0)
+            }
+        };
+        // Publish the new state before answering, so a producer that got its 200 never sees
+        // statistics from before its own commit.
+        publish(&spool, &stats);
+        match answer {
+            Ok(outcomes) => {
+                for (reply, outcome) in replies.into_iter().zip(outcomes) {
+                    let r = match outcome {
+                        AppendOutcome::Accepted => Ok(()),
+                        AppendOutcome::Full => Err(AppendFailure::Full),
                     };
-                    warn!(error = %failure, requests = replies.len(), "group commit failed; producers get an error and nothing is stored");
-                    for reply in replies {
-                        let _gone = reply.send(Err(failure.clone()));
-                    }
+                    let _gone = reply.send(r);
                 }
             }
-        }
-        if !acks.is_empty() {
-            let ids = std::mem::take(&mut acks);
-            if let Err(e) = spool.ack(&ids) {
-                // The chunks stay in the spool and are offered again; the server dedups them.
-                warn!(error = %e, chunks = ids.len(), "could not delete acknowledged chunks");
+            Err(failure) => {
+                if !replies.is_empty() {
+                    warn!(error = %failure, requests = replies.len(), "group commit failed; producers get an error and nothing is stored");
+                }
+                for reply in replies {
+                    let _gone = reply.send(Err(failure.clone()));
+                }
             }
-        }
-        let seal = if seal_waiters.is_empty() || !open { spool.seal_due(now) } else { spool.seal_all(now) };
-        if let Err(e) = seal {
-            warn!(error = %e, "sealing failed");
         }
         for w in seal_waiters.drain(..) {
             let _gone = w.send(());
         }
-        let snapshot = spool.stats();
-        if snapshot.sealed_chunks > last_sealed {
+        // Wake the uploader for every chunk sealed, not for a net growth of the sealed count:
+        // acks in the same commit may delete as many chunks as were sealed.
+        if sealed_now > 0 {
             sealed.notify_one();
         }
-        last_sealed = snapshot.sealed_chunks;
-        *stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = snapshot;
+    }
+}
+
+fn append_failure(e: SpoolError) -> AppendFailure {
+    match e {
+        SpoolError::DiskFull => AppendFailure::DiskFull,
+        other => AppendFailure::Storage(other.to_string()),
     }
 }
 
