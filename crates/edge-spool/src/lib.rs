@@ -106,7 +106,8 @@
 //!   are refused while the ballast cannot be written back, unless free pages inside the file
 //!   cover its size (see `reserve.rs`).
 //! * Every batch carries a CRC-32C; [`SpoolReader::read`] fails with [`SpoolError::Corrupt`] on a
-//!   mismatch instead of serving bad bytes. The caller then calls [`Spool::quarantine`]: the chunk
+//!   mismatch instead of serving bad bytes. [`SpoolReader::read_payload`] also returns the
+//!   payload's CRC-32C, combined from those verified batch checksums. The caller then calls [`Spool::quarantine`]: the chunk
 //!   stays on disk for inspection, is never offered again and no longer counts against
 //!   `max_bytes`.
 //!
@@ -313,6 +314,27 @@ pub struct ChunkMeta {
     pub first_ms: u64,
     /// Time (unix ms as passed in) it was sealed.
     pub sealed_ms: u64,
+}
+
+/// A chunk's payload as [`SpoolReader::read_payload`] returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkPayload {
+    /// The batches' data, concatenated in append order.
+    pub data: Vec<u8>,
+    /// CRC-32C of `data`, combined from the batch checksums that were verified while reading.
+    pub crc32c: u32,
+}
+
+impl ChunkPayload {
+    /// Payload bytes.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// True for an empty payload.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
 }
 
 /// What [`Spool::open`] found.

@@ -896,6 +896,20 @@ mod tests {
     }
 
     #[test]
+    fn read_payload_returns_the_crc32c_of_the_whole_payload() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        let batches = vec![batch("a", b"first batch"), batch("a", b""), batch("a", &[9; 5_000]), batch("a", b"z")];
+        spool.append(&[req(batches)], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        let chunk = &all_sealed(&spool)[0];
+        let payload = spool.reader().expect("reader").read_payload(chunk).expect("read");
+        assert_eq!(payload.len(), 5_012);
+        assert_eq!(payload.crc32c, crc32c::crc32c(&payload.data));
+        assert_ne!(payload.crc32c, 0);
+    }
+
+    #[test]
     fn ack_of_unknown_or_repeated_ids_is_counted_not_an_error() {
         let (_dir, opts) = setup();
         let (mut spool, _) = open(&opts);

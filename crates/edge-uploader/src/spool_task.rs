@@ -12,7 +12,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use edge_spool::{
-    AppendOutcome, AppendRequest, ChunkId, FullPolicy, SealWhat, Spool, SpoolError, SpoolId, SpoolReader, SpoolStats,
+    AppendOutcome, AppendRequest, ChunkId, ChunkPayload, FullPolicy, SealWhat, Spool, SpoolError, SpoolId, SpoolReader,
+    SpoolStats,
 };
 use tokio::sync::{Notify, oneshot};
 use tracing::{error, warn};
@@ -269,12 +270,13 @@ impl ReaderHandle {
         Self { reader: Arc::new(Mutex::new(reader)) }
     }
 
-    /// Sealed chunks after `after`, with their payloads (or the read error for each).
+    /// Sealed chunks after `after`, with their payloads and the payloads' CRC-32C (or the read
+    /// error for each).
     pub async fn next(
         &self,
         after: Option<ChunkId>,
         limit: usize,
-    ) -> Result<Vec<(edge_spool::ChunkMeta, Result<Vec<u8>, SpoolError>)>, SpoolError> {
+    ) -> Result<Vec<(edge_spool::ChunkMeta, Result<ChunkPayload, SpoolError>)>, SpoolError> {
         let reader = self.reader.clone();
         tokio::task::spawn_blocking(move || {
             let mut r = reader.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -282,7 +284,7 @@ impl ReaderHandle {
             Ok(metas
                 .into_iter()
                 .map(|m| {
-                    let data = r.read(&m);
+                    let data = r.read_payload(&m);
                     (m, data)
                 })
                 .collect())
