@@ -106,9 +106,10 @@ fn logical_dump(path: &Path) -> Option<Vec<String>> {
     let mut out = Vec::new();
     for sql in [
         "SELECT key, quote(value) FROM meta ORDER BY key",
-        "SELECT id, name, next_seq FROM streams ORDER BY id",
-        "SELECT id, stream_id, seq, records, bytes, first_ms, sealed_ms, quote(quarantine) FROM chunks ORDER BY id",
-        "SELECT id, stream_id, quote(chunk_id), hex(data), records, crc32c, commit_ms FROM batches ORDER BY id",
+        "SELECT id, name, next_seq, sealed_through FROM streams ORDER BY id",
+        "SELECT id, stream_id, seq, records, bytes, first_ms, sealed_ms, quote(quarantine), first_batch, last_batch
+         FROM chunks ORDER BY id",
+        "SELECT id, stream_id, hex(data), records, crc32c, commit_ms FROM batches ORDER BY id",
     ] {
         let mut stmt = conn.prepare(sql).ok()?;
         let n = stmt.column_count();

@@ -120,8 +120,10 @@ pub fn check(path: &Path) -> Result<CheckReport, SpoolError> {
         }
     }
     // An empty or truncated-to-nothing file passes integrity_check as an empty database.
-    match schema::inspect(&conn) {
-        Ok((schema::SCHEMA_VERSION, _)) => {}
+    // Version 1 files (not yet migrated by an agent of this version) are audited as they are:
+    // the check never writes, so it cannot migrate them.
+    let version = match schema::inspect(&conn) {
+        Ok((version @ (1 | schema::SCHEMA_VERSION), _)) => version,
         Ok((version, objects)) => {
             report.integrity.push(format!("not an edge spool: user_version {version}, {objects} schema objects"));
             return Ok(report);
@@ -130,8 +132,8 @@ pub fn check(path: &Path) -> Result<CheckReport, SpoolError> {
             report.integrity.push(error_text(&e));
             return Ok(report);
         }
-    }
-    if let Err(e) = walk(&conn, &mut report) {
+    };
+    if let Err(e) = walk(&conn, version, &mut report) {
         report.read_error = Some(error_text(&e));
     }
     Ok(report)
@@ -185,16 +187,36 @@ fn check_batch(r: &rusqlite::Row<'_>) -> rusqlite::Result<BatchCheck> {
     Ok(BatchCheck { records, len, problem })
 }
 
-fn walk(conn: &Connection, report: &mut CheckReport) -> Result<(), SpoolError> {
+/// Membership by schema version: a chunk's batches, and the open batches.
+struct Membership {
+    chunk_columns: &'static str,
+    chunk_batches: &'static str,
+    open_filter: &'static str,
+}
+
+const V1_MEMBERSHIP: Membership = Membership {
+    chunk_columns: "c.id, c.id, c.id",
+    chunk_batches: "SELECT id, data, records, crc32c FROM batches WHERE chunk_id = ?1 ORDER BY id",
+    open_filter: "b.chunk_id IS NULL",
+};
+
+const V2_MEMBERSHIP: Membership = Membership {
+    chunk_columns: "c.stream_id, c.first_batch, c.last_batch",
+    chunk_batches: "SELECT id, data, records, crc32c FROM batches
+                    WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 ORDER BY id",
+    open_filter: "s.id IS NULL OR b.id > s.sealed_through",
+};
+
+fn walk(conn: &Connection, version: i64, report: &mut CheckReport) -> Result<(), SpoolError> {
+    let m = if version == 1 { &V1_MEMBERSHIP } else { &V2_MEMBERSHIP };
     let mut chunks = conn
-        .prepare(
-            "SELECT c.id, coalesce(s.name, '?'), c.seq, c.records, c.bytes, c.quarantine
+        .prepare(&format!(
+            "SELECT c.id, coalesce(s.name, '?'), c.seq, c.records, c.bytes, c.quarantine, {}
              FROM chunks c LEFT JOIN streams s ON s.id = c.stream_id ORDER BY c.id",
-        )
+            m.chunk_columns
+        ))
         .map_err(ctx("listing chunks"))?;
-    let mut batches = conn
-        .prepare("SELECT id, data, records, crc32c FROM batches WHERE chunk_id = ?1 ORDER BY id")
-        .map_err(ctx("reading batches"))?;
+    let mut batches = conn.prepare(m.chunk_batches).map_err(ctx("reading batches"))?;
     let mut rows = chunks.query([]).map_err(ctx("listing chunks"))?;
     while let Some(r) = rows.next().map_err(ctx("listing chunks"))? {
         let get = |e| ctx("listing chunks")(e);
@@ -213,7 +235,9 @@ fn walk(conn: &Connection, report: &mut CheckReport) -> Result<(), SpoolError> {
         report.chunks += 1;
         let mut problems = Vec::new();
         let (mut records, mut bytes, mut n) = (0i64, 0u64, 0u64);
-        let mut b = batches.query([c.id]).map_err(ctx("reading batches"))?;
+        let range: (i64, i64, i64) = (r.get(6).map_err(get)?, r.get(7).map_err(get)?, r.get(8).map_err(get)?);
+        let mut b =
+            if version == 1 { batches.query([c.id]) } else { batches.query(range) }.map_err(ctx("reading batches"))?;
         loop {
             let row = match b.next() {
                 Ok(Some(row)) => row,
@@ -266,11 +290,12 @@ fn walk(conn: &Connection, report: &mut CheckReport) -> Result<(), SpoolError> {
         }
     }
     let mut open = conn
-        .prepare(
+        .prepare(&format!(
             "SELECT b.id, coalesce(s.name, '?') AS stream, b.data, b.records, b.crc32c
              FROM batches b LEFT JOIN streams s ON s.id = b.stream_id
-             WHERE b.chunk_id IS NULL ORDER BY b.id",
-        )
+             WHERE {} ORDER BY b.id",
+            m.open_filter
+        ))
         .map_err(ctx("reading open batches"))?;
     let mut rows = open.query([]).map_err(ctx("reading open batches"))?;
     while let Some(r) = rows.next().map_err(ctx("reading open batches"))? {

@@ -11,7 +11,7 @@
 //! The API is synchronous; the agent runs it on a blocking thread. There is one writer
 //! ([`Spool`]) per file and any number of readers ([`SpoolReader`]).
 //!
-//! # On-disk format (`PRAGMA user_version = 1`)
+//! # On-disk format (`PRAGMA user_version = 2`)
 //!
 //! One SQLite database file in WAL mode (`<path>`, `<path>-wal`, `<path>-shm`).
 //!
@@ -21,28 +21,42 @@
 //!     so the server never mistakes its fresh sequence numbers for old ones.
 //!   * `dropped_chunks`, `dropped_records`: INTEGER counters of what
 //!     [`FullPolicy::DropOldest`] evicted, updated in the evicting transaction.
-//! * `streams(id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, next_seq INTEGER NOT NULL)`:
-//!   one row per stream ever seen, never deleted; `next_seq` is the sequence number the next
-//!   sealed chunk of that stream gets (starts at 1).
+//! * `streams(id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, next_seq INTEGER NOT NULL,
+//!   sealed_through INTEGER NOT NULL)`: one row per stream ever seen, never deleted; `next_seq`
+//!   is the sequence number the next sealed chunk of that stream gets (starts at 1);
+//!   `sealed_through` is the id of the last batch of the stream's newest chunk (0 before the
+//!   first seal): the stream's batches with a greater id are its *open* batches.
 //! * `chunks(id INTEGER PRIMARY KEY AUTOINCREMENT, stream_id, seq, records, bytes, first_ms,
-//!   sealed_ms, quarantine TEXT NULL, UNIQUE(stream_id, seq))`: one row per sealed chunk.
-//!   `AUTOINCREMENT` makes ids strictly increasing in sealing order and never reused, even after
-//!   the newest chunk is deleted. `quarantine` holds the reason once the chunk is quarantined.
-//! * `batches(id INTEGER PRIMARY KEY, stream_id, chunk_id NULL, data BLOB, records, crc32c,
-//!   commit_ms)`: one row per producer batch, in append order. `chunk_id` is NULL while the batch
-//!   is open; `crc32c` is the CRC-32C of `data`, computed at append and checked on every read.
-//!   A chunk's payload is the concatenation of its batches' `data` in `id` order.
-//! * Indexes: `batches(stream_id) WHERE chunk_id IS NULL` (open batches),
-//!   `batches(chunk_id) WHERE chunk_id IS NOT NULL` (a chunk's batches),
-//!   `chunks(stream_id, first_ms) WHERE quarantine IS NULL` (per-stream oldest data).
+//!   sealed_ms, quarantine TEXT NULL, first_batch, last_batch, UNIQUE(stream_id, seq))`: one row
+//!   per sealed chunk. `AUTOINCREMENT` makes ids strictly increasing in sealing order and never
+//!   reused, even after the newest chunk is deleted. `quarantine` holds the reason once the chunk
+//!   is quarantined. The chunk's batches are the batches *of its stream* with `first_batch <= id
+//!   <= last_batch` (batch ids are shared by all streams, so a range always goes with
+//!   `stream_id`).
+//! * `batches(id INTEGER PRIMARY KEY, stream_id, records, crc32c, commit_ms, data BLOB)`: one
+//!   row per producer batch, in append order, **never updated**: inserted by `append`, deleted
+//!   with its chunk. `crc32c` is the CRC-32C of `data`, computed at append and checked on every
+//!   read. A chunk's payload is the concatenation of its batches' `data` in `id` order. The
+//!   writer chooses each id: greater than every batch id in the file and every
+//!   `streams.sealed_through` (SQLite's own choice, largest id + 1, would reuse the ids of acked
+//!   batches and put a new batch inside a sealed range). Files migrated from version 1 keep
+//!   version 1's column order and a `chunk_id` column, no longer read or written (see
+//!   `schema.rs`).
+//! * Indexes: `batches(stream_id, id)` (a chunk's batches, a stream's open batches, deleting a
+//!   range), `chunks(stream_id, first_ms) WHERE quarantine IS NULL` (per-stream oldest data).
+//! * Migration: a version-1 file (membership in `batches.chunk_id`) is converted in place at
+//!   [`Spool::open`], in one transaction that writes only `chunks`, `streams` and the indexes.
 //!
 //! Times (`commit_ms`, `first_ms`, `sealed_ms`) are the `now_ms` values the caller passed in
 //! (unix milliseconds); the spool reads no clock for them.
 //!
 //! # Commit sequence
 //!
-//! Every write call (`append`, `seal_*`, `ack`, `quarantine`, `purge_quarantined`) is one
-//! `BEGIN IMMEDIATE` ... `COMMIT`. At `COMMIT` SQLite appends the changed pages to `-wal` with a
+//! Every write call (`commit`, and `append`, `seal_*`, `ack`, which are `commit`s with one kind
+//! of work; `quarantine`, `purge_quarantined`) is one `BEGIN IMMEDIATE` ... `COMMIT`.
+//! [`Spool::commit`] puts a writer iteration's acks, appends and seals (in that order) into one
+//! transaction, so the agent pays one fsync per iteration; a call with nothing to do opens no
+//! transaction. At `COMMIT` SQLite appends the changed pages to `-wal` with a
 //! commit frame; under `synchronous=FULL` it then fsyncs `-wal` before `COMMIT` returns, under
 //! `NORMAL` it does not. Checkpoints (automatic, every ~1000 WAL pages, and when the last
 //! connection closes) copy WAL pages into the main file and fsync both in either mode; the WAL is
@@ -51,7 +65,8 @@
 //!
 //! # Durability contract
 //!
-//! * When [`Spool::append`] returns `Ok`, every request reported [`AppendOutcome::Accepted`] is in
+//! * When [`Spool::append`] returns `Ok` (or [`Spool::commit`] returns `Ok` with
+//!   [`CommitReport::appends`] `Ok`), every request reported [`AppendOutcome::Accepted`] is in
 //!   a committed transaction. With [`Durability::Full`] (`synchronous=FULL`) the WAL was fsynced
 //!   before `COMMIT` returned, so the batches survive a process crash *and* a power cut. With
 //!   [`Durability::Normal`] (`synchronous=NORMAL`) they survive a process crash; after a power
@@ -59,11 +74,15 @@
 //!   rolled back, but the database stays consistent.
 //! * A request reported [`AppendOutcome::Full`] stored none of its batches; the other requests of
 //!   the same call are unaffected. When `append` returns `Err`, the whole call was rolled back and
-//!   no request was accepted. (Caveat from SQLite: after an I/O error *during* `COMMIT` the
+//!   no request was accepted. When the appends of a [`Spool::commit`] fail, its acks and seals
+//!   are committed on their own (with the disk-reserve headroom), and the appends' error is
+//!   reported in [`CommitReport::appends`]. (Caveat from SQLite: after an I/O error *during* `COMMIT` the
 //!   outcome is unknowable; such a transaction may reappear after a restart.)
-//! * Sealing happens inside a transaction together with the `streams.next_seq` bump, so a chunk's
-//!   id, sequence number and contents never change once sealed, and a sequence number is never
-//!   reused, across acks, drops, quarantines and reopens.
+//! * Sealing happens inside a transaction together with the `streams.next_seq` and
+//!   `sealed_through` bump, so a chunk's id, sequence number and contents never change once
+//!   sealed, and a sequence number is never reused, across acks, drops, quarantines and reopens.
+//!   Sealing writes the chunk row and the stream row only; batch rows are written once, at
+//!   append.
 //! * Rows are deleted only (a) by [`Spool::ack`], chunk and batches in one transaction;
 //!   (b) by [`FullPolicy::DropOldest`] eviction inside an `append` transaction, counted in `meta`
 //!   in that same transaction; (c) by [`Spool::purge_quarantined`]. Reading never deletes.
@@ -87,13 +106,16 @@
 //!   are refused while the ballast cannot be written back, unless free pages inside the file
 //!   cover its size (see `reserve.rs`).
 //! * Every batch carries a CRC-32C; [`SpoolReader::read`] fails with [`SpoolError::Corrupt`] on a
-//!   mismatch instead of serving bad bytes. The caller then calls [`Spool::quarantine`]: the chunk
+//!   mismatch instead of serving bad bytes. [`SpoolReader::read_payload`] also returns the
+//!   payload's CRC-32C, combined from those verified batch checksums. The caller then calls [`Spool::quarantine`]: the chunk
 //!   stays on disk for inspection, is never offered again and no longer counts against
 //!   `max_bytes`.
 //!
 //! # Invariants
 //!
-//! * A batch is either open (`chunk_id IS NULL`) or belongs to exactly one chunk of its stream.
+//! * A batch is either open (`id > sealed_through` of its stream) or lies in the range of exactly
+//!   one chunk of its stream; the ranges of a stream's chunks do not overlap and all lie at or
+//!   below its `sealed_through`.
 //! * A chunk's `records`, `bytes` and `first_ms` equal the sum/sum/minimum over its batches.
 //! * For every stream, the chunks ever sealed carry exactly the seqs `1..next_seq`, each once.
 //! * Chunk ids increase strictly in sealing order and are never reused.
@@ -108,7 +130,7 @@
 //!
 //! * `lib.rs`: this contract and the public value types.
 //! * `error.rs`: [`SpoolError`].
-//! * `schema.rs`: DDL, pragmas, `user_version` migrations.
+//! * `schema.rs`: DDL, pragmas, `user_version` migrations (version 1 to 2).
 //! * `recovery.rs`: opening a file, quick check, quarantine of a bad file.
 //! * `check.rs`: [`check`], the read-only audit behind `edge-uploader spool check`.
 //! * `reserve.rs`: the disk reserve that keeps acks working on a full file system.
@@ -294,6 +316,27 @@ pub struct ChunkMeta {
     pub sealed_ms: u64,
 }
 
+/// A chunk's payload as [`SpoolReader::read_payload`] returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkPayload {
+    /// The batches' data, concatenated in append order.
+    pub data: Vec<u8>,
+    /// CRC-32C of `data`, combined from the batch checksums that were verified while reading.
+    pub crc32c: u32,
+}
+
+impl ChunkPayload {
+    /// Payload bytes.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// True for an empty payload.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+}
+
 /// What [`Spool::open`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpenReport {
@@ -314,6 +357,31 @@ pub struct AckReport {
     pub acked: u32,
     /// Ids not found (already acked, dropped, quarantined, or never existed).
     pub unknown: u32,
+}
+
+/// Which streams [`Spool::commit`] seals after its appends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum SealWhat {
+    /// None (streams still seal by size during the appends).
+    #[default]
+    Nothing,
+    /// Those whose linger expired, as [`Spool::seal_due`].
+    Due,
+    /// Every stream with open batches, as [`Spool::seal_all`].
+    All,
+}
+
+/// What [`Spool::commit`] did, all of it in one committed transaction.
+#[derive(Debug)]
+pub struct CommitReport {
+    /// One outcome per append request, in order; or the error that kept every request out
+    /// (the acks and seals were then committed without them).
+    pub appends: Result<Vec<AppendOutcome>, SpoolError>,
+    /// The acks.
+    pub acks: AckReport,
+    /// Chunks sealed by the call: by size during the appends, and by `seal`. Not a net count:
+    /// the acks of the same call may have deleted as many chunks.
+    pub sealed: u32,
 }
 
 /// Counters of the spool, kept in memory and true to disk after every call.

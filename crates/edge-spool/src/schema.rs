@@ -2,6 +2,13 @@
 //!
 //! Each migration runs in its own `IMMEDIATE` transaction together with the `user_version`
 //! bump, so a crash leaves the file at the old or the new version, never in between.
+//!
+//! Version 2 (the current one) records chunk membership as a batch-id range in `chunks`
+//! instead of a `chunk_id` in every batch row, so sealing never rewrites a batch. The migration
+//! from version 1 ([`V1_TO_V2`]) touches only `chunks`, `streams` and indexes: batch rows, which
+//! hold nearly all the bytes, are left as they are (a rewrite would need as much free disk as
+//! the spool holds, on gateways that are often short of it). So a migrated file keeps v1's
+//! `batches.chunk_id` column and its column order; version 2 never reads or writes that column.
 
 use std::time::Duration;
 
@@ -11,7 +18,7 @@ use crate::error::ctx;
 use crate::{Durability, SpoolError, SpoolId};
 
 /// The newest schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i64 = 1;
+pub(crate) const SCHEMA_VERSION: i64 = 2;
 
 /// How long a connection waits for a lock held by another connection.
 pub(crate) const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -19,8 +26,76 @@ pub(crate) const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Upper bound SQLite keeps the WAL at after a checkpoint (bytes).
 const JOURNAL_SIZE_LIMIT: i64 = 64 << 20;
 
-/// Version 1: the tables described in the crate docs.
-const V1: &str = "
+/// Version 2, as created for a new file: the tables described in the crate docs. `data` is the
+/// last column of `batches`, so reading the other columns never follows a blob's overflow pages.
+const V2: &str = "
+CREATE TABLE meta (
+    key   TEXT PRIMARY KEY,
+    value NOT NULL
+) WITHOUT ROWID;
+
+CREATE TABLE streams (
+    id             INTEGER PRIMARY KEY,
+    name           TEXT NOT NULL UNIQUE,
+    next_seq       INTEGER NOT NULL CHECK (next_seq >= 1),
+    sealed_through INTEGER NOT NULL DEFAULT 0
+);
+
+CREATE TABLE chunks (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    stream_id   INTEGER NOT NULL,
+    seq         INTEGER NOT NULL,
+    records     INTEGER NOT NULL,
+    bytes       INTEGER NOT NULL,
+    first_ms    INTEGER NOT NULL,
+    sealed_ms   INTEGER NOT NULL,
+    quarantine  TEXT,
+    first_batch INTEGER NOT NULL,
+    last_batch  INTEGER NOT NULL,
+    UNIQUE (stream_id, seq)
+);
+CREATE INDEX chunks_live_first ON chunks (stream_id, first_ms) WHERE quarantine IS NULL;
+
+CREATE TABLE batches (
+    id        INTEGER PRIMARY KEY,
+    stream_id INTEGER NOT NULL,
+    records   INTEGER NOT NULL,
+    crc32c    INTEGER NOT NULL,
+    commit_ms INTEGER NOT NULL,
+    data      BLOB NOT NULL
+);
+CREATE INDEX batches_stream ON batches (stream_id, id);
+
+INSERT INTO meta (key, value) VALUES ('dropped_chunks', 0), ('dropped_records', 0);
+";
+
+/// Version 1 to 2, in place. In version 1 a chunk's batches are exactly its stream's batches
+/// carrying its `chunk_id`, and a seal took every open batch of the stream; a batch's id is
+/// greater than that of every batch that existed when it was inserted. So a chunk's batches
+/// are contiguous among its stream's batches (`first_batch..=last_batch` of its stream), every
+/// sealed batch of a stream precedes its open ones, and `sealed_through` is the last batch of
+/// the stream's newest chunk (or just below its oldest open batch). A chunk whose batch rows
+/// are gone gets an empty range (1..=0), which reads as corrupt, as it did in version 1.
+const V1_TO_V2: &str = "
+ALTER TABLE chunks ADD COLUMN first_batch INTEGER NOT NULL DEFAULT 1;
+ALTER TABLE chunks ADD COLUMN last_batch INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE streams ADD COLUMN sealed_through INTEGER NOT NULL DEFAULT 0;
+UPDATE chunks SET
+    first_batch = coalesce((SELECT min(b.id) FROM batches b WHERE b.chunk_id = chunks.id), 1),
+    last_batch = coalesce((SELECT max(b.id) FROM batches b WHERE b.chunk_id = chunks.id), 0);
+UPDATE streams SET sealed_through = coalesce(
+    (SELECT max(c.last_batch) FROM chunks c WHERE c.stream_id = streams.id AND c.last_batch >= c.first_batch),
+    (SELECT min(b.id) - 1 FROM batches b WHERE b.stream_id = streams.id AND b.chunk_id IS NULL),
+    0);
+DROP INDEX batches_open;
+DROP INDEX batches_sealed;
+CREATE INDEX batches_stream ON batches (stream_id, id);
+";
+
+/// Version 1, as version 1 of this crate created it: kept to build version-1 files in the
+/// migration tests.
+#[cfg(test)]
+pub(crate) const V1: &str = "
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value NOT NULL
@@ -150,14 +225,23 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<Migrated, SpoolError> {
                 if tables > 0 {
                     return Ok(Migrated::Foreign);
                 }
-                tx.execute_batch(V1).map_err(ctx("creating schema version 1"))?;
+                tx.execute_batch(V2).map_err(ctx("creating schema version 2"))?;
                 tx.execute("INSERT INTO meta (key, value) VALUES (?1, ?2)", (META_SPOOL_ID, &SpoolId::random().0[..]))
                     .map_err(ctx("writing the spool id"))?;
-                tx.pragma_update(None, "user_version", 1).map_err(ctx("setting user_version"))?;
-                tx.commit().map_err(ctx("committing schema version 1"))?;
+                tx.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(ctx("setting user_version"))?;
+                tx.commit().map_err(ctx("committing schema version 2"))?;
                 created = true;
             }
-            // Future migrations go here: `1 => { ...; user_version = 2 }`.
+            1 => {
+                let tx = conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)
+                    .map_err(ctx("starting the migration from version 1"))?;
+                tx.execute_batch(V1_TO_V2).map_err(ctx("migrating schema version 1 to 2"))?;
+                tx.pragma_update(None, "user_version", 2).map_err(ctx("setting user_version"))?;
+                tx.commit().map_err(ctx("committing the migration from version 1"))?;
+                tracing::info!("spool schema migrated from version 1 to 2");
+            }
+            // Future migrations go here: `2 => { ...; user_version = 3 }`.
             v => {
                 return Err(SpoolError::Unrecoverable {
                     path: conn.path().unwrap_or_default().into(),
@@ -165,5 +249,157 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<Migrated, SpoolError> {
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Migration from version 1, on files written with version 1's DDL and statements.
+
+    use rusqlite::Connection;
+
+    use super::*;
+    use crate::{AppendRequest, Batch, ChunkId, ChunkMeta, Spool, SpoolOptions};
+
+    /// A version-1 file, written with the statements version 1 of the spool used.
+    struct V1File {
+        conn: Connection,
+    }
+
+    impl V1File {
+        fn create(path: &std::path::Path) -> V1File {
+            let conn = Connection::open(path).expect("open");
+            conn.pragma_update(None, "journal_mode", "WAL").expect("wal");
+            conn.execute_batch(V1).expect("v1 schema");
+            conn.execute("INSERT INTO meta (key, value) VALUES (?1, ?2)", (META_SPOOL_ID, &[7u8; 16][..]))
+                .expect("spool id");
+            conn.pragma_update(None, "user_version", 1).expect("user_version");
+            V1File { conn }
+        }
+
+        fn append(&self, stream: &str, data: &[u8], ms: i64) {
+            self.conn
+                .execute("INSERT OR IGNORE INTO streams (name, next_seq) VALUES (?1, 1)", [stream])
+                .expect("stream");
+            self.conn
+                .execute(
+                    "INSERT INTO batches (stream_id, chunk_id, data, records, crc32c, commit_ms)
+                     VALUES ((SELECT id FROM streams WHERE name = ?1), NULL, ?2, 1, ?3, ?4)",
+                    (stream, data, crc32c::crc32c(data), ms),
+                )
+                .expect("batch");
+        }
+
+        /// Version 1's `seal_stream`; returns the chunk id.
+        fn seal(&self, stream: &str, ms: i64) -> i64 {
+            let sid: i64 =
+                self.conn.query_row("SELECT id FROM streams WHERE name = ?1", [stream], |r| r.get(0)).expect("sid");
+            self.conn
+                .execute(
+                    "INSERT INTO chunks (stream_id, seq, records, bytes, first_ms, sealed_ms)
+                     SELECT ?1, (SELECT next_seq FROM streams WHERE id = ?1), count(*), sum(length(data)),
+                            min(commit_ms), ?2
+                     FROM batches WHERE stream_id = ?1 AND chunk_id IS NULL",
+                    (sid, ms),
+                )
+                .expect("chunk");
+            let chunk = self.conn.last_insert_rowid();
+            self.conn
+                .execute("UPDATE batches SET chunk_id = ?1 WHERE stream_id = ?2 AND chunk_id IS NULL", (chunk, sid))
+                .expect("assign");
+            self.conn.execute("UPDATE streams SET next_seq = next_seq + 1 WHERE id = ?1", [sid]).expect("seq");
+            chunk
+        }
+
+        fn ack(&self, chunk: i64) {
+            self.conn.execute("DELETE FROM batches WHERE chunk_id = ?1", [chunk]).expect("ack batches");
+            self.conn.execute("DELETE FROM chunks WHERE id = ?1", [chunk]).expect("ack chunk");
+        }
+
+        /// A chunk's payload as version 1 read it.
+        fn payload(&self, chunk: i64) -> Vec<u8> {
+            let mut stmt = self.conn.prepare("SELECT data FROM batches WHERE chunk_id = ?1 ORDER BY id").expect("prep");
+            let rows = stmt.query_map([chunk], |r| r.get::<_, Vec<u8>>(0)).expect("query");
+            rows.flat_map(|r| r.expect("row")).collect()
+        }
+    }
+
+    fn meta(spool: &Spool, id: i64) -> ChunkMeta {
+        let mut all = spool.reader().expect("reader").sealed_after(None, usize::MAX).expect("list");
+        let q = spool.reader().expect("reader").quarantined().expect("quarantined");
+        all.extend(q.into_iter().map(|q| q.meta));
+        all.into_iter().find(|m| m.id == ChunkId(id)).expect("chunk listed")
+    }
+
+    fn one(stream: &str, data: &[u8]) -> AppendRequest {
+        AppendRequest { batches: vec![Batch { stream: stream.into(), data: data.to_vec(), records: 1 }] }
+    }
+
+    #[test]
+    fn a_version_1_file_is_migrated_in_place_and_reads_back_byte_identical() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("spool.db");
+        let v1 = V1File::create(&path);
+        // Two streams interleaved, an acked chunk, a quarantined one, and an open batch whose id
+        // version 1 reused after the newest chunk was acked (rowid = largest id + 1).
+        v1.append("a", b"a1", 10);
+        v1.append("b", b"b1", 11);
+        v1.append("a", b"a2", 12);
+        let a_first = v1.seal("a", 13);
+        v1.append("b", b"b2", 14);
+        v1.append("a", b"a3", 15);
+        let b_first = v1.seal("b", 16);
+        v1.append("a", b"a4", 17);
+        let a_second = v1.seal("a", 18);
+        v1.ack(a_first);
+        v1.conn.execute("UPDATE chunks SET quarantine = 'bad' WHERE id = ?1", [a_second]).expect("quarantine");
+        v1.append("c", b"c1", 19);
+        v1.append("a", b"a5", 20);
+        let a_third = v1.seal("a", 21);
+        let reused: i64 = v1.conn.query_row("SELECT max(id) FROM batches", [], |r| r.get(0)).expect("max id");
+        v1.ack(a_third);
+        v1.append("a", b"a6", 22);
+        let a6: i64 = v1.conn.query_row("SELECT max(id) FROM batches", [], |r| r.get(0)).expect("max id");
+        assert_eq!(a6, reused, "version 1 reused the id of an acked batch");
+        v1.append("c", b"c2", 23);
+        let c_first = v1.seal("c", 24);
+        v1.append("c", b"c3", 25);
+        let before: Vec<(i64, Vec<u8>)> = [b_first, a_second, c_first].iter().map(|&c| (c, v1.payload(c))).collect();
+        drop(v1);
+        let audit = crate::check(&path).expect("check a version-1 file");
+        assert!(!audit.has_damage() && audit.chunks == 3 && audit.batches == 8, "{audit:?}");
+
+        let opts = SpoolOptions::new(&path);
+        let (mut spool, report) = Spool::open(opts.clone()).expect("open migrates");
+        assert!(!report.created && report.quarantined.is_none(), "{report:?}");
+        assert_eq!((report.open_batches, report.sealed_chunks), (2, 2));
+        let version: i64 = spool.conn().pragma_query_value(None, "user_version", |r| r.get(0)).expect("version");
+        assert_eq!(version, SCHEMA_VERSION);
+        let mut reader = spool.reader().expect("reader");
+        for (id, bytes) in &before {
+            assert_eq!(&reader.read(&meta(&spool, *id)).expect("read migrated chunk"), bytes, "chunk {id}");
+        }
+        let stats = spool.stats();
+        assert_eq!((stats.sealed_bytes, stats.open_bytes, stats.quarantined_chunks), (8, 4, 1));
+        let audit = crate::check(&path).expect("check the migrated file");
+        assert!(!audit.has_damage() && audit.chunks == 3 && audit.batches == 8, "{audit:?}");
+
+        // Open batches seal into the right chunks, and sequence numbers continue.
+        spool.append(&[one("a", b"a7"), one("b", b"b3")], 30).expect("append after migration");
+        assert_eq!(spool.seal_all(31).expect("seal"), 3);
+        let chunks = reader.sealed_after(Some(ChunkId(c_first)), usize::MAX).expect("list");
+        let got: Vec<(String, u64, Vec<u8>)> =
+            chunks.iter().map(|m| (m.stream.clone(), m.seq, reader.read(m).expect("read"))).collect();
+        let want = [("a", 4, &b"a6a7"[..]), ("b", 2, b"b3"), ("c", 2, b"c3")];
+        let want: Vec<(String, u64, Vec<u8>)> = want.iter().map(|(s, q, d)| (s.to_string(), *q, d.to_vec())).collect();
+        assert_eq!(got, want);
+        // Acks delete exactly their ranges; nothing else moves.
+        spool.ack(&[ChunkId(b_first)]).expect("ack");
+        assert_eq!(reader.read(&meta(&spool, c_first)).expect("read"), b"c1c2");
+        let stats = spool.stats();
+        drop(reader);
+        drop(spool);
+        let (spool, _) = Spool::open(opts).expect("reopen");
+        assert_eq!(spool.stats(), stats);
     }
 }

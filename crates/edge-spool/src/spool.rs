@@ -16,8 +16,8 @@ use crate::reserve::Reserve;
 use crate::schema::{META_DROPPED_CHUNKS, META_DROPPED_RECORDS};
 use crate::state::{State, StreamState, min_opt};
 use crate::{
-    AckReport, AppendOutcome, AppendRequest, ChunkId, FullPolicy, OpenReport, SpoolError, SpoolId, SpoolOptions,
-    SpoolStats, len_u64,
+    AckReport, AppendOutcome, AppendRequest, ChunkId, CommitReport, FullPolicy, OpenReport, SealWhat, SpoolError,
+    SpoolId, SpoolOptions, SpoolStats, len_u64,
 };
 
 /// The durable spool; the single writer of its file. `Send`, not `Sync`: put it behind a mutex
@@ -75,6 +75,53 @@ impl Spool {
         &self.opts
     }
 
+    /// Applies one writer iteration in ONE transaction (one `COMMIT`, one fsync under
+    /// [`Durability::Full`](crate::Durability::Full)): first the acks (so the space they free
+    /// is there for the appends), then the appends, then the seals `seal` asks for. Returns only
+    /// after `COMMIT` at the configured durability.
+    ///
+    /// Appends behave as in [`Spool::append`] (per-request all-or-nothing, capacity checked per
+    /// request in order, sealing by size), acks as in [`Spool::ack`], seals as in
+    /// [`Spool::seal_due`] / [`Spool::seal_all`], evaluated after the appends.
+    ///
+    /// Failure isolation: when the transaction fails (e.g. [`SpoolError::DiskFull`] because of
+    /// the appends) or the appends are refused beforehand (the disk reserve is in use), the acks
+    /// and seals are committed again on their own, with the disk-reserve headroom that acks get,
+    /// and the error is reported in [`CommitReport::appends`]: no request was stored.
+    ///
+    /// # Errors
+    /// When even the acks and seals alone could not be committed. Then nothing of the call was
+    /// stored, acked or sealed.
+    pub fn commit(
+        &mut self,
+        appends: &[AppendRequest],
+        acks: &[ChunkId],
+        seal: SealWhat,
+        now_ms: u64,
+    ) -> Result<CommitReport, SpoolError> {
+        let mut together = if appends.is_empty() {
+            // Acks and seals alone must work on a full disk too: data stuck in open batches is
+            // never uploaded, and only acks free space.
+            self.with_headroom(|s| s.commit_once(&[], acks, seal, now_ms))
+        } else {
+            self.append_gate(now_ms).and_then(|()| self.commit_once(appends, acks, seal, now_ms))
+        };
+        if !appends.is_empty() && matches!(together, Err(SpoolError::DiskFull)) && self.release_reserve_for_appends() {
+            together = self.commit_once(appends, acks, seal, now_ms);
+        }
+        let err = match together {
+            Ok((outcomes, acks, sealed)) => return Ok(CommitReport { appends: Ok(outcomes), acks, sealed }),
+            Err(e) if appends.is_empty() => return Err(e),
+            Err(e) => e,
+        };
+        if matches!(err, SpoolError::DiskFull) {
+            // A large WAL may be what fills the disk; shrinking it costs nothing if it works.
+            self.checkpoint_truncate();
+        }
+        let (_, acks, sealed) = self.with_headroom(|s| s.commit_once(&[], acks, seal, now_ms))?;
+        Ok(CommitReport { appends: Err(err), acks, sealed })
+    }
+
     /// Stores the requests in one transaction (group commit) and returns one outcome per
     /// request, in order. Returns only after `COMMIT` at the configured durability.
     ///
@@ -86,39 +133,95 @@ impl Spool {
     /// # Errors
     /// On `Err` nothing of the call was stored ([`SpoolError::DiskFull`] when the disk is full).
     pub fn append(&mut self, reqs: &[AppendRequest], now_ms: u64) -> Result<Vec<AppendOutcome>, SpoolError> {
-        if reqs.is_empty() {
-            return Ok(Vec::new());
-        }
+        self.commit(reqs, &[], SealWhat::Nothing, now_ms)?.appends
+    }
+
+    /// Seals every stream whose oldest open batch is at least `linger` old at `now_ms` (or
+    /// whose oldest batch lies in the future of `now_ms`: the clock went backwards, and waiting
+    /// for it to catch up could hold data for hours). Returns the number of chunks sealed.
+    ///
+    /// # Errors
+    /// On `Err` nothing was sealed.
+    pub fn seal_due(&mut self, now_ms: u64) -> Result<u32, SpoolError> {
+        Ok(self.commit(&[], &[], SealWhat::Due, now_ms)?.sealed)
+    }
+
+    /// Seals every stream that has open batches (e.g. at shutdown). Returns the chunks sealed.
+    ///
+    /// # Errors
+    /// On `Err` nothing was sealed.
+    pub fn seal_all(&mut self, now_ms: u64) -> Result<u32, SpoolError> {
+        Ok(self.commit(&[], &[], SealWhat::All, now_ms)?.sealed)
+    }
+
+    /// Deletes the acknowledged chunks and their batches in one transaction. Ids not in the
+    /// spool (already acked, dropped, quarantined, unknown) are counted in
+    /// [`AckReport::unknown`], not treated as errors.
+    ///
+    /// # Errors
+    /// On `Err` nothing was deleted; the chunks will be offered again, which is safe.
+    pub fn ack(&mut self, chunks: &[ChunkId]) -> Result<AckReport, SpoolError> {
+        Ok(self.commit(&[], chunks, SealWhat::Nothing, 0)?.acks)
+    }
+
+    /// Refuses appends while the disk reserve is in use and cannot be written back (unless free
+    /// pages inside the file cover it): producer data must not take the acks' headroom.
+    fn append_gate(&mut self, now_ms: u64) -> Result<(), SpoolError> {
         if !self.reserve.is_present() {
             self.checkpoint_truncate();
             if !self.reserve.try_restore(now_ms) && self.free_bytes_in_file() < self.opts.disk_reserve_bytes {
-                // The headroom for acks is in use: producer data must not take it.
                 return Err(SpoolError::DiskFull);
             }
         }
-        let mut result = self.append_once(reqs, now_ms);
-        if matches!(result, Err(SpoolError::DiskFull)) {
-            // A large WAL may be what fills the disk; shrinking it costs nothing if it works.
-            self.checkpoint_truncate();
-            // The file has room inside for the rows (acked chunks left free pages behind, and
-            // the file never shrinks): only the WAL lacks disk blocks, and the ballast holds
-            // them. Without this, a drained spool on a full file system refuses every append
-            // forever. The guard above still keeps the last `disk_reserve_bytes` of free pages
-            // for acks, and the ballast comes back once the file system has room for it twice.
-            if self.reserve.is_present()
-                && self.free_bytes_in_file() >= self.opts.disk_reserve_bytes.saturating_mul(2)
-                && self.reserve.release()
-            {
-                self.checkpoint_truncate();
-                result = self.append_once(reqs, now_ms);
-            }
-        }
-        result
+        Ok(())
     }
 
-    fn append_once(&mut self, reqs: &[AppendRequest], now_ms: u64) -> Result<Vec<AppendOutcome>, SpoolError> {
+    /// After an append failed for want of disk space with the ballast in place: when the file
+    /// holds at least twice the reserve in free pages (acked chunks leave them behind; the file
+    /// never shrinks), the rows fit inside it and only the WAL lacks disk blocks, which the
+    /// ballast holds. Releases it (and truncates the WAL) so the append can be tried once more.
+    /// Without this, a drained spool on a full file system refuses every append forever. The
+    /// gate still keeps the last `disk_reserve_bytes` of free pages for acks, and the ballast
+    /// comes back once the file system has room for it twice.
+    fn release_reserve_for_appends(&mut self) -> bool {
+        self.checkpoint_truncate();
+        if self.reserve.is_present()
+            && self.free_bytes_in_file() >= self.opts.disk_reserve_bytes.saturating_mul(2)
+            && self.reserve.release()
+        {
+            self.checkpoint_truncate();
+            return true;
+        }
+        false
+    }
+
+    /// One transaction: acks, appends, seals. Does nothing (no transaction) when there is
+    /// nothing to do.
+    fn commit_once(
+        &mut self,
+        reqs: &[AppendRequest],
+        acks: &[ChunkId],
+        seal: SealWhat,
+        now_ms: u64,
+    ) -> Result<(Vec<AppendOutcome>, AckReport, u32), SpoolError> {
+        let linger_ms = u64::try_from(self.opts.linger.as_millis()).unwrap_or(u64::MAX);
+        if reqs.is_empty() && acks.is_empty() && seal_names(&self.state, seal, linger_ms, now_ms).is_empty() {
+            return Ok((Vec::new(), AckReport::default(), 0));
+        }
         let mut st = self.state.clone();
         let tx = begin(&mut self.conn)?;
+        let mut touched = BTreeSet::new();
+        let mut report = AckReport::default();
+        for &id in acks {
+            match delete_chunk(&tx, &mut st, id)? {
+                Some(deleted) => {
+                    report.acked += 1;
+                    touched.insert(deleted.stream_id);
+                }
+                None => report.unknown += 1,
+            }
+        }
+        let mut sealed = 0u32;
         let mut outcomes = Vec::with_capacity(reqs.len());
         let mut dropped = Dropped::default();
         for req in reqs {
@@ -130,26 +233,39 @@ impl Spool {
                 let stream = stream_entry(&tx, &mut st, &batch.stream)?;
                 if stream.open_records + u64::from(batch.records) > u64::from(u32::MAX) {
                     // Keeps a chunk's record count within ChunkMeta::records (u32).
-                    seal_stream(&tx, &mut st, &batch.stream, now_ms)?;
+                    sealed += u32::from(seal_stream(&tx, &mut st, &batch.stream, now_ms)?);
                 }
+                let batch_id = st.next_batch_id;
                 let stream = stream_entry(&tx, &mut st, &batch.stream)?;
                 tx.prepare_cached(
-                    "INSERT INTO batches (stream_id, chunk_id, data, records, crc32c, commit_ms)
-                     VALUES (?1, NULL, ?2, ?3, ?4, ?5)",
+                    "INSERT INTO batches (id, stream_id, records, crc32c, commit_ms, data)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
                 )
                 .and_then(|mut s| {
-                    s.execute((stream.id, &batch.data, batch.records, crc32c::crc32c(&batch.data), sql_u64(now_ms)))
+                    s.execute((
+                        batch_id,
+                        stream.id,
+                        batch.records,
+                        crc32c::crc32c(&batch.data),
+                        sql_u64(now_ms),
+                        &batch.data,
+                    ))
                 })
                 .map_err(ctx("inserting a batch"))?;
                 stream.open_batches += 1;
                 stream.open_records += u64::from(batch.records);
                 stream.open_bytes += len_u64(&batch.data);
                 stream.oldest_open_ms = min_opt(stream.oldest_open_ms, Some(now_ms));
-                if stream.open_bytes >= self.opts.chunk_target_bytes {
-                    seal_stream(&tx, &mut st, &batch.stream, now_ms)?;
+                let full = stream.open_bytes >= self.opts.chunk_target_bytes;
+                st.next_batch_id = batch_id.saturating_add(1);
+                if full {
+                    sealed += u32::from(seal_stream(&tx, &mut st, &batch.stream, now_ms)?);
                 }
             }
             outcomes.push(AppendOutcome::Accepted);
+        }
+        for name in seal_names(&st, seal, linger_ms, now_ms) {
+            sealed += u32::from(seal_stream(&tx, &mut st, &name, now_ms)?);
         }
         if dropped.chunks > 0 {
             for (key, n) in [(META_DROPPED_CHUNKS, dropped.chunks), (META_DROPPED_RECORDS, dropped.records)] {
@@ -159,11 +275,28 @@ impl Spool {
             }
             st.dropped_chunks += dropped.chunks;
             st.dropped_records += dropped.records;
-            refresh_oldest_sealed(&tx, &mut st, &dropped.streams)?;
+            touched.extend(&dropped.streams);
         }
-        crate::crash_point!("spool::append::before_commit");
-        tx.commit().map_err(ctx("committing appended batches"))?;
-        crate::crash_point!("spool::append::after_commit");
+        refresh_oldest_sealed(&tx, &mut st, &touched)?;
+        if !reqs.is_empty() {
+            crate::crash_point!("spool::append::before_commit");
+        }
+        if !acks.is_empty() {
+            crate::crash_point!("spool::ack::before_commit");
+        }
+        if sealed > 0 {
+            crate::crash_point!("spool::seal::before_commit");
+        }
+        tx.commit().map_err(ctx("committing a writer transaction"))?;
+        if !reqs.is_empty() {
+            crate::crash_point!("spool::append::after_commit");
+        }
+        if !acks.is_empty() {
+            crate::crash_point!("spool::ack::after_commit");
+        }
+        if sealed > 0 {
+            crate::crash_point!("spool::seal::after_commit");
+        }
         self.state = st;
         if dropped.chunks > 0 {
             tracing::warn!(
@@ -173,97 +306,10 @@ impl Spool {
                 "spool full: dropped the oldest chunks to make room"
             );
         }
-        Ok(outcomes)
-    }
-
-    /// Seals every stream whose oldest open batch is at least `linger` old at `now_ms` (or
-    /// whose oldest batch lies in the future of `now_ms`: the clock went backwards, and waiting
-    /// for it to catch up could hold data for hours). Returns the number of chunks sealed.
-    ///
-    /// # Errors
-    /// On `Err` nothing was sealed.
-    pub fn seal_due(&mut self, now_ms: u64) -> Result<u32, SpoolError> {
-        let linger = u64::try_from(self.opts.linger.as_millis()).unwrap_or(u64::MAX);
-        let due: Vec<String> = self
-            .state
-            .streams
-            .iter()
-            .filter(|(_, s)| s.oldest_open_ms.is_some_and(|t| now_ms < t || now_ms - t >= linger))
-            .map(|(name, _)| name.clone())
-            .collect();
-        self.seal_streams(&due, now_ms)
-    }
-
-    /// Seals every stream that has open batches (e.g. at shutdown). Returns the chunks sealed.
-    ///
-    /// # Errors
-    /// On `Err` nothing was sealed.
-    pub fn seal_all(&mut self, now_ms: u64) -> Result<u32, SpoolError> {
-        let all: Vec<String> =
-            self.state.streams.iter().filter(|(_, s)| s.open_batches > 0).map(|(name, _)| name.clone()).collect();
-        self.seal_streams(&all, now_ms)
-    }
-
-    fn seal_streams(&mut self, names: &[String], now_ms: u64) -> Result<u32, SpoolError> {
-        if names.is_empty() {
-            return Ok(0);
-        }
-        // Sealing must work on a full disk too: data stuck in open batches is never uploaded.
-        self.with_headroom(|s| s.seal_streams_once(names, now_ms))
-    }
-
-    fn seal_streams_once(&mut self, names: &[String], now_ms: u64) -> Result<u32, SpoolError> {
-        let mut st = self.state.clone();
-        let tx = begin(&mut self.conn)?;
-        let mut sealed = 0;
-        for name in names {
-            if seal_stream(&tx, &mut st, name, now_ms)? {
-                sealed += 1;
-            }
-        }
-        crate::crash_point!("spool::seal::before_commit");
-        tx.commit().map_err(ctx("committing sealed chunks"))?;
-        crate::crash_point!("spool::seal::after_commit");
-        self.state = st;
-        Ok(sealed)
-    }
-
-    /// Deletes the acknowledged chunks and their batches in one transaction. Ids not in the
-    /// spool (already acked, dropped, quarantined, unknown) are counted in
-    /// [`AckReport::unknown`], not treated as errors.
-    ///
-    /// # Errors
-    /// On `Err` nothing was deleted; the chunks will be offered again, which is safe.
-    pub fn ack(&mut self, chunks: &[ChunkId]) -> Result<AckReport, SpoolError> {
-        if chunks.is_empty() {
-            return Ok(AckReport::default());
-        }
-        self.with_headroom(|s| s.ack_once(chunks))
-    }
-
-    fn ack_once(&mut self, chunks: &[ChunkId]) -> Result<AckReport, SpoolError> {
-        let mut report = AckReport::default();
-        let mut st = self.state.clone();
-        let tx = begin(&mut self.conn)?;
-        let mut touched = BTreeSet::new();
-        for &id in chunks {
-            match delete_chunk(&tx, &mut st, id)? {
-                Some(deleted) => {
-                    report.acked += 1;
-                    touched.insert(deleted.stream_id);
-                }
-                None => report.unknown += 1,
-            }
-        }
-        refresh_oldest_sealed(&tx, &mut st, &touched)?;
-        crate::crash_point!("spool::ack::before_commit");
-        tx.commit().map_err(ctx("committing acks"))?;
-        crate::crash_point!("spool::ack::after_commit");
-        self.state = st;
         if report.unknown > 0 {
             tracing::debug!(acked = report.acked, unknown = report.unknown, "ack for chunks not in the spool");
         }
-        Ok(report)
+        Ok((outcomes, report, sealed))
     }
 
     /// Takes a chunk out of circulation, keeping its rows for inspection: it is never offered
@@ -314,12 +360,13 @@ impl Spool {
 
     fn purge_quarantined_once(&mut self) -> Result<u64, SpoolError> {
         let tx = begin(&mut self.conn)?;
-        tx.execute(
-            "DELETE FROM batches
-             WHERE chunk_id IN (SELECT id FROM chunks WHERE quarantine IS NOT NULL)",
-            [],
-        )
-        .map_err(ctx("purging quarantined batches"))?;
+        let ranges: Vec<(i64, i64, i64)> = tx
+            .prepare("SELECT stream_id, first_batch, last_batch FROM chunks WHERE quarantine IS NOT NULL")
+            .and_then(|mut s| s.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?.collect())
+            .map_err(ctx("listing quarantined chunks"))?;
+        for range in ranges {
+            delete_batches(&tx, range)?;
+        }
         let n = tx
             .execute("DELETE FROM chunks WHERE quarantine IS NOT NULL", [])
             .map_err(ctx("purging quarantined chunks"))?;
@@ -415,6 +462,18 @@ struct DeletedChunk {
     records: u64,
 }
 
+/// The streams `what` asks to seal, given the counters: those with open batches (`All`), or
+/// those whose oldest open batch is at least `linger_ms` old at `now_ms` or lies in its future
+/// (`Due`).
+fn seal_names(st: &State, what: SealWhat, linger_ms: u64, now_ms: u64) -> Vec<String> {
+    let due = |s: &StreamState| match what {
+        SealWhat::Nothing => false,
+        SealWhat::Due => s.oldest_open_ms.is_some_and(|t| now_ms < t || now_ms - t >= linger_ms),
+        SealWhat::All => s.open_batches > 0,
+    };
+    st.streams.iter().filter(|(_, s)| due(s)).map(|(name, _)| name.clone()).collect()
+}
+
 fn begin(conn: &mut rusqlite::Connection) -> Result<Transaction<'_>, SpoolError> {
     conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(ctx("beginning a write transaction"))
 }
@@ -465,16 +524,19 @@ fn make_room(
 /// Deletes a live (not quarantined) chunk and its batches, updating the counters except the
 /// per-stream oldest time (see [`refresh_oldest_sealed`]). `None` if there is no such chunk.
 fn delete_chunk(tx: &Transaction<'_>, st: &mut State, id: ChunkId) -> Result<Option<DeletedChunk>, SpoolError> {
-    let row: Option<(i64, u64, u64)> = tx
-        .prepare_cached("SELECT stream_id, records, bytes FROM chunks WHERE id = ?1 AND quarantine IS NULL")
-        .and_then(|mut s| s.query_row([id.0], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional())
+    let row: Option<(i64, u64, u64, i64, i64)> = tx
+        .prepare_cached(
+            "SELECT stream_id, records, bytes, first_batch, last_batch FROM chunks
+             WHERE id = ?1 AND quarantine IS NULL",
+        )
+        .and_then(|mut s| {
+            s.query_row([id.0], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))).optional()
+        })
         .map_err(ctx("looking up a chunk"))?;
-    let Some((stream_id, records, bytes)) = row else {
+    let Some((stream_id, records, bytes, first_batch, last_batch)) = row else {
         return Ok(None);
     };
-    tx.prepare_cached("DELETE FROM batches WHERE chunk_id = ?1")
-        .and_then(|mut s| s.execute([id.0]))
-        .map_err(ctx("deleting a chunk's batches"))?;
+    delete_batches(tx, (stream_id, first_batch, last_batch))?;
     tx.prepare_cached("DELETE FROM chunks WHERE id = ?1")
         .and_then(|mut s| s.execute([id.0]))
         .map_err(ctx("deleting a chunk"))?;
@@ -482,6 +544,14 @@ fn delete_chunk(tx: &Transaction<'_>, st: &mut State, id: ChunkId) -> Result<Opt
     stream.sealed_chunks = stream.sealed_chunks.saturating_sub(1);
     stream.sealed_bytes = stream.sealed_bytes.saturating_sub(bytes);
     Ok(Some(DeletedChunk { stream_id, records }))
+}
+
+/// Deletes the batches of a chunk: those of stream `.0` with ids in `.1..=.2`.
+fn delete_batches(tx: &Transaction<'_>, (stream_id, first, last): (i64, i64, i64)) -> Result<(), SpoolError> {
+    tx.prepare_cached("DELETE FROM batches WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3")
+        .and_then(|mut s| s.execute((stream_id, first, last)))
+        .map_err(ctx("deleting a chunk's batches"))?;
+    Ok(())
 }
 
 /// Re-reads the oldest sealed time of the given streams after chunks were removed.
@@ -521,35 +591,48 @@ fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) ->
     let Some(stream) = st.streams.get_mut(name) else {
         return Ok(false);
     };
-    let (batches, records, bytes, first_ms): (u64, u64, u64, Option<u64>) = tx
+    type Open = (u64, u64, u64, Option<u64>, Option<i64>, Option<i64>);
+    let (batches, records, bytes, first_ms, first_batch, last_batch): Open = tx
         .prepare_cached(
             "SELECT count(*), coalesce(sum(records), 0), coalesce(sum(length(data)), 0),
-                    min(commit_ms)
-             FROM batches WHERE stream_id = ?1 AND chunk_id IS NULL",
+                    min(commit_ms), min(id), max(id)
+             FROM batches WHERE stream_id = ?1 AND id > ?2",
         )
-        .and_then(|mut s| s.query_row([stream.id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))))
+        .and_then(|mut s| {
+            s.query_row((stream.id, stream.sealed_through), |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?))
+            })
+        })
         .map_err(ctx("summing open batches"))?;
-    let Some(first_ms) = first_ms else {
+    let (Some(first_ms), Some(first_batch), Some(last_batch)) = (first_ms, first_batch, last_batch) else {
         return Ok(false);
     };
     let seq = stream.next_seq;
     tx.prepare_cached(
-        "INSERT INTO chunks (stream_id, seq, records, bytes, first_ms, sealed_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        "INSERT INTO chunks (stream_id, seq, records, bytes, first_ms, sealed_ms, first_batch, last_batch)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
     )
     .and_then(|mut s| {
-        s.execute((stream.id, sql_u64(seq), sql_u64(records), sql_u64(bytes), sql_u64(first_ms), sql_u64(now_ms)))
+        s.execute((
+            stream.id,
+            sql_u64(seq),
+            sql_u64(records),
+            sql_u64(bytes),
+            sql_u64(first_ms),
+            sql_u64(now_ms),
+            first_batch,
+            last_batch,
+        ))
     })
     .map_err(ctx("inserting a chunk"))?;
-    let chunk_id = tx.last_insert_rowid();
     crate::crash_point!("spool::seal::chunk_row_written");
-    tx.prepare_cached("UPDATE batches SET chunk_id = ?1 WHERE stream_id = ?2 AND chunk_id IS NULL")
-        .and_then(|mut s| s.execute((chunk_id, stream.id)))
-        .map_err(ctx("assigning batches to a chunk"))?;
-    tx.prepare_cached("UPDATE streams SET next_seq = ?1 WHERE id = ?2")
-        .and_then(|mut s| s.execute((sql_u64(seq + 1), stream.id)))
+    // The batches themselves are not touched: the chunk row names their range, and moving
+    // `sealed_through` past it closes the stream's open set.
+    tx.prepare_cached("UPDATE streams SET next_seq = ?1, sealed_through = ?2 WHERE id = ?3")
+        .and_then(|mut s| s.execute((sql_u64(seq + 1), last_batch, stream.id)))
         .map_err(ctx("advancing a stream's sequence"))?;
     stream.next_seq = seq + 1;
+    stream.sealed_through = last_batch;
     stream.sealed_chunks += 1;
     stream.sealed_bytes += bytes;
     stream.oldest_sealed_ms = min_opt(stream.oldest_sealed_ms, Some(first_ms));
@@ -725,6 +808,127 @@ mod tests {
         spool.append(&[req(vec![batch("a", b"a")])], 2).expect("append");
         spool.seal_all(2).expect("seal");
         assert!(all_sealed(&spool)[0].id > first);
+    }
+
+    #[test]
+    fn a_batch_appended_after_the_newest_chunk_was_acked_is_open_not_taken_for_sealed() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("b", b"b1")])], 1).expect("append");
+        spool.append(&[req(vec![batch("a", b"a1")])], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        let ids: Vec<ChunkId> = all_sealed(&spool).iter().map(|c| c.id).collect();
+        spool.ack(&ids).expect("ack: the batch table is now empty");
+        spool.append(&[req(vec![batch("a", b"a2")])], 2).expect("append");
+        assert_eq!(spool.stats().open_bytes, 2);
+        drop(spool);
+        let (mut spool, report) = open(&opts);
+        assert_eq!(report.open_batches, 1);
+        spool.append(&[req(vec![batch("a", b"a3")])], 3).expect("append after reopen");
+        assert_eq!(spool.seal_all(3).expect("seal"), 1);
+        let chunks = all_sealed(&spool);
+        assert_eq!((chunks.len(), chunks[0].seq), (1, 2));
+        assert_eq!(read(&spool, &chunks[0]).expect("read"), b"a2a3");
+    }
+
+    #[test]
+    fn sealing_writes_only_small_rows_not_the_batches_again() {
+        let (dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", &[5; 200_000])])], 1).expect("append");
+        let wal = || std::fs::metadata(dir.path().join("spool.db-wal")).expect("wal").len();
+        let before = wal();
+        assert_eq!(spool.seal_all(2).expect("seal"), 1);
+        let written = wal() - before;
+        assert!(written < 32 << 10, "sealing a 200 kB batch wrote {written} bytes of WAL");
+        assert_eq!(read(&spool, &all_sealed(&spool)[0]).expect("read"), vec![5; 200_000]);
+    }
+
+    /// Commit frames in the WAL file from byte `from` on (each transaction ends with one).
+    fn wal_commits(dir: &TempDir, from: usize) -> (usize, usize) {
+        let wal = std::fs::read(dir.path().join("spool.db-wal")).expect("wal");
+        let page = u32::from_be_bytes(wal[8..12].try_into().expect("4 bytes")) as usize;
+        let mut commits = 0;
+        let mut at = from.max(32);
+        while at + 24 + page <= wal.len() {
+            if wal[at + 4..at + 8] != [0; 4] {
+                commits += 1;
+            }
+            at += 24 + page;
+        }
+        (commits, wal.len())
+    }
+
+    #[test]
+    fn commit_appends_acks_and_seals_in_one_transaction_and_counts_what_it_sealed() {
+        let (dir, mut opts) = setup();
+        opts.chunk_target_bytes = 100;
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", &[1; 100]), batch("b", &[2; 10])])], 1).expect("append");
+        let first = all_sealed(&spool);
+        assert_eq!(first.len(), 1);
+        let (_, wal_len) = wal_commits(&dir, 0);
+        let reqs = [req(vec![batch("c", &[3; 5])]), req(vec![batch("a", &[4; 5])])];
+        let r = spool.commit(&reqs, &[first[0].id, ChunkId(999)], SealWhat::All, 2).expect("commit");
+        assert_eq!(r.appends.expect("appends"), vec![AppendOutcome::Accepted; 2]);
+        assert_eq!(r.acks, AckReport { acked: 1, unknown: 1 });
+        assert_eq!(r.sealed, 3, "a, b and c were sealed although the chunk count grew by only 2");
+        assert_eq!(wal_commits(&dir, wal_len).0, 1, "one transaction, one commit frame");
+        let chunks = all_sealed(&spool);
+        let got: Vec<_> = chunks.iter().map(|c| (c.stream.as_str(), c.seq, c.bytes)).collect();
+        assert_eq!(got, vec![("a", 2, 5), ("b", 1, 10), ("c", 1, 5)]);
+        let stats = spool.stats();
+        assert_eq!((stats.sealed_chunks, stats.open_bytes, stats.total_bytes), (3, 0, 20));
+        drop(spool);
+        assert_eq!(open(&opts).0.stats(), stats);
+    }
+
+    #[test]
+    fn commit_with_nothing_to_do_writes_nothing() {
+        let (dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"x")])], 1_000).expect("append");
+        let (_, wal_len) = wal_commits(&dir, 0);
+        let r = spool.commit(&[], &[], SealWhat::Due, 1_001).expect("commit");
+        assert_eq!((r.appends.expect("appends").len(), r.acks, r.sealed), (0, AckReport::default(), 0));
+        assert_eq!(wal_commits(&dir, 0).1, wal_len);
+    }
+
+    #[test]
+    fn commit_keeps_the_acks_and_seals_when_the_appends_fill_the_disk() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", &[1; 3_000])])], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        spool.append(&[req(vec![batch("b", &[2; 50])])], 2).expect("append");
+        let acked = all_sealed(&spool)[0].id;
+        let pages = count(&spool, "PRAGMA page_count");
+        spool.conn().pragma_update(None, "max_page_count", pages).expect("cap pages");
+        let big = [req(vec![batch("c", &[3; 100_000])])];
+        let r = spool.commit(&big, &[acked], SealWhat::All, 3).expect("acks and seals still commit");
+        assert!(matches!(r.appends, Err(SpoolError::DiskFull)), "{:?}", r.appends);
+        assert_eq!((r.acks.acked, r.sealed), (1, 1));
+        let chunks = all_sealed(&spool);
+        assert_eq!((chunks.len(), chunks[0].stream.as_str(), chunks[0].bytes), (1, "b", 50));
+        let stats = spool.stats();
+        assert_eq!((stats.total_bytes, stats.open_bytes), (50, 0), "nothing of the appends was stored");
+        spool.conn().pragma_update(None, "max_page_count", 1_000_000).expect("uncap");
+        drop(spool);
+        assert_eq!(open(&opts).0.stats(), stats);
+    }
+
+    #[test]
+    fn read_payload_returns_the_crc32c_of_the_whole_payload() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        let batches = vec![batch("a", b"first batch"), batch("a", b""), batch("a", &[9; 5_000]), batch("a", b"z")];
+        spool.append(&[req(batches)], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        let chunk = &all_sealed(&spool)[0];
+        let payload = spool.reader().expect("reader").read_payload(chunk).expect("read");
+        assert_eq!(payload.len(), 5_012);
+        assert_eq!(payload.crc32c, crc32c::crc32c(&payload.data));
+        assert_ne!(payload.crc32c, 0);
     }
 
     #[test]

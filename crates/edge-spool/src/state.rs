@@ -19,6 +19,8 @@ pub(crate) struct StreamState {
     pub id: i64,
     /// `streams.next_seq`.
     pub next_seq: u64,
+    /// `streams.sealed_through`: the stream's batches with a greater id are its open batches.
+    pub sealed_through: i64,
     pub open_batches: u64,
     pub open_records: u64,
     pub open_bytes: u64,
@@ -47,6 +49,11 @@ pub(crate) struct State {
     pub dropped_chunks: u64,
     pub dropped_records: u64,
     pub quarantined_chunks: u64,
+    /// The id the next inserted batch gets: greater than every batch id in the file and every
+    /// `streams.sealed_through`. SQLite's own rowid choice (largest id + 1) would reuse the ids
+    /// of acked batches once the newest ones are deleted, putting a new batch inside a range
+    /// that is already sealed.
+    pub next_batch_id: i64,
 }
 
 impl State {
@@ -54,32 +61,53 @@ impl State {
     pub(crate) fn load(conn: &Connection) -> Result<State, SpoolError> {
         let mut st = State::default();
         {
-            let mut stmt = conn.prepare("SELECT id, name, next_seq FROM streams").map_err(ctx("loading streams"))?;
+            let mut stmt = conn
+                .prepare("SELECT id, name, next_seq, sealed_through FROM streams")
+                .map_err(ctx("loading streams"))?;
             let rows = stmt
-                .query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get(2)?)))
+                .query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get(2)?, r.get(3)?)))
                 .map_err(ctx("loading streams"))?;
             for row in rows {
-                let (id, name, next_seq): (i64, String, u64) = row.map_err(ctx("loading streams"))?;
+                let (id, name, next_seq, sealed_through): (i64, String, u64, i64) =
+                    row.map_err(ctx("loading streams"))?;
                 st.names.insert(id, name.clone());
-                st.streams.insert(name, StreamState { id, next_seq, ..StreamState::default() });
+                st.streams.insert(name, StreamState { id, next_seq, sealed_through, ..StreamState::default() });
             }
         }
         {
+            // Open batches, stream by stream, over the (stream_id, id) index.
             let mut stmt = conn
                 .prepare(
-                    "SELECT stream_id, count(*), sum(records), sum(length(data)), min(commit_ms)
-                     FROM batches WHERE chunk_id IS NULL GROUP BY stream_id",
+                    "SELECT count(*), coalesce(sum(records), 0), coalesce(sum(length(data)), 0), min(commit_ms)
+                     FROM batches WHERE stream_id = ?1 AND id > ?2",
                 )
                 .map_err(ctx("loading open batch counters"))?;
-            let mut rows = stmt.query([]).map_err(ctx("loading open batch counters"))?;
-            while let Some(r) = rows.next().map_err(ctx("loading open batch counters"))? {
-                let s = st.stream_by_id_mut(r.get(0).map_err(ctx("loading open batch counters"))?)?;
-                let get = |i| r.get::<_, u64>(i).map_err(ctx("loading open batch counters"));
-                s.open_batches = get(1)?;
-                s.open_records = get(2)?;
-                s.open_bytes = get(3)?;
-                s.oldest_open_ms = Some(get(4)?);
+            for s in st.streams.values_mut() {
+                let (batches, records, bytes, oldest) = stmt
+                    .query_row((s.id, s.sealed_through), |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+                    .map_err(ctx("loading open batch counters"))?;
+                (s.open_batches, s.open_records, s.open_bytes, s.oldest_open_ms) = (batches, records, bytes, oldest);
             }
+            let orphan: Option<i64> = conn
+                .query_row(
+                    "SELECT stream_id FROM batches WHERE stream_id NOT IN (SELECT id FROM streams) LIMIT 1",
+                    [],
+                    |r| r.get(0),
+                )
+                .optional()
+                .map_err(ctx("looking for batches of unknown streams"))?;
+            if let Some(id) = orphan {
+                st.stream_by_id_mut(id)?;
+            }
+            let last: Option<i64> = conn
+                .query_row(
+                    "SELECT max(coalesce((SELECT max(id) FROM batches), 0),
+                                coalesce((SELECT max(sealed_through) FROM streams), 0))",
+                    [],
+                    |r| r.get(0),
+                )
+                .map_err(ctx("finding the last batch id"))?;
+            st.next_batch_id = last.unwrap_or(0).saturating_add(1);
         }
         {
             let mut stmt = conn

@@ -123,7 +123,9 @@ fn flipped_byte_in_a_batch_is_reported_as_corrupt_by_read_and_can_be_quarantined
     let raw = Connection::open(&opts.path).expect("raw connection");
     let (batch_id, mut data): (i64, Vec<u8>) = raw
         .query_row(
-            "SELECT id, data FROM batches WHERE chunk_id = ?1 ORDER BY id LIMIT 1 OFFSET 1",
+            "SELECT b.id, b.data FROM batches b JOIN chunks c
+             ON b.stream_id = c.stream_id AND b.id BETWEEN c.first_batch AND c.last_batch
+             WHERE c.id = ?1 ORDER BY b.id LIMIT 1 OFFSET 1",
             [chunks[0].id.0],
             |r| Ok((r.get(0)?, r.get(1)?)),
         )
@@ -216,7 +218,7 @@ fn newer_schema_version_is_refused_and_the_file_left_in_place() {
     raw.pragma_update(None, "user_version", 99).expect("bump version");
     drop(raw);
     match Spool::open(opts.clone()) {
-        Err(SpoolError::UnsupportedSchema { found: 99, supported: 1 }) => {}
+        Err(SpoolError::UnsupportedSchema { found: 99, supported: 2 }) => {}
         other => panic!("expected UnsupportedSchema, got {:?}", other.map(|(_, r)| r)),
     }
     assert!(opts.path.exists());

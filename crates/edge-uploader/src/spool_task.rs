@@ -2,8 +2,9 @@
 //!
 //! Intake requests and upload acks arrive on a channel. The thread takes everything queued at
 //! that moment and commits it in one transaction (group commit), so a thousand small concurrent
-//! producer requests cost one fsync, not a thousand. It also seals chunks whose linger expired
-//! and wakes the uploader whenever an iteration may have sealed a chunk.
+//! producer requests cost one fsync, not a thousand. The same transaction records the acks and
+//! seals the chunks whose linger expired (`Spool::commit`): one fsync per iteration. The thread
+//! wakes the uploader whenever a commit sealed at least one chunk.
 
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -11,7 +12,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use edge_spool::{
-    AppendOutcome, AppendRequest, ChunkId, FullPolicy, Spool, SpoolError, SpoolId, SpoolReader, SpoolStats,
+    AppendOutcome, AppendRequest, ChunkId, ChunkPayload, FullPolicy, SealWhat, Spool, SpoolError, SpoolId, SpoolReader,
+    SpoolStats,
 };
 use tokio::sync::{Notify, oneshot};
 use tracing::{error, warn};
@@ -203,57 +205,56 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, stats: Arc<Mutex<Spool
             }
         }
         let now = now_ms();
-        // Whether this iteration may have sealed a chunk: an append seals a stream that reached
-        // the chunk target. A net count would miss seals offset by acks in the same iteration.
-        let mut maybe_sealed = false;
-        if !appends.is_empty() {
-            maybe_sealed = true;
-            let (reqs, replies): (Vec<_>, Vec<_>) = std::mem::take(&mut appends).into_iter().unzip();
-            match spool.append(&reqs, now) {
-                Ok(outcomes) => {
-                    // Publish the new state before answering, so a producer that got its 200
-                    // never sees statistics from before its own commit.
-                    publish(&spool, &stats);
-                    for (reply, outcome) in replies.into_iter().zip(outcomes) {
-                        let r = match outcome {
-                            AppendOutcome::Accepted => Ok(()),
-                            AppendOutcome::Full => Err(AppendFailure::Full),
-                        };
-                        let _gone = reply.send(r);
-                    }
-                }
-                Err(e) => {
-                    let failure = match e {
-                        SpoolError::DiskFull => AppendFailure::DiskFull,
-                        other => AppendFailure::Storage(other.to_string()),
+        let (reqs, replies): (Vec<_>, Vec<_>) = std::mem::take(&mut appends).into_iter().unzip();
+        let ids = std::mem::take(&mut acks);
+        let seal = if seal_waiters.is_empty() && open { SealWhat::Due } else { SealWhat::All };
+        // One transaction, one fsync: acks, appends, seals.
+        let (answer, sealed_now) = match spool.commit(&reqs, &ids, seal, now) {
+            Ok(report) => (report.appends.map_err(append_failure), report.sealed),
+            Err(e) => {
+                // Nothing was committed. Unacked chunks stay in the spool and are offered
+                // again (the server dedups them); open batches are sealed next time.
+                warn!(error = %e, chunks = ids.len(), "writer commit failed: no acks, seals or appends recorded");
+                (Err(append_failure(e)), 0)
+            }
+        };
+        // Publish the new state before answering, so a producer that got its 200 never sees
+        // statistics from before its own commit.
+        publish(&spool, &stats);
+        match answer {
+            Ok(outcomes) => {
+                for (reply, outcome) in replies.into_iter().zip(outcomes) {
+                    let r = match outcome {
+                        AppendOutcome::Accepted => Ok(()),
+                        AppendOutcome::Full => Err(AppendFailure::Full),
                     };
-                    warn!(error = %failure, requests = replies.len(), "group commit failed; producers get an error and nothing is stored");
-                    for reply in replies {
-                        let _gone = reply.send(Err(failure.clone()));
-                    }
+                    let _gone = reply.send(r);
                 }
             }
-        }
-        if !acks.is_empty() {
-            let ids = std::mem::take(&mut acks);
-            if let Err(e) = spool.ack(&ids) {
-                // The chunks stay in the spool and are offered again; the server dedups them.
-                warn!(error = %e, chunks = ids.len(), "could not delete acknowledged chunks");
+            Err(failure) => {
+                if !replies.is_empty() {
+                    warn!(error = %failure, requests = replies.len(), "group commit failed; producers get an error and nothing is stored");
+                }
+                for reply in replies {
+                    let _gone = reply.send(Err(failure.clone()));
+                }
             }
-        }
-        let seal = if seal_waiters.is_empty() || !open { spool.seal_due(now) } else { spool.seal_all(now) };
-        match seal {
-            Ok(n) => maybe_sealed |= n > 0,
-            Err(e) => warn!(error = %e, "sealing failed"),
         }
         for w in seal_waiters.drain(..) {
             let _gone = w.send(());
         }
-        let snapshot = spool.stats();
-        if maybe_sealed && snapshot.sealed_chunks > 0 {
+        // Wake the uploader for every chunk sealed, not for a net growth of the sealed count:
+        // acks in the same commit may delete as many chunks as were sealed.
+        if sealed_now > 0 {
             sealed.notify_one();
         }
-        *stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = snapshot;
+    }
+}
+
+fn append_failure(e: SpoolError) -> AppendFailure {
+    match e {
+        SpoolError::DiskFull => AppendFailure::DiskFull,
+        other => AppendFailure::Storage(other.to_string()),
     }
 }
 
@@ -269,12 +270,13 @@ impl ReaderHandle {
         Self { reader: Arc::new(Mutex::new(reader)) }
     }
 
-    /// Sealed chunks after `after`, with their payloads (or the read error for each).
+    /// Sealed chunks after `after`, with their payloads and the payloads' CRC-32C (or the read
+    /// error for each).
     pub async fn next(
         &self,
         after: Option<ChunkId>,
         limit: usize,
-    ) -> Result<Vec<(edge_spool::ChunkMeta, Result<Vec<u8>, SpoolError>)>, SpoolError> {
+    ) -> Result<Vec<(edge_spool::ChunkMeta, Result<ChunkPayload, SpoolError>)>, SpoolError> {
         let reader = self.reader.clone();
         tokio::task::spawn_blocking(move || {
             let mut r = reader.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -282,7 +284,7 @@ impl ReaderHandle {
             Ok(metas
                 .into_iter()
                 .map(|m| {
-                    let data = r.read(&m);
+                    let data = r.read_payload(&m);
                     (m, data)
                 })
                 .collect())

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use edge_proto::client::{ClientEvent, ClientSession};
 use edge_proto::{AckStatus, ChunkHeader, Codec, ErrorCode, Limits, StreamName};
-use edge_spool::{ChunkId, ChunkMeta, SpoolError};
+use edge_spool::{ChunkId, ChunkMeta, ChunkPayload, SpoolError};
 use rand::Rng;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -575,7 +575,7 @@ async fn send_chunk(
     conn: quinn::Connection,
     state: Arc<Mutex<CtlState>>,
     meta: ChunkMeta,
-    raw: Vec<u8>,
+    raw: ChunkPayload,
     compression: Compression,
     counters: Arc<UploadCounters>,
 ) -> (ChunkMeta, SendOutcome) {
@@ -587,7 +587,7 @@ async fn send_chunk_inner(
     conn: &quinn::Connection,
     state: &Mutex<CtlState>,
     meta: &ChunkMeta,
-    raw: Vec<u8>,
+    raw: ChunkPayload,
     compression: Compression,
     counters: &UploadCounters,
 ) -> SendOutcome {
@@ -598,12 +598,13 @@ async fn send_chunk_inner(
     let Ok(raw_len) = u32::try_from(raw.len()) else {
         return SendOutcome::Unsendable(format!("chunk of {} bytes is over 4 GiB", raw.len()));
     };
-    let (codec, payload) = match compression {
-        Compression::Zstd(level) => match edge_proto::records::compress_payload(&raw, level) {
-            Ok(c) if c.len() < raw.len() => (Codec::Zstd, c),
-            _ => (Codec::None, raw),
+    // Uncompressed, the payload's CRC-32C is the one the spool combined from its batch checksums.
+    let (codec, checksum, payload) = match compression {
+        Compression::Zstd(level) => match edge_proto::records::compress_payload(&raw.data, level) {
+            Ok(c) if c.len() < raw.len() => (Codec::Zstd, crc32c::crc32c(&c), c),
+            _ => (Codec::None, raw.crc32c, raw.data),
         },
-        Compression::None => (Codec::None, raw),
+        Compression::None => (Codec::None, raw.crc32c, raw.data),
     };
     let header = ChunkHeader {
         stream: stream.clone(),
@@ -612,7 +613,7 @@ async fn send_chunk_inner(
         raw_len,
         payload_len: u32::try_from(payload.len()).unwrap_or(u32::MAX),
         codec,
-        checksum: crc32c::crc32c(&payload),
+        checksum,
         created_ms: meta.first_ms,
     };
     let rx = {
