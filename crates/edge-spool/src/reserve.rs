@@ -11,8 +11,8 @@
 //!
 //! Appends never use the headroom: while the ballast is missing, an append first tries to write
 //! it again ([`Reserve::try_restore`], at most once per [`RESTORE_EVERY_MS`], and only when the
-//! file system has room for it twice, so the restored ballast does not take the WAL's last
-//! blocks) and is refused with
+//! file system has room for it plus [`WAL_MARGIN`], so the restored ballast does not take the
+//! WAL's last blocks) and is refused with
 //! `DiskFull` when that fails, unless the database file holds at least as many bytes of free
 //! pages (acked chunks leave those behind; the file never shrinks) that new rows can reuse
 //! without growing the file. So producer data never eats the space that acks need, and a spool
@@ -29,6 +29,10 @@ use std::path::PathBuf;
 
 /// Minimum time between two attempts to write the ballast again while it is missing.
 pub(crate) const RESTORE_EVERY_MS: u64 = 1000;
+
+/// Free space the file system must keep beyond the ballast before it is written back: about
+/// what the WAL grows to between two automatic checkpoints (1000 pages of 4 KiB).
+pub(crate) const WAL_MARGIN: u64 = 4 << 20;
 
 /// The ballast file and its state.
 #[derive(Debug)]
@@ -71,7 +75,7 @@ impl Reserve {
         if self.last_attempt_ms.is_some_and(|t| now_ms >= t && now_ms - t < RESTORE_EVERY_MS) {
             return false;
         }
-        if !self.room_for_twice() {
+        if !self.room_for_ballast_and_wal() {
             self.last_attempt_ms = Some(now_ms);
             return false;
         }
@@ -112,17 +116,17 @@ impl Reserve {
         true
     }
 
-    /// Whether the file system has room for the ballast twice over: once for the ballast, once
-    /// for the WAL that keeps the spool working. Restoring into the last free blocks would only
-    /// take them from the WAL, so the next write fails and releases the ballast again, over and
-    /// over. True when the file system cannot say (the write then decides).
-    fn room_for_twice(&self) -> bool {
+    /// Whether the file system has room for the ballast plus [`WAL_MARGIN`] for the WAL that
+    /// keeps the spool working. Restoring into the last free blocks would only take them from
+    /// the WAL, so the next write fails and releases the ballast again, over and over. True when
+    /// the file system cannot say (the write then decides).
+    fn room_for_ballast_and_wal(&self) -> bool {
         let dir = match self.path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d,
             _ => std::path::Path::new("."),
         };
         match rustix::fs::statvfs(dir) {
-            Ok(st) => st.f_bavail.saturating_mul(st.f_frsize) >= self.size.saturating_mul(2),
+            Ok(st) => st.f_bavail.saturating_mul(st.f_frsize) >= self.size.saturating_add(WAL_MARGIN),
             Err(_) => true,
         }
     }

@@ -182,7 +182,7 @@ impl Spool {
     /// ballast holds. Releases it (and truncates the WAL) so the append can be tried once more.
     /// Without this, a drained spool on a full file system refuses every append forever. The
     /// gate still keeps the last `disk_reserve_bytes` of free pages for acks, and the ballast
-    /// comes back once the file system has room for it twice.
+    /// comes back once the file system has room for it and a WAL.
     fn release_reserve_for_appends(&mut self) -> bool {
         self.checkpoint_truncate();
         if self.reserve.is_present()

@@ -83,13 +83,14 @@ fn append_until_full(spool: &mut Spool, seed: &mut u64) -> u64 {
 
 #[test]
 fn enospc_under_the_spool_fails_appends_cleanly_and_acks_still_free_space() {
-    let Some(fs) = Tmpfs::mount("24m") else {
+    let Some(fs) = Tmpfs::mount("32m") else {
         eprintln!("SKIPPED: `mount -t tmpfs` failed (not root?); this test needs a real full file system");
         return;
     };
-    // Another tenant of the file system; deleting it later is "space returns".
+    // Another tenant of the file system; deleting it later is "space returns", enough for the
+    // reserve to come back (it needs its own size plus a WAL's worth free).
     let tenant = fs.path().join("other-tenant");
-    std::fs::write(&tenant, vec![1u8; 2 << 20]).expect("tenant file");
+    std::fs::write(&tenant, vec![1u8; 6 << 20]).expect("tenant file");
     let path = fs.path().join("spool.db");
     let mut opts = SpoolOptions::new(&path);
     opts.chunk_target_bytes = 64 << 10;
