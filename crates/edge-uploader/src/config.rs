@@ -90,6 +90,7 @@ pub struct RawUpload {
     pub cert: PathBuf,
     pub key: PathBuf,
     pub max_in_flight: u32,
+    pub max_in_flight_bytes: ByteSize,
     #[serde(with = "humantime_serde_compat")]
     pub backoff_min: Duration,
     #[serde(with = "humantime_serde_compat")]
@@ -106,6 +107,7 @@ impl Default for RawUpload {
             cert: PathBuf::from("/etc/edge-uploader/tls/device.pem"),
             key: PathBuf::from("/etc/edge-uploader/tls/device.key"),
             max_in_flight: 32,
+            max_in_flight_bytes: ByteSize::mib(4),
             backoff_min: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
             bind: "0.0.0.0:0".into(),
@@ -177,6 +179,8 @@ pub struct UploadConfig {
     pub server_name: String,
     pub tls: edge_transport::ClientTls,
     pub max_in_flight: u32,
+    /// Payload bytes in flight at most (checked before each chunk is read; see the uploader).
+    pub max_in_flight_bytes: u64,
     pub backoff_min: Duration,
     pub backoff_max: Duration,
     pub bind: SocketAddr,
@@ -295,6 +299,9 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     if raw.upload.max_in_flight == 0 || raw.upload.max_in_flight > 1024 {
         bail!("upload.max_in_flight: expected 1..=1024, got {}", raw.upload.max_in_flight);
     }
+    if raw.upload.max_in_flight_bytes.as_u64() == 0 || raw.upload.max_in_flight_bytes.as_u64() > 1 << 30 {
+        bail!("upload.max_in_flight_bytes: expected 1 B..=1 GiB, got {}", raw.upload.max_in_flight_bytes);
+    }
     if raw.upload.backoff_min.is_zero() || raw.upload.backoff_min > raw.upload.backoff_max {
         bail!("upload.backoff_min must be above zero and at most upload.backoff_max");
     }
@@ -343,6 +350,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
                 server_name,
             },
             max_in_flight: raw.upload.max_in_flight,
+            max_in_flight_bytes: raw.upload.max_in_flight_bytes.as_u64(),
             backoff_min: raw.upload.backoff_min,
             backoff_max: raw.upload.backoff_max,
             bind,

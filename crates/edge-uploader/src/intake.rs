@@ -76,6 +76,7 @@ impl Intake {
             "spool_max_bytes": config.spool.max_bytes,
             "spool_full_policy": policy,
             "max_in_flight": config.upload.max_in_flight,
+            "max_in_flight_bytes": config.upload.max_in_flight_bytes,
         });
     }
 }

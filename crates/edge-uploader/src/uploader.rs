@@ -1,18 +1,19 @@
 //! The uploader: keeps one QUIC connection to the ingest server and up to `max_in_flight`
-//! chunks on parallel uni-streams, deletes a chunk from the spool only after its ack, and
-//! reconnects with exponential backoff and jitter.
+//! chunks (and about `max_in_flight_bytes` of payload) on parallel uni-streams, deletes a chunk
+//! from the spool only after its ack, and reconnects with exponential backoff and jitter.
 //!
 //! Per connection:
 //! 1. open the control bi-stream, run the client session's handshake (Hello → Welcome);
 //! 2. a control task feeds control bytes to the session and hands each ack to the task waiting
 //!    for it;
-//! 3. the scheduler reads sealed chunks from the spool in sealing order, skipping those in
-//!    flight, and starts one send task per chunk: open a uni-stream, write header and payload
-//!    with `write_chunk`, finish, await the ack;
+//! 3. the scheduler reads sealed chunks from the spool in sealing order, one at a time and only
+//!    while both the chunk and the byte budget have room, and starts one send task per chunk:
+//!    open a uni-stream, write header and payload with `write_chunk`, finish, await the ack.
+//!    Chunks answered `Retry` are offered again, by id, after a backoff;
 //! 4. when the connection ends, every chunk that was not acked is simply still in the spool:
 //!    the next connection starts scanning from the oldest sealed chunk again.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -41,6 +42,9 @@ pub struct UploaderOptions {
     pub bind: SocketAddr,
     /// Chunks in flight at most; shared so a configuration reload applies to a live connection.
     pub max_in_flight: Arc<std::sync::atomic::AtomicU32>,
+    /// Payload bytes in flight at most (read from the spool and not yet acked), applied
+    /// together with `max_in_flight`; shared for the same reason.
+    pub max_in_flight_bytes: Arc<AtomicU64>,
     pub backoff_min: Duration,
     pub backoff_max: Duration,
     pub compression: Compression,
@@ -434,7 +438,11 @@ impl<'a> Connection<'a> {
         });
 
         let mut tasks: JoinSet<(ChunkMeta, SendOutcome)> = JoinSet::new();
-        let mut in_flight: HashSet<ChunkId> = HashSet::new();
+        let mut in_flight = InFlight::default();
+        // Chunks handed back on this connection (answered Retry) to offer again, lowest id
+        // first. All of them are at or before `cursor` and none is in flight, so reading them
+        // never reads a payload that is already on its way.
+        let mut redo: BTreeSet<ChunkId> = BTreeSet::new();
         let mut cursor: Option<ChunkId> = None;
         let mut progress = false;
         let mut drain_deadline: Option<tokio::time::Instant> = None;
@@ -449,19 +457,26 @@ impl<'a> Connection<'a> {
             if draining && tasks.is_empty() {
                 break Ok(());
             }
-            // Fill the window.
-            let max_in_flight = window();
-            if !draining && !exhausted && retry_at.is_none() && in_flight.len() < max_in_flight {
-                let room = max_in_flight - in_flight.len();
-                // A rescan from the start sees the chunks in flight again: ask for enough.
-                let limit = room + if cursor.is_none() { in_flight.len() } else { 0 };
-                let fetched = self.reader.next(cursor, limit).await?;
-                if fetched.len() < limit {
-                    exhausted = true;
-                }
+            // Fill the window, one chunk per read: both budgets are checked before each payload
+            // is read, and a payload is read only for a chunk that is then sent.
+            let room = in_flight.has_room(window(), self.opts.max_in_flight_bytes.load(Ordering::Relaxed));
+            if !draining && retry_at.is_none() && room && (!redo.is_empty() || !exhausted) {
+                let fetched = if let Some(id) = redo.pop_first() {
+                    let mut fetched = self.reader.next(Some(ChunkId(id.0.saturating_sub(1))), 1).await?;
+                    // Anything else means the chunk left the spool meanwhile (dropped by the
+                    // cap): the read of the chunk after it was in vain, and is discarded.
+                    fetched.retain(|(meta, _)| meta.id == id);
+                    fetched
+                } else {
+                    let fetched = self.reader.next(cursor, 1).await?;
+                    match fetched.last() {
+                        Some((meta, _)) => cursor = Some(meta.id),
+                        None => exhausted = true,
+                    }
+                    fetched
+                };
                 for (meta, data) in fetched {
-                    cursor = Some(meta.id);
-                    if in_flight.contains(&meta.id) {
+                    if in_flight.contains(meta.id) {
                         continue;
                     }
                     let raw = match data {
@@ -492,7 +507,7 @@ impl<'a> Connection<'a> {
                         );
                         continue;
                     }
-                    in_flight.insert(meta.id);
+                    in_flight.insert(meta.id, raw.len() as u64);
                     self.counters.in_flight.fetch_add(1, Ordering::Relaxed);
                     tasks.spawn(send_chunk(
                         self.conn.clone(),
@@ -515,8 +530,6 @@ impl<'a> Connection<'a> {
                 () = self.spool.sealed(), if !draining && exhausted => { exhausted = false; }
                 () = async { if let Some(t) = retry_at { tokio::time::sleep_until(t).await } }, if retry_at.is_some() => {
                     retry_at = None;
-                    cursor = None;
-                    exhausted = false;
                 }
                 r = &mut control => {
                     let e = match r {
@@ -529,7 +542,7 @@ impl<'a> Connection<'a> {
                 e = self.conn.closed() => break Err(e.into()),
                 Some(joined) = tasks.join_next() => {
                     let Ok((meta, outcome)) = joined else { continue };
-                    in_flight.remove(&meta.id);
+                    in_flight.remove(meta.id);
                     self.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
                     match outcome {
                         SendOutcome::Acked(status @ (AckStatus::Stored | AckStatus::Duplicate)) => {
@@ -544,6 +557,7 @@ impl<'a> Connection<'a> {
                             self.counters.retry.add(&meta);
                             let delay = retry_backoff.next_delay();
                             warn!(stream = %meta.stream, seq = meta.seq, ?reason, ?delay, "server asked to retry the chunk later");
+                            redo.insert(meta.id);
                             retry_at.get_or_insert(tokio::time::Instant::now() + delay);
                         }
                         SendOutcome::Acked(AckStatus::Rejected(reason)) => {
@@ -568,6 +582,44 @@ impl<'a> Connection<'a> {
             Err(ConnError::Lost(e)) if progress => Err(ConnError::LostAfterProgress(e.to_string())),
             Err(e) => Err(e),
         }
+    }
+}
+
+/// The chunks in flight on one connection and their payload bytes, held against both limits.
+#[derive(Debug, Default)]
+struct InFlight {
+    chunks: HashMap<ChunkId, u64>,
+    bytes: u64,
+}
+
+impl InFlight {
+    /// Whether another chunk may be read and sent: fewer than `max_chunks` chunks and fewer than
+    /// `max_bytes` bytes are in flight. With nothing in flight always, so a chunk bigger than the
+    /// byte budget still goes, alone. The bytes in flight thus stay below `max_bytes` plus one
+    /// chunk.
+    fn has_room(&self, max_chunks: usize, max_bytes: u64) -> bool {
+        self.chunks.is_empty() || (self.chunks.len() < max_chunks && self.bytes < max_bytes)
+    }
+
+    fn contains(&self, id: ChunkId) -> bool {
+        self.chunks.contains_key(&id)
+    }
+
+    fn insert(&mut self, id: ChunkId, bytes: u64) {
+        if let Some(old) = self.chunks.insert(id, bytes) {
+            self.bytes -= old;
+        }
+        self.bytes += bytes;
+    }
+
+    fn remove(&mut self, id: ChunkId) {
+        if let Some(bytes) = self.chunks.remove(&id) {
+            self.bytes -= bytes;
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.chunks.len()
     }
 }
 
@@ -668,6 +720,31 @@ mod tests {
         assert_eq!(last_cap, Duration::from_secs(1));
         b.reset();
         assert!(b.next_delay() <= Duration::from_millis(100));
+    }
+
+    #[test]
+    fn in_flight_room_needs_both_budgets_but_always_admits_one_chunk() {
+        let mut f = InFlight::default();
+        // Nothing in flight: a chunk goes even if the byte budget is smaller than it.
+        assert!(f.has_room(1, 1));
+        f.insert(ChunkId(1), 10 << 20);
+        assert!(!f.has_room(32, 8 << 20), "10 MiB in flight is over an 8 MiB budget");
+        f.remove(ChunkId(1));
+        assert!(f.has_room(32, 8 << 20));
+        for id in 1..=7 {
+            f.insert(ChunkId(id), 512 << 10);
+        }
+        assert!(f.has_room(32, 4 << 20), "3.5 MiB of 4 MiB: room for one more");
+        f.insert(ChunkId(8), 512 << 10);
+        assert!(!f.has_room(32, 4 << 20), "4 MiB of 4 MiB: no room");
+        assert!(!f.has_room(8, 1 << 30), "8 of 8 chunks: no room");
+        // Re-inserting a chunk does not count its bytes twice; removing frees them.
+        f.insert(ChunkId(8), 512 << 10);
+        assert_eq!(f.bytes, 4 << 20);
+        f.remove(ChunkId(8));
+        f.remove(ChunkId(8));
+        assert_eq!((f.len(), f.bytes), (7, 7 * (512 << 10)));
+        assert!(f.has_room(8, 4 << 20));
     }
 
     #[test]
