@@ -9,7 +9,8 @@
 //! 3. the scheduler reads sealed chunks from the spool in sealing order, one at a time and only
 //!    while both the chunk and the byte budget have room, and starts one send task per chunk:
 //!    open a uni-stream, write header and payload with `write_chunk`, finish, await the ack.
-//!    Chunks answered `Retry` are offered again, by id, after a backoff;
+//!    Chunks answered `Retry`, and chunks whose stream failed while the connection lives on,
+//!    are offered again, by id, after a backoff;
 //! 4. when the connection ends, every chunk that was not acked is simply still in the spool:
 //!    the next connection starts scanning from the oldest sealed chunk again.
 
@@ -342,7 +343,8 @@ struct Connection<'a> {
 
 enum SendOutcome {
     Acked(AckStatus),
-    /// The connection went away before the ack; the chunk stays in the spool.
+    /// No ack will come on this connection (its stream failed, or the connection went away);
+    /// the chunk stays in the spool and is offered again.
     Lost(String),
     /// The chunk cannot be sent as stored (bad stream name in the spool).
     Unsendable(String),
@@ -439,7 +441,7 @@ impl<'a> Connection<'a> {
 
         let mut tasks: JoinSet<(ChunkMeta, SendOutcome)> = JoinSet::new();
         let mut in_flight = InFlight::default();
-        // Chunks handed back on this connection (answered Retry) to offer again, lowest id
+        // Chunks handed back on this connection (answered Retry, or lost) to offer again, lowest id
         // first. All of them are at or before `cursor` and none is in flight, so reading them
         // never reads a payload that is already on its way.
         let mut redo: BTreeSet<ChunkId> = BTreeSet::new();
@@ -569,7 +571,16 @@ impl<'a> Connection<'a> {
                             error!(stream = %meta.stream, seq = meta.seq, %why, "chunk cannot be sent; quarantined");
                             self.spool.quarantine(meta.id, why);
                         }
-                        SendOutcome::Lost(why) => debug!(stream = %meta.stream, seq = meta.seq, %why, "chunk not acked on this connection"),
+                        SendOutcome::Lost(why) => {
+                            // Only this stream may have failed (the server stopped it) while the
+                            // connection lives on, and the cursor is past the chunk: offer it
+                            // again by id after a backoff, as for a Retry. If the connection is
+                            // going, the loop ends first and the next one rescans anyway.
+                            let delay = retry_backoff.next_delay();
+                            debug!(stream = %meta.stream, seq = meta.seq, %why, ?delay, "chunk not acked on this connection; offering it again");
+                            redo.insert(meta.id);
+                            retry_at.get_or_insert(tokio::time::Instant::now() + delay);
+                        }
                     }
                 }
             }
@@ -684,17 +695,33 @@ async fn send_chunk_inner(
         s.write_chunk(Bytes::from(head)).await.map_err(|e| e.to_string())?;
         s.write_chunk(Bytes::from(payload)).await.map_err(|e| e.to_string())?;
         s.finish().map_err(|e| e.to_string())?;
-        Ok::<(), String>(())
+        Ok::<quinn::SendStream, String>(s)
     }
     .await;
-    if let Err(e) = sent {
+    let abandon = |why: String| {
         let mut st = lock(state);
         st.session.chunk_abandoned(&header.stream, meta.seq);
         st.waiters.remove(&(header.stream.clone(), meta.seq));
-        return SendOutcome::Lost(e);
-    }
+        SendOutcome::Lost(why)
+    };
+    let s = match sent {
+        Ok(s) => s,
+        Err(e) => return abandon(e),
+    };
     counters.wire_bytes_total.fetch_add(wire, Ordering::Relaxed);
-    match rx.await {
+    // The whole chunk may be buffered before the server stops the stream; then no ack comes
+    // on this connection. `stopped` tells that apart from the server having every byte (`None`,
+    // after which only the ack decides).
+    let stopped = s.stopped();
+    let mut rx = rx;
+    let acked = tokio::select! {
+        r = &mut rx => r,
+        st = stopped => match st {
+            Ok(Some(code)) => return abandon(format!("server stopped the chunk stream (code {code})")),
+            Ok(None) | Err(_) => rx.await,
+        },
+    };
+    match acked {
         Ok(status) => SendOutcome::Acked(status),
         Err(_) => SendOutcome::Lost("connection ended before the ack".into()),
     }
