@@ -124,6 +124,7 @@ impl Agent {
             bind: config.upload.bind,
             max_in_flight: max_in_flight.clone(),
             max_in_flight_bytes: max_in_flight_bytes.clone(),
+            connect_timeout: config.upload.connect_timeout,
             backoff_min: config.upload.backoff_min,
             backoff_max: config.upload.backoff_max,
             compression: config.upload.compression,
@@ -180,7 +181,7 @@ impl Agent {
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 13] = [
+        let fixed: [(&'static str, bool); 14] = [
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
             ("intake.max_record_bytes", a.intake.max_record_bytes != b.intake.max_record_bytes),
@@ -200,6 +201,7 @@ impl Agent {
                 "upload.backoff",
                 a.upload.backoff_min != b.upload.backoff_min || a.upload.backoff_max != b.upload.backoff_max,
             ),
+            ("upload.connect_timeout", a.upload.connect_timeout != b.upload.connect_timeout),
             ("upload.bind", a.upload.bind != b.upload.bind || a.upload.compression != b.upload.compression),
             ("metrics.listen", a.metrics_listen != b.metrics_listen),
         ];

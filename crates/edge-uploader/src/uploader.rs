@@ -46,6 +46,9 @@ pub struct UploaderOptions {
     /// Payload bytes in flight at most (read from the spool and not yet acked), applied
     /// together with `max_in_flight`; shared for the same reason.
     pub max_in_flight_bytes: Arc<AtomicU64>,
+    /// Bound on one connection attempt (resolve and handshake); a fresh attempt follows after
+    /// the backoff, rather than the stale one retransmitting its Initial ever more slowly.
+    pub connect_timeout: Duration,
     pub backoff_min: Duration,
     pub backoff_max: Duration,
     pub compression: Compression,
@@ -62,6 +65,8 @@ pub struct UploadCounters {
     /// The current (or last) connection, for `status`.
     pub session: Mutex<SessionInfo>,
     pub connects_total: AtomicU64,
+    /// Connection attempts started (each bounded by `connect_timeout`).
+    pub connect_attempts_total: AtomicU64,
     /// Chunks the server answered `Stored`.
     pub stored: AckCounter,
     /// Chunks the server answered `Duplicate` (it had them already).
@@ -209,9 +214,13 @@ pub async fn run(
     let endpoint = edge_transport::client_endpoint(opts.bind, &opts.tuning)?;
     let mut backoff = Backoff::new(opts.backoff_min, opts.backoff_max);
     while !cancel.is_cancelled() {
+        counters.connect_attempts_total.fetch_add(1, Ordering::Relaxed);
+        // Dropping an unfinished attempt closes it, so it stops sending.
         let attempt = tokio::select! {
             () = cancel.cancelled() => break,
-            r = connect(&endpoint, &opts) => r,
+            r = tokio::time::timeout(opts.connect_timeout, connect(&endpoint, &opts)) => r.unwrap_or_else(|_| {
+                Err(anyhow::anyhow!("no handshake within {}", humantime::format_duration(opts.connect_timeout)))
+            }),
         };
         match attempt {
             Ok(conn) => {

@@ -3,6 +3,7 @@
 //! connection, a stream, the uploader's end) and never sleep; every wait is bounded so a
 //! regression fails instead of hanging.
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -76,6 +77,7 @@ impl AgentSide {
             limits: Limits::default(),
             drain_grace: Duration::from_secs(20),
             tuning: Tuning::default(),
+            connect_timeout: Duration::from_secs(5),
         }
     }
 
@@ -89,10 +91,10 @@ impl AgentSide {
     }
 }
 
-fn server(pki: &InMemoryPki, tuning: &Tuning) -> quinn::Endpoint {
+fn server(pki: &InMemoryPki, tuning: &Tuning, addr: SocketAddr) -> quinn::Endpoint {
     let config = edge_transport::server_config_from_pem(&pki.server_cert_pem, &pki.server_key_pem, &pki.ca_pem, tuning)
         .expect("server config");
-    edge_transport::server_endpoint(localhost(), config, tuning).expect("server endpoint")
+    edge_transport::server_endpoint(addr, config, tuning).expect("server endpoint")
 }
 
 /// Accepts the agent's control stream and answers its Hello.
@@ -125,7 +127,7 @@ async fn a_chunk_whose_stream_the_server_stopped_is_sent_again_on_the_same_conne
     // The chunk (256 KiB) is bigger than the server's stream window (64 KiB), so the agent
     // cannot have finished its stream when the server stops it: the stop always reaches it.
     let agent = AgentSide::new(&pki, 256 << 10);
-    let endpoint = server(&pki, &Tuning { stream_receive_window: 64 << 10, ..Tuning::default() });
+    let endpoint = server(&pki, &Tuning { stream_receive_window: 64 << 10, ..Tuning::default() }, localhost());
     let addr = endpoint.local_addr().expect("server address");
     let counters = Arc::new(UploadCounters::default());
     let cancel = CancellationToken::new();
@@ -163,4 +165,74 @@ async fn a_chunk_whose_stream_the_server_stopped_is_sent_again_on_the_same_conne
     assert_eq!(counters.connects_total.load(Ordering::Relaxed), 1, "one connection throughout");
     assert_eq!(counters.stored.chunks(), 1);
     assert_eq!(agent.sealed_left(), 0, "the acked chunk left the spool");
+}
+
+/// The destination connection id of a QUIC v1 Initial packet, `None` for anything else.
+fn initial_dcid(datagram: &[u8]) -> Option<&[u8]> {
+    let (&first, rest) = datagram.split_first()?;
+    // Long header, packet type Initial (0b00), version 1.
+    if first & 0x80 == 0 || (first >> 4) & 0b11 != 0 || rest.get(..4)? != [0, 0, 0, 1] {
+        return None;
+    }
+    let len = usize::from(*rest.get(4)?);
+    rest.get(5..5 + len)
+}
+
+#[tokio::test]
+async fn after_an_outage_the_agent_connects_within_two_fresh_attempts() {
+    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+    let agent = AgentSide::new(&pki, 1000);
+    // The outage: the server's address answers nothing. The test reads what arrives there.
+    let blackhole = tokio::net::UdpSocket::bind(localhost()).await.expect("bind blackhole");
+    let addr = blackhole.local_addr().expect("blackhole address");
+    let counters = Arc::new(UploadCounters::default());
+    let cancel = CancellationToken::new();
+    let mut opts = agent.options(addr);
+    opts.connect_timeout = Duration::from_secs(1);
+    let uploader = tokio::spawn(edge_uploader::uploader::run(
+        opts,
+        agent.spool.clone(),
+        agent.reader.clone(),
+        counters.clone(),
+        cancel.clone(),
+    ));
+
+    // Each attempt is a new connection with its own destination connection id; an attempt
+    // left to run would only retransmit its Initial (same id) with a growing interval.
+    let mut attempts_seen: HashSet<Vec<u8>> = HashSet::new();
+    let mut buf = vec![0u8; 2048];
+    bounded("three abandoned connection attempts", async {
+        while attempts_seen.len() < 3 {
+            let (n, _from) = blackhole.recv_from(&mut buf).await.expect("receive");
+            if let Some(dcid) = initial_dcid(&buf[..n]) {
+                attempts_seen.insert(dcid.to_vec());
+            }
+        }
+    })
+    .await;
+
+    // The server comes back on the same address.
+    let before = counters.connect_attempts_total.load(Ordering::Relaxed);
+    assert!(before >= 3, "the agent counted {before} attempts, the wire showed {}", attempts_seen.len());
+    drop(blackhole);
+    let endpoint = server(&pki, &Tuning::default(), addr);
+    let conn = bounded("a connection after the outage", async {
+        loop {
+            // An Initial of an abandoned attempt may still be in flight; its handshake fails.
+            if let Ok(conn) = endpoint.accept().await.expect("endpoint open").await {
+                break conn;
+            }
+        }
+    })
+    .await;
+    let after = counters.connect_attempts_total.load(Ordering::Relaxed);
+    // The attempt under way when the server came back either reaches it or is abandoned
+    // after connect_timeout; the next one finds the server unless it started just before the
+    // server did and lost its first Initial.
+    assert!(after - before <= 2, "{} attempts after the server came back", after - before);
+
+    cancel.cancel();
+    conn.close(0u32.into(), b"test over");
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+    assert_eq!(counters.connects_total.load(Ordering::Relaxed), 1);
 }
