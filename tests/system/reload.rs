@@ -28,7 +28,7 @@ fn sighup_applies_a_valid_config_and_refuses_a_broken_one() -> anyhow::Result<()
     // A valid change: applied without a restart.
     let original = std::fs::read_to_string(&world.agent_config)?;
     let changed = original
-        .replace("max_in_flight = 32", "max_in_flight = 8")
+        .replace("max_in_flight = 32", "max_in_flight = 8\nmax_in_flight_bytes = \"1MiB\"")
         .replace("max_bytes = \"4GiB\"", "max_bytes = \"2GiB\"\nfull_policy = \"drop_oldest\"");
     std::fs::write(&world.agent_config, &changed)?;
     agent.signal("HUP")?;
@@ -41,6 +41,7 @@ fn sighup_applies_a_valid_config_and_refuses_a_broken_one() -> anyhow::Result<()
         anyhow::ensure!(Instant::now() < deadline, "reload not applied: {s}");
         std::thread::sleep(Duration::from_millis(50));
     };
+    assert_eq!(after["max_in_flight_bytes"], 1u64 << 20, "{after}");
     assert_eq!(after["spool_max_bytes"], 2u64 << 30, "{after}");
     assert_eq!(after["spool_full_policy"], "drop_oldest", "{after}");
 

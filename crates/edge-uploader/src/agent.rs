@@ -11,7 +11,7 @@ use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -40,6 +40,8 @@ pub struct Agent {
     intake_socket: PathBuf,
     /// Shared with the uploader; changed by a configuration reload.
     max_in_flight: Arc<AtomicU32>,
+    /// Shared with the uploader; changed by a configuration reload.
+    max_in_flight_bytes: Arc<AtomicU64>,
 }
 
 impl Agent {
@@ -114,12 +116,15 @@ impl Agent {
             .context("loading the agent's TLS files (upload.ca, upload.cert, upload.key)")?;
         let cancel_upload = CancellationToken::new();
         let max_in_flight = Arc::new(AtomicU32::new(config.upload.max_in_flight));
+        let max_in_flight_bytes = Arc::new(AtomicU64::new(config.upload.max_in_flight_bytes));
         let uopts = UploaderOptions {
             server: config.upload.server.clone(),
             server_name: config.upload.server_name.clone(),
             client_config,
             bind: config.upload.bind,
             max_in_flight: max_in_flight.clone(),
+            max_in_flight_bytes: max_in_flight_bytes.clone(),
+            connect_timeout: config.upload.connect_timeout,
             backoff_min: config.upload.backoff_min,
             backoff_max: config.upload.backoff_max,
             compression: config.upload.compression,
@@ -140,6 +145,7 @@ impl Agent {
             uploader,
             intake_socket: config.intake.socket.clone(),
             max_in_flight,
+            max_in_flight_bytes,
         })
     }
 
@@ -164,7 +170,7 @@ impl Agent {
     }
 
     /// Applies what can change at run time from a freshly loaded, valid configuration: the log
-    /// level, the spool's size limit and full policy, and the number of chunks in flight. Returns
+    /// level, the spool's size limit and full policy, and the chunks and bytes in flight. Returns
     /// the keys whose change needs a restart (they keep their running values).
     pub fn reload(&self, running: &Config, new: &Config) -> Vec<&'static str> {
         if let Err(e) = edge_telemetry::logging::set_level(&new.log_level) {
@@ -172,9 +178,10 @@ impl Agent {
         }
         self.spool.set_limits(new.spool.max_bytes, new.spool.full_policy);
         self.max_in_flight.store(new.upload.max_in_flight, Ordering::Relaxed);
+        self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 13] = [
+        let fixed: [(&'static str, bool); 14] = [
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
             ("intake.max_record_bytes", a.intake.max_record_bytes != b.intake.max_record_bytes),
@@ -194,6 +201,7 @@ impl Agent {
                 "upload.backoff",
                 a.upload.backoff_min != b.upload.backoff_min || a.upload.backoff_max != b.upload.backoff_max,
             ),
+            ("upload.connect_timeout", a.upload.connect_timeout != b.upload.connect_timeout),
             ("upload.bind", a.upload.bind != b.upload.bind || a.upload.compression != b.upload.compression),
             ("metrics.listen", a.metrics_listen != b.metrics_listen),
         ];
@@ -250,11 +258,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
                         if !restart.is_empty() {
                             warn!(keys = ?restart, "changed keys take effect at the next restart");
                         }
-                        info!(log_level = %new.log_level, max_bytes = new.spool.max_bytes, max_in_flight = new.upload.max_in_flight, "configuration reloaded");
+                        info!(log_level = %new.log_level, max_bytes = new.spool.max_bytes, max_in_flight = new.upload.max_in_flight, max_in_flight_bytes = new.upload.max_in_flight_bytes, "configuration reloaded");
                         running.log_level = new.log_level;
                         running.spool.max_bytes = new.spool.max_bytes;
                         running.spool.full_policy = new.spool.full_policy;
                         running.upload.max_in_flight = new.upload.max_in_flight;
+                        running.upload.max_in_flight_bytes = new.upload.max_in_flight_bytes;
                     }
                     Err(e) => error!(error = %format!("{e:#}"), "configuration reload refused; the running configuration stays in force"),
                 }

@@ -90,6 +90,9 @@ pub struct RawUpload {
     pub cert: PathBuf,
     pub key: PathBuf,
     pub max_in_flight: u32,
+    pub max_in_flight_bytes: ByteSize,
+    #[serde(with = "humantime_serde_compat")]
+    pub connect_timeout: Duration,
     #[serde(with = "humantime_serde_compat")]
     pub backoff_min: Duration,
     #[serde(with = "humantime_serde_compat")]
@@ -106,6 +109,8 @@ impl Default for RawUpload {
             cert: PathBuf::from("/etc/edge-uploader/tls/device.pem"),
             key: PathBuf::from("/etc/edge-uploader/tls/device.key"),
             max_in_flight: 32,
+            max_in_flight_bytes: ByteSize::mib(4),
+            connect_timeout: Duration::from_secs(3),
             backoff_min: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
             bind: "0.0.0.0:0".into(),
@@ -177,6 +182,10 @@ pub struct UploadConfig {
     pub server_name: String,
     pub tls: edge_transport::ClientTls,
     pub max_in_flight: u32,
+    /// Payload bytes in flight at most (checked before each chunk is read; see the uploader).
+    pub max_in_flight_bytes: u64,
+    /// Bound on one connection attempt (resolve and QUIC handshake).
+    pub connect_timeout: Duration,
     pub backoff_min: Duration,
     pub backoff_max: Duration,
     pub bind: SocketAddr,
@@ -295,6 +304,15 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     if raw.upload.max_in_flight == 0 || raw.upload.max_in_flight > 1024 {
         bail!("upload.max_in_flight: expected 1..=1024, got {}", raw.upload.max_in_flight);
     }
+    if raw.upload.max_in_flight_bytes.as_u64() == 0 || raw.upload.max_in_flight_bytes.as_u64() > 1 << 30 {
+        bail!("upload.max_in_flight_bytes: expected 1 B..=1 GiB, got {}", raw.upload.max_in_flight_bytes);
+    }
+    if raw.upload.connect_timeout.is_zero() || raw.upload.connect_timeout > Duration::from_secs(300) {
+        bail!(
+            "upload.connect_timeout: expected above zero and at most 5m, got {}",
+            humantime::format_duration(raw.upload.connect_timeout)
+        );
+    }
     if raw.upload.backoff_min.is_zero() || raw.upload.backoff_min > raw.upload.backoff_max {
         bail!("upload.backoff_min must be above zero and at most upload.backoff_max");
     }
@@ -343,6 +361,8 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
                 server_name,
             },
             max_in_flight: raw.upload.max_in_flight,
+            max_in_flight_bytes: raw.upload.max_in_flight_bytes.as_u64(),
+            connect_timeout: raw.upload.connect_timeout,
             backoff_min: raw.upload.backoff_min,
             backoff_max: raw.upload.backoff_max,
             bind,

@@ -76,6 +76,7 @@ impl Intake {
             "spool_max_bytes": config.spool.max_bytes,
             "spool_full_policy": policy,
             "max_in_flight": config.upload.max_in_flight,
+            "max_in_flight_bytes": config.upload.max_in_flight_bytes,
         });
     }
 }
@@ -227,6 +228,7 @@ pub fn status_json(intake: &Intake) -> serde_json::Value {
         "upload": {
             "connected": u.connected.load(Ordering::Relaxed),
             "connects_total": u.connects_total.load(Ordering::Relaxed),
+            "connect_attempts_total": u.connect_attempts_total.load(Ordering::Relaxed),
             "in_flight": u.in_flight.load(Ordering::Relaxed),
             "chunks_acked_total": u.chunks_acked(),
             "chunks_duplicate_total": u.duplicate.chunks(),

@@ -1,18 +1,20 @@
 //! The uploader: keeps one QUIC connection to the ingest server and up to `max_in_flight`
-//! chunks on parallel uni-streams, deletes a chunk from the spool only after its ack, and
-//! reconnects with exponential backoff and jitter.
+//! chunks (and about `max_in_flight_bytes` of payload) on parallel uni-streams, deletes a chunk
+//! from the spool only after its ack, and reconnects with exponential backoff and jitter.
 //!
 //! Per connection:
 //! 1. open the control bi-stream, run the client session's handshake (Hello → Welcome);
 //! 2. a control task feeds control bytes to the session and hands each ack to the task waiting
 //!    for it;
-//! 3. the scheduler reads sealed chunks from the spool in sealing order, skipping those in
-//!    flight, and starts one send task per chunk: open a uni-stream, write header and payload
-//!    with `write_chunk`, finish, await the ack;
+//! 3. the scheduler reads sealed chunks from the spool in sealing order, one at a time and only
+//!    while both the chunk and the byte budget have room, and starts one send task per chunk:
+//!    open a uni-stream, write header and payload with `write_chunk`, finish, await the ack.
+//!    Chunks answered `Retry`, and chunks whose stream failed while the connection lives on,
+//!    are offered again, by id, after a backoff;
 //! 4. when the connection ends, every chunk that was not acked is simply still in the spool:
 //!    the next connection starts scanning from the oldest sealed chunk again.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -41,6 +43,12 @@ pub struct UploaderOptions {
     pub bind: SocketAddr,
     /// Chunks in flight at most; shared so a configuration reload applies to a live connection.
     pub max_in_flight: Arc<std::sync::atomic::AtomicU32>,
+    /// Payload bytes in flight at most (read from the spool and not yet acked), applied
+    /// together with `max_in_flight`; shared for the same reason.
+    pub max_in_flight_bytes: Arc<AtomicU64>,
+    /// Bound on one connection attempt (resolve and handshake); a fresh attempt follows after
+    /// the backoff, rather than the stale one retransmitting its Initial ever more slowly.
+    pub connect_timeout: Duration,
     pub backoff_min: Duration,
     pub backoff_max: Duration,
     pub compression: Compression,
@@ -57,6 +65,8 @@ pub struct UploadCounters {
     /// The current (or last) connection, for `status`.
     pub session: Mutex<SessionInfo>,
     pub connects_total: AtomicU64,
+    /// Connection attempts started (each bounded by `connect_timeout`).
+    pub connect_attempts_total: AtomicU64,
     /// Chunks the server answered `Stored`.
     pub stored: AckCounter,
     /// Chunks the server answered `Duplicate` (it had them already).
@@ -204,9 +214,13 @@ pub async fn run(
     let endpoint = edge_transport::client_endpoint(opts.bind, &opts.tuning)?;
     let mut backoff = Backoff::new(opts.backoff_min, opts.backoff_max);
     while !cancel.is_cancelled() {
+        counters.connect_attempts_total.fetch_add(1, Ordering::Relaxed);
+        // Dropping an unfinished attempt closes it, so it stops sending.
         let attempt = tokio::select! {
             () = cancel.cancelled() => break,
-            r = connect(&endpoint, &opts) => r,
+            r = tokio::time::timeout(opts.connect_timeout, connect(&endpoint, &opts)) => r.unwrap_or_else(|_| {
+                Err(anyhow::anyhow!("no handshake within {}", humantime::format_duration(opts.connect_timeout)))
+            }),
         };
         match attempt {
             Ok(conn) => {
@@ -338,7 +352,8 @@ struct Connection<'a> {
 
 enum SendOutcome {
     Acked(AckStatus),
-    /// The connection went away before the ack; the chunk stays in the spool.
+    /// No ack will come on this connection (its stream failed, or the connection went away);
+    /// the chunk stays in the spool and is offered again.
     Lost(String),
     /// The chunk cannot be sent as stored (bad stream name in the spool).
     Unsendable(String),
@@ -434,7 +449,11 @@ impl<'a> Connection<'a> {
         });
 
         let mut tasks: JoinSet<(ChunkMeta, SendOutcome)> = JoinSet::new();
-        let mut in_flight: HashSet<ChunkId> = HashSet::new();
+        let mut in_flight = InFlight::default();
+        // Chunks handed back on this connection (answered Retry, or lost) to offer again, lowest id
+        // first. All of them are at or before `cursor` and none is in flight, so reading them
+        // never reads a payload that is already on its way.
+        let mut redo: BTreeSet<ChunkId> = BTreeSet::new();
         let mut cursor: Option<ChunkId> = None;
         let mut progress = false;
         let mut drain_deadline: Option<tokio::time::Instant> = None;
@@ -449,19 +468,26 @@ impl<'a> Connection<'a> {
             if draining && tasks.is_empty() {
                 break Ok(());
             }
-            // Fill the window.
-            let max_in_flight = window();
-            if !draining && !exhausted && retry_at.is_none() && in_flight.len() < max_in_flight {
-                let room = max_in_flight - in_flight.len();
-                // A rescan from the start sees the chunks in flight again: ask for enough.
-                let limit = room + if cursor.is_none() { in_flight.len() } else { 0 };
-                let fetched = self.reader.next(cursor, limit).await?;
-                if fetched.len() < limit {
-                    exhausted = true;
-                }
+            // Fill the window, one chunk per read: both budgets are checked before each payload
+            // is read, and a payload is read only for a chunk that is then sent.
+            let room = in_flight.has_room(window(), self.opts.max_in_flight_bytes.load(Ordering::Relaxed));
+            if !draining && retry_at.is_none() && room && (!redo.is_empty() || !exhausted) {
+                let fetched = if let Some(id) = redo.pop_first() {
+                    let mut fetched = self.reader.next(Some(ChunkId(id.0.saturating_sub(1))), 1).await?;
+                    // Anything else means the chunk left the spool meanwhile (dropped by the
+                    // cap): the read of the chunk after it was in vain, and is discarded.
+                    fetched.retain(|(meta, _)| meta.id == id);
+                    fetched
+                } else {
+                    let fetched = self.reader.next(cursor, 1).await?;
+                    match fetched.last() {
+                        Some((meta, _)) => cursor = Some(meta.id),
+                        None => exhausted = true,
+                    }
+                    fetched
+                };
                 for (meta, data) in fetched {
-                    cursor = Some(meta.id);
-                    if in_flight.contains(&meta.id) {
+                    if in_flight.contains(meta.id) {
                         continue;
                     }
                     let raw = match data {
@@ -492,7 +518,7 @@ impl<'a> Connection<'a> {
                         );
                         continue;
                     }
-                    in_flight.insert(meta.id);
+                    in_flight.insert(meta.id, raw.len() as u64);
                     self.counters.in_flight.fetch_add(1, Ordering::Relaxed);
                     tasks.spawn(send_chunk(
                         self.conn.clone(),
@@ -515,8 +541,6 @@ impl<'a> Connection<'a> {
                 () = self.spool.sealed(), if !draining && exhausted => { exhausted = false; }
                 () = async { if let Some(t) = retry_at { tokio::time::sleep_until(t).await } }, if retry_at.is_some() => {
                     retry_at = None;
-                    cursor = None;
-                    exhausted = false;
                 }
                 r = &mut control => {
                     let e = match r {
@@ -529,7 +553,7 @@ impl<'a> Connection<'a> {
                 e = self.conn.closed() => break Err(e.into()),
                 Some(joined) = tasks.join_next() => {
                     let Ok((meta, outcome)) = joined else { continue };
-                    in_flight.remove(&meta.id);
+                    in_flight.remove(meta.id);
                     self.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
                     match outcome {
                         SendOutcome::Acked(status @ (AckStatus::Stored | AckStatus::Duplicate)) => {
@@ -544,6 +568,7 @@ impl<'a> Connection<'a> {
                             self.counters.retry.add(&meta);
                             let delay = retry_backoff.next_delay();
                             warn!(stream = %meta.stream, seq = meta.seq, ?reason, ?delay, "server asked to retry the chunk later");
+                            redo.insert(meta.id);
                             retry_at.get_or_insert(tokio::time::Instant::now() + delay);
                         }
                         SendOutcome::Acked(AckStatus::Rejected(reason)) => {
@@ -555,7 +580,16 @@ impl<'a> Connection<'a> {
                             error!(stream = %meta.stream, seq = meta.seq, %why, "chunk cannot be sent; quarantined");
                             self.spool.quarantine(meta.id, why);
                         }
-                        SendOutcome::Lost(why) => debug!(stream = %meta.stream, seq = meta.seq, %why, "chunk not acked on this connection"),
+                        SendOutcome::Lost(why) => {
+                            // Only this stream may have failed (the server stopped it) while the
+                            // connection lives on, and the cursor is past the chunk: offer it
+                            // again by id after a backoff, as for a Retry. If the connection is
+                            // going, the loop ends first and the next one rescans anyway.
+                            let delay = retry_backoff.next_delay();
+                            debug!(stream = %meta.stream, seq = meta.seq, %why, ?delay, "chunk not acked on this connection; offering it again");
+                            redo.insert(meta.id);
+                            retry_at.get_or_insert(tokio::time::Instant::now() + delay);
+                        }
                     }
                 }
             }
@@ -568,6 +602,44 @@ impl<'a> Connection<'a> {
             Err(ConnError::Lost(e)) if progress => Err(ConnError::LostAfterProgress(e.to_string())),
             Err(e) => Err(e),
         }
+    }
+}
+
+/// The chunks in flight on one connection and their payload bytes, held against both limits.
+#[derive(Debug, Default)]
+struct InFlight {
+    chunks: HashMap<ChunkId, u64>,
+    bytes: u64,
+}
+
+impl InFlight {
+    /// Whether another chunk may be read and sent: fewer than `max_chunks` chunks and fewer than
+    /// `max_bytes` bytes are in flight. With nothing in flight always, so a chunk bigger than the
+    /// byte budget still goes, alone. The bytes in flight thus stay below `max_bytes` plus one
+    /// chunk.
+    fn has_room(&self, max_chunks: usize, max_bytes: u64) -> bool {
+        self.chunks.is_empty() || (self.chunks.len() < max_chunks && self.bytes < max_bytes)
+    }
+
+    fn contains(&self, id: ChunkId) -> bool {
+        self.chunks.contains_key(&id)
+    }
+
+    fn insert(&mut self, id: ChunkId, bytes: u64) {
+        if let Some(old) = self.chunks.insert(id, bytes) {
+            self.bytes -= old;
+        }
+        self.bytes += bytes;
+    }
+
+    fn remove(&mut self, id: ChunkId) {
+        if let Some(bytes) = self.chunks.remove(&id) {
+            self.bytes -= bytes;
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.chunks.len()
     }
 }
 
@@ -633,17 +705,33 @@ async fn send_chunk_inner(
         s.write_chunk(Bytes::from(head)).await.map_err(|e| e.to_string())?;
         s.write_chunk(Bytes::from(payload)).await.map_err(|e| e.to_string())?;
         s.finish().map_err(|e| e.to_string())?;
-        Ok::<(), String>(())
+        Ok::<quinn::SendStream, String>(s)
     }
     .await;
-    if let Err(e) = sent {
+    let abandon = |why: String| {
         let mut st = lock(state);
         st.session.chunk_abandoned(&header.stream, meta.seq);
         st.waiters.remove(&(header.stream.clone(), meta.seq));
-        return SendOutcome::Lost(e);
-    }
+        SendOutcome::Lost(why)
+    };
+    let s = match sent {
+        Ok(s) => s,
+        Err(e) => return abandon(e),
+    };
     counters.wire_bytes_total.fetch_add(wire, Ordering::Relaxed);
-    match rx.await {
+    // The whole chunk may be buffered before the server stops the stream; then no ack comes
+    // on this connection. `stopped` tells that apart from the server having every byte (`None`,
+    // after which only the ack decides).
+    let stopped = s.stopped();
+    let mut rx = rx;
+    let acked = tokio::select! {
+        r = &mut rx => r,
+        st = stopped => match st {
+            Ok(Some(code)) => return abandon(format!("server stopped the chunk stream (code {code})")),
+            Ok(None) | Err(_) => rx.await,
+        },
+    };
+    match acked {
         Ok(status) => SendOutcome::Acked(status),
         Err(_) => SendOutcome::Lost("connection ended before the ack".into()),
     }
@@ -669,6 +757,31 @@ mod tests {
         assert_eq!(last_cap, Duration::from_secs(1));
         b.reset();
         assert!(b.next_delay() <= Duration::from_millis(100));
+    }
+
+    #[test]
+    fn in_flight_room_needs_both_budgets_but_always_admits_one_chunk() {
+        let mut f = InFlight::default();
+        // Nothing in flight: a chunk goes even if the byte budget is smaller than it.
+        assert!(f.has_room(1, 1));
+        f.insert(ChunkId(1), 10 << 20);
+        assert!(!f.has_room(32, 8 << 20), "10 MiB in flight is over an 8 MiB budget");
+        f.remove(ChunkId(1));
+        assert!(f.has_room(32, 8 << 20));
+        for id in 1..=7 {
+            f.insert(ChunkId(id), 512 << 10);
+        }
+        assert!(f.has_room(32, 4 << 20), "3.5 MiB of 4 MiB: room for one more");
+        f.insert(ChunkId(8), 512 << 10);
+        assert!(!f.has_room(32, 4 << 20), "4 MiB of 4 MiB: no room");
+        assert!(!f.has_room(8, 1 << 30), "8 of 8 chunks: no room");
+        // Re-inserting a chunk does not count its bytes twice; removing frees them.
+        f.insert(ChunkId(8), 512 << 10);
+        assert_eq!(f.bytes, 4 << 20);
+        f.remove(ChunkId(8));
+        f.remove(ChunkId(8));
+        assert_eq!((f.len(), f.bytes), (7, 7 * (512 << 10)));
+        assert!(f.has_room(8, 4 << 20));
     }
 
     #[test]

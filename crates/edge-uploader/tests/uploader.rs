@@ -1,0 +1,238 @@
+//! The uploader against scripted servers: a real quinn endpoint with the test's in-memory PKI
+//! plays the ingest side just far enough to provoke one behaviour. Tests await events (a
+//! connection, a stream, the uploader's end) and never sleep; every wait is bounded so a
+//! regression fails instead of hanging.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use edge_proto::server::ServerSession;
+use edge_proto::{AckStatus, ChunkHeader, Limits};
+use edge_spool::{AppendOutcome, AppendRequest, Batch, Spool, SpoolOptions};
+use edge_transport::Tuning;
+use edge_transport::pki::InMemoryPki;
+use edge_uploader::config::Compression;
+use edge_uploader::spool_task::{ReaderHandle, SpoolHandle, SpoolThread};
+use edge_uploader::uploader::{UploadCounters, UploaderOptions};
+use tokio_util::sync::CancellationToken;
+
+const DEVICE: &str = "uploader-test";
+const STREAM: &str = "s";
+
+async fn bounded<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(30), fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not happen within 30 s"))
+}
+
+fn localhost() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+/// The agent side: a spool with one sealed chunk, and the device's TLS client config.
+struct AgentSide {
+    dir: tempfile::TempDir,
+    spool: SpoolHandle,
+    reader: ReaderHandle,
+    thread: SpoolThread,
+    client_config: quinn::ClientConfig,
+}
+
+impl AgentSide {
+    /// A spool holding one sealed chunk of at least `bytes` payload bytes on [`STREAM`].
+    fn new(pki: &InMemoryPki, bytes: usize) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut spool, _report) = Spool::open(SpoolOptions::new(dir.path().join("spool.db"))).expect("open spool");
+        let (mut data, mut records) = (Vec::new(), 0);
+        while data.len() < bytes {
+            edge_proto::records::encode_record(&mut data, &[b'x'; 1000]);
+            records += 1;
+        }
+        let req = AppendRequest { batches: vec![Batch { stream: STREAM.into(), data, records }] };
+        assert_eq!(spool.append(&[req], 1).expect("append"), vec![AppendOutcome::Accepted]);
+        assert_eq!(spool.seal_all(1).expect("seal"), 1, "one chunk sealed");
+        let reader = ReaderHandle::new(spool.reader().expect("reader"));
+        let (spool, thread) = SpoolHandle::spawn(spool).expect("spool thread");
+        let (cert, key) = pki.issue_device(DEVICE).expect("device certificate");
+        let client_config = edge_transport::client_config_from_pem(&cert, &key, &pki.ca_pem, &Tuning::default())
+            .expect("client config");
+        AgentSide { dir, spool, reader, thread, client_config }
+    }
+
+    fn options(&self, server: SocketAddr) -> UploaderOptions {
+        UploaderOptions {
+            server: server.to_string(),
+            server_name: "localhost".into(),
+            client_config: self.client_config.clone(),
+            bind: localhost(),
+            max_in_flight: Arc::new(AtomicU32::new(8)),
+            max_in_flight_bytes: Arc::new(AtomicU64::new(4 << 20)),
+            backoff_min: Duration::from_millis(10),
+            backoff_max: Duration::from_millis(50),
+            compression: Compression::None,
+            limits: Limits::default(),
+            drain_grace: Duration::from_secs(20),
+            tuning: Tuning::default(),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// Stops the spool thread and lists the sealed chunks left in the file.
+    fn sealed_left(self) -> usize {
+        let AgentSide { dir, spool, reader, thread, .. } = self;
+        drop((spool, reader));
+        thread.join();
+        let (spool, _report) = Spool::open(SpoolOptions::new(dir.path().join("spool.db"))).expect("reopen spool");
+        spool.reader().expect("reader").sealed_after(None, 100).expect("list").len()
+    }
+}
+
+fn server(pki: &InMemoryPki, tuning: &Tuning, addr: SocketAddr) -> quinn::Endpoint {
+    let config = edge_transport::server_config_from_pem(&pki.server_cert_pem, &pki.server_key_pem, &pki.ca_pem, tuning)
+        .expect("server config");
+    edge_transport::server_endpoint(addr, config, tuning).expect("server endpoint")
+}
+
+/// Accepts the agent's control stream and answers its Hello.
+async fn welcome(conn: &quinn::Connection) -> (quinn::SendStream, ServerSession) {
+    let (mut send, mut recv) = bounded("control stream", conn.accept_bi()).await.expect("control stream");
+    let mut session = ServerSession::new(DEVICE.into(), Limits::default(), 16, Instant::now());
+    let mut buf = vec![0u8; 4096];
+    while !session.is_established() {
+        let n = bounded("Hello", recv.read(&mut buf)).await.expect("read control").expect("control stream open");
+        session.handle_control_bytes(Instant::now(), &buf[..n]).expect("valid Hello");
+    }
+    flush(&mut send, &mut session).await;
+    // The agent sends nothing more on it; keep the receive side open by leaking it into a task.
+    tokio::spawn(async move {
+        let mut buf = [0u8; 64];
+        while let Ok(Some(_)) = recv.read(&mut buf).await {}
+    });
+    (send, session)
+}
+
+async fn flush(send: &mut quinn::SendStream, session: &mut ServerSession) {
+    while let Some(bytes) = session.poll_transmit() {
+        send.write_all(&bytes).await.expect("write control");
+    }
+}
+
+#[tokio::test]
+async fn a_chunk_whose_stream_the_server_stopped_is_sent_again_on_the_same_connection() {
+    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+    // The chunk (256 KiB) is bigger than the server's stream window (64 KiB), so the agent
+    // cannot have finished its stream when the server stops it: the stop always reaches it.
+    let agent = AgentSide::new(&pki, 256 << 10);
+    let endpoint = server(&pki, &Tuning { stream_receive_window: 64 << 10, ..Tuning::default() }, localhost());
+    let addr = endpoint.local_addr().expect("server address");
+    let counters = Arc::new(UploadCounters::default());
+    let cancel = CancellationToken::new();
+    let uploader = tokio::spawn(edge_uploader::uploader::run(
+        agent.options(addr),
+        agent.spool.clone(),
+        agent.reader.clone(),
+        counters.clone(),
+        cancel.clone(),
+    ));
+
+    let conn = bounded("connection", async { endpoint.accept().await.expect("endpoint open").await })
+        .await
+        .expect("handshake");
+    let (mut ctl, mut session) = welcome(&conn).await;
+
+    let mut first = bounded("first chunk stream", conn.accept_uni()).await.expect("chunk stream");
+    first.stop(7u32.into()).expect("stop the stream");
+    drop(first);
+
+    // The connection lives on; the same chunk must come again on a new stream.
+    let mut second = bounded("the chunk offered again", conn.accept_uni()).await.expect("chunk stream");
+    let bytes = bounded("chunk bytes", second.read_to_end(1 << 20)).await.expect("whole chunk");
+    let (header, consumed) =
+        ChunkHeader::decode(&bytes, &Limits::default()).expect("valid header").expect("complete header");
+    assert_eq!((header.stream.as_str(), header.seq), (STREAM, 1));
+    assert_eq!(bytes.len() - consumed, header.payload_len as usize, "the whole payload came");
+    session.accept_chunk(&header).expect("chunk within the window");
+    session.ack(&header.stream, header.seq, AckStatus::Stored).expect("ack");
+    flush(&mut ctl, &mut session).await;
+
+    // Shutdown drains: the uploader returns only once the ack in flight was processed.
+    cancel.cancel();
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+    assert_eq!(counters.connects_total.load(Ordering::Relaxed), 1, "one connection throughout");
+    assert_eq!(counters.stored.chunks(), 1);
+    assert_eq!(agent.sealed_left(), 0, "the acked chunk left the spool");
+}
+
+/// The destination connection id of a QUIC v1 Initial packet, `None` for anything else.
+fn initial_dcid(datagram: &[u8]) -> Option<&[u8]> {
+    let (&first, rest) = datagram.split_first()?;
+    // Long header, packet type Initial (0b00), version 1.
+    if first & 0x80 == 0 || (first >> 4) & 0b11 != 0 || rest.get(..4)? != [0, 0, 0, 1] {
+        return None;
+    }
+    let len = usize::from(*rest.get(4)?);
+    rest.get(5..5 + len)
+}
+
+#[tokio::test]
+async fn after_an_outage_the_agent_connects_within_two_fresh_attempts() {
+    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+    let agent = AgentSide::new(&pki, 1000);
+    // The outage: the server's address answers nothing. The test reads what arrives there.
+    let blackhole = tokio::net::UdpSocket::bind(localhost()).await.expect("bind blackhole");
+    let addr = blackhole.local_addr().expect("blackhole address");
+    let counters = Arc::new(UploadCounters::default());
+    let cancel = CancellationToken::new();
+    let mut opts = agent.options(addr);
+    opts.connect_timeout = Duration::from_secs(1);
+    let uploader = tokio::spawn(edge_uploader::uploader::run(
+        opts,
+        agent.spool.clone(),
+        agent.reader.clone(),
+        counters.clone(),
+        cancel.clone(),
+    ));
+
+    // Each attempt is a new connection with its own destination connection id; an attempt
+    // left to run would only retransmit its Initial (same id) with a growing interval.
+    let mut attempts_seen: HashSet<Vec<u8>> = HashSet::new();
+    let mut buf = vec![0u8; 2048];
+    bounded("three abandoned connection attempts", async {
+        while attempts_seen.len() < 3 {
+            let (n, _from) = blackhole.recv_from(&mut buf).await.expect("receive");
+            if let Some(dcid) = initial_dcid(&buf[..n]) {
+                attempts_seen.insert(dcid.to_vec());
+            }
+        }
+    })
+    .await;
+
+    // The server comes back on the same address.
+    let before = counters.connect_attempts_total.load(Ordering::Relaxed);
+    assert!(before >= 3, "the agent counted {before} attempts, the wire showed {}", attempts_seen.len());
+    drop(blackhole);
+    let endpoint = server(&pki, &Tuning::default(), addr);
+    let conn = bounded("a connection after the outage", async {
+        loop {
+            // An Initial of an abandoned attempt may still be in flight; its handshake fails.
+            if let Ok(conn) = endpoint.accept().await.expect("endpoint open").await {
+                break conn;
+            }
+        }
+    })
+    .await;
+    let after = counters.connect_attempts_total.load(Ordering::Relaxed);
+    // The attempt under way when the server came back either reaches it or is abandoned
+    // after connect_timeout; the next one finds the server unless it started just before the
+    // server did and lost its first Initial.
+    assert!(after - before <= 2, "{} attempts after the server came back", after - before);
+
+    cancel.cancel();
+    conn.close(0u32.into(), b"test over");
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+    assert_eq!(counters.connects_total.load(Ordering::Relaxed), 1);
+}
