@@ -6,6 +6,7 @@
 //! seals the chunks whose linger expired (`Spool::commit`): one fsync per iteration. The thread
 //! wakes the uploader whenever a commit sealed at least one chunk.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -52,6 +53,9 @@ pub struct SpoolHandle {
     tx: mpsc::Sender<Cmd>,
     stats: Arc<Mutex<SpoolStats>>,
     sealed: Arc<Notify>,
+    /// Set by the uploader while it is connected with nothing in flight and nothing left to
+    /// send (see [`SpoolHandle::set_uploader_idle`]).
+    uploader_idle: Arc<AtomicBool>,
     id: SpoolId,
 }
 
@@ -79,10 +83,12 @@ impl SpoolHandle {
         let stats = Arc::new(Mutex::new(spool.stats()));
         let sealed = Arc::new(Notify::new());
         let id = spool.id();
-        let handle = SpoolHandle { tx, stats: stats.clone(), sealed: sealed.clone(), id };
+        let uploader_idle = Arc::new(AtomicBool::new(false));
+        let handle =
+            SpoolHandle { tx, stats: stats.clone(), sealed: sealed.clone(), uploader_idle: uploader_idle.clone(), id };
         let join = std::thread::Builder::new()
             .name("edge-spool".into())
-            .spawn(move || writer_loop(spool, rx, stats, sealed))?;
+            .spawn(move || writer_loop(spool, rx, stats, sealed, uploader_idle))?;
         Ok((handle, SpoolThread { join: Some(join) }))
     }
 
@@ -141,6 +147,15 @@ impl SpoolHandle {
     }
 
     /// Wakes waiters of [`SpoolHandle::sealed`] (after a reconnect, to re-scan).
+    /// Tells the spool thread whether the uploader is idle: connected, nothing in flight,
+    /// nothing sealed left to send. While it is, every commit seals the open batches at once
+    /// instead of waiting for the chunk target or `linger`, so a record reaches the server
+    /// about one commit after it was accepted (Nagle's rule: wait only while something is in
+    /// flight). Under load the uploader is never idle, and chunks fill up as before.
+    pub fn set_uploader_idle(&self, idle: bool) {
+        self.uploader_idle.store(idle, Ordering::Relaxed);
+    }
+
     pub fn wake(&self) {
         self.sealed.notify_one();
     }
@@ -164,7 +179,13 @@ fn now_ms() -> u64 {
     .unwrap_or(u64::MAX)
 }
 
-fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, stats: Arc<Mutex<SpoolStats>>, sealed: Arc<Notify>) {
+fn writer_loop(
+    mut spool: Spool,
+    rx: mpsc::Receiver<Cmd>,
+    stats: Arc<Mutex<SpoolStats>>,
+    sealed: Arc<Notify>,
+    uploader_idle: Arc<AtomicBool>,
+) {
     let tick = (spool.options().linger / 2).clamp(Duration::from_millis(1), Duration::from_millis(50));
     let mut appends: Vec<(AppendRequest, oneshot::Sender<Result<(), AppendFailure>>)> = Vec::new();
     let mut acks: Vec<ChunkId> = Vec::new();
@@ -207,7 +228,8 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, stats: Arc<Mutex<Spool
         let now = now_ms();
         let (reqs, replies): (Vec<_>, Vec<_>) = std::mem::take(&mut appends).into_iter().unzip();
         let ids = std::mem::take(&mut acks);
-        let seal = if seal_waiters.is_empty() && open { SealWhat::Due } else { SealWhat::All };
+        let early = uploader_idle.load(Ordering::Relaxed);
+        let seal = if seal_waiters.is_empty() && open && !early { SealWhat::Due } else { SealWhat::All };
         // One transaction, one fsync: acks, appends, seals.
         let (answer, sealed_now) = match spool.commit(&reqs, &ids, seal, now) {
             Ok(report) => (report.appends.map_err(append_failure), report.sealed),
@@ -246,6 +268,10 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, stats: Arc<Mutex<Spool
         // Wake the uploader for every chunk sealed, not for a net growth of the sealed count:
         // acks in the same commit may delete as many chunks as were sealed.
         if sealed_now > 0 {
+            if early {
+                // The uploader has work now; it says when it is idle again.
+                uploader_idle.store(false, Ordering::Relaxed);
+            }
             sealed.notify_one();
         }
     }
@@ -299,4 +325,46 @@ impl ReaderHandle {
 /// Replaces the shared statistics snapshot with the spool's current one.
 fn publish(spool: &Spool, stats: &Mutex<SpoolStats>) {
     *stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = spool.stats();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edge_spool::{Batch, SpoolOptions};
+
+    fn spawn(dir: &std::path::Path) -> (SpoolHandle, SpoolThread) {
+        let mut opts = SpoolOptions::new(dir.join("spool.db"));
+        // Neither the size nor the linger rule can seal anything during the test.
+        opts.linger = Duration::from_secs(3600);
+        opts.chunk_target_bytes = 64 << 20;
+        let (spool, _) = Spool::open(opts).expect("open spool");
+        SpoolHandle::spawn(spool).expect("spawn spool thread")
+    }
+
+    fn request() -> AppendRequest {
+        AppendRequest { batches: vec![Batch { stream: "s".into(), data: vec![0, 0, 0, 1, 7], records: 1 }] }
+    }
+
+    #[tokio::test]
+    async fn an_idle_uploader_gets_each_commit_sealed_at_once_and_a_busy_one_waits_for_linger() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (handle, thread) = spawn(dir.path());
+
+        // Busy (the default): the record waits in an open batch.
+        handle.append(request()).await.expect("append");
+        assert_eq!((handle.stats().sealed_chunks, handle.stats().open_records), (0, 1));
+
+        // Idle: the commit that carries the next record seals everything open, in the same
+        // transaction, so the chunk exists when the producer has its answer.
+        handle.set_uploader_idle(true);
+        handle.append(request()).await.expect("append");
+        assert_eq!((handle.stats().sealed_chunks, handle.stats().open_records), (1, 0));
+
+        // The uploader has work now: until it says it is idle again, records wait again.
+        handle.append(request()).await.expect("append");
+        assert_eq!((handle.stats().sealed_chunks, handle.stats().open_records), (1, 1));
+
+        drop(handle);
+        thread.join();
+    }
 }

@@ -531,6 +531,11 @@ impl<'a> Connection<'a> {
                 }
                 continue;
             }
+            // Nothing in flight and nothing to send: let the spool seal what producers commit
+            // now rather than after `linger` (see `SpoolHandle::set_uploader_idle`).
+            self.spool.set_uploader_idle(
+                !draining && exhausted && redo.is_empty() && retry_at.is_none() && in_flight.len() == 0,
+            );
             tokio::select! {
                 () = self.cancel.cancelled(), if !draining => {}
                 () = goaway.notified(), if !draining => {}
@@ -594,6 +599,8 @@ impl<'a> Connection<'a> {
                 }
             }
         };
+        // Disconnected: data waits for the chunk target or `linger` again.
+        self.spool.set_uploader_idle(false);
         tasks.abort_all();
         control.abort();
         self.counters.in_flight.fetch_sub(in_flight.len() as u64, Ordering::Relaxed);
