@@ -107,9 +107,9 @@
 //!   cover its size (see `reserve.rs`).
 //! * Every batch carries a CRC-32C; [`SpoolReader::read`] fails with [`SpoolError::Corrupt`] on a
 //!   mismatch instead of serving bad bytes. [`SpoolReader::read_payload`] also returns the
-//!   payload's CRC-32C, combined from those verified batch checksums. The caller then calls [`Spool::quarantine`]: the chunk
-//!   stays on disk for inspection, is never offered again and no longer counts against
-//!   `max_bytes`.
+//!   payload's CRC-32C, computed while the verified batches are concatenated. The caller then
+//!   calls [`Spool::quarantine`]: the chunk stays on disk for inspection, is never offered again
+//!   and no longer counts against `max_bytes`.
 //!
 //! # Invariants
 //!
@@ -321,7 +321,7 @@ pub struct ChunkMeta {
 pub struct ChunkPayload {
     /// The batches' data, concatenated in append order.
     pub data: Vec<u8>,
-    /// CRC-32C of `data`, combined from the batch checksums that were verified while reading.
+    /// CRC-32C of `data`, computed while the verified batches were concatenated.
     pub crc32c: u32,
 }
 

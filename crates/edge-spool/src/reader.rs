@@ -53,9 +53,8 @@ impl SpoolReader {
         self.read_payload(meta).map(|p| p.data)
     }
 
-    /// As [`SpoolReader::read`], and also the CRC-32C of the whole payload, combined from the
-    /// verified batch checksums (`crc32c_combine`, a few table lookups per batch), so the sender
-    /// need not hash the bytes a second time.
+    /// As [`SpoolReader::read`], and also the CRC-32C of the whole payload, computed while the
+    /// verified batches are concatenated, so the sender need not hash the payload again.
     ///
     /// # Errors
     /// As [`SpoolReader::read`].
@@ -104,7 +103,10 @@ impl SpoolReader {
                 let n: u32 = r.get(2).map_err(|e| corrupt(format!("batch {batch}: bad records column: {e}")))?;
                 records += u64::from(n);
                 batches += 1;
-                crc = crc32c::crc32c_combine(crc, computed, data.len());
+                // Continuing the running CRC over the same (cache-hot) bytes: the hardware CRC
+                // costs far less than `crc32c_combine`, whose GF(2) matrix products took a tenth
+                // of the agent's CPU in a live profile with 10 KiB batches.
+                crc = crc32c::crc32c_append(crc, data);
                 out.extend_from_slice(data);
             }
         }

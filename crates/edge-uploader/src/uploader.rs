@@ -677,7 +677,7 @@ async fn send_chunk_inner(
     let Ok(raw_len) = u32::try_from(raw.len()) else {
         return SendOutcome::Unsendable(format!("chunk of {} bytes is over 4 GiB", raw.len()));
     };
-    // Uncompressed, the payload's CRC-32C is the one the spool combined from its batch checksums.
+    // Uncompressed, the payload's CRC-32C is the one the spool computed while reading it.
     let (codec, checksum, payload) = match compression {
         Compression::Zstd(level) => match edge_proto::records::compress_payload(&raw.data, level) {
             Ok(c) if c.len() < raw.len() => (Codec::Zstd, crc32c::crc32c(&c), c),
