@@ -85,18 +85,29 @@ pub async fn wait_status(
     }
 }
 
-/// Waits until the agent reports an empty spool and nothing in flight.
+/// Whether the agent's status shows an empty spool and nothing in flight.
+fn drained(s: &serde_json::Value) -> bool {
+    s["spool"]["sealed_chunks"] == 0 && s["spool"]["open_bytes"] == 0 && s["upload"]["in_flight"] == 0
+}
+
+/// Waits until the agent reports an empty spool and nothing in flight. Fails when `timeout`
+/// passes without a chunk acknowledged: a large backlog that drains steadily may take longer
+/// (the long tier builds gigabytes of it), a stalled uploader may not.
 pub async fn drain(socket: &Path, timeout: Duration) -> anyhow::Result<()> {
-    wait_status(socket, "an empty spool", timeout, |s| {
-        s["spool"]["sealed_chunks"] == 0 && s["spool"]["open_bytes"] == 0 && s["upload"]["in_flight"] == 0
-    })
-    .await
-    .map(drop)
-    .map_err(|e| {
-        // Seen in this battery: sealed chunks left in the spool, nothing in flight, connected,
-        // no producer traffic: the uploader was never told about the last seals.
-        e.context("drain: if sealed_chunks > 0 with in_flight = 0 while connected, the uploader missed a seal")
-    })
+    let mut acked = 0;
+    loop {
+        let s = wait_status(socket, "an empty spool", timeout, |s| drained(s) || chunks_acked(s) > acked)
+            .await
+            .map_err(|e| {
+                // Seen in this battery: sealed chunks left in the spool, nothing in flight,
+                // connected, no producer traffic: the uploader was never told about the last seals.
+                e.context("drain: if sealed_chunks > 0 with in_flight = 0 while connected, the uploader missed a seal")
+            })?;
+        if drained(&s) {
+            return Ok(());
+        }
+        acked = chunks_acked(&s);
+    }
 }
 
 /// One producer per stream of the workload, running until stopped.
