@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use edge_proto::client::{ClientEvent, ClientSession};
-use edge_proto::{AckStatus, ChunkHeader, Codec, ErrorCode, Limits, StreamName};
+use edge_proto::{AckStatus, ChunkHeader, Codec, ErrorCode, Limits, RetryReason, StreamName};
 use edge_spool::{ChunkId, ChunkMeta, ChunkPayload, SpoolError};
 use rand::Rng;
 use tokio::task::JoinSet;
@@ -460,6 +460,12 @@ impl<'a> Connection<'a> {
         let mut retry_at: Option<tokio::time::Instant> = None;
         let mut retry_backoff = Backoff::new(self.opts.backoff_min, self.opts.backoff_max);
         let mut exhausted = false;
+        // Chunks in flight the server's answers allow, within the configured window: halved on
+        // every Retry(Overloaded), grown by one per stored chunk. On a slow or lossy link all
+        // chunks in flight share its bandwidth, and each must still reach the server at its
+        // minimum payload rate: a full window of slow chunks would all be answered Retry, again
+        // and again, and nothing would ever be stored.
+        let mut allowed = usize::MAX;
         let end: Result<(), ConnError> = loop {
             if drain_deadline.is_none() && (self.cancel.is_cancelled() || lock(&state).goaway) {
                 drain_deadline = Some(tokio::time::Instant::now() + self.opts.drain_grace);
@@ -470,7 +476,7 @@ impl<'a> Connection<'a> {
             }
             // Fill the window, one chunk per read: both budgets are checked before each payload
             // is read, and a payload is read only for a chunk that is then sent.
-            let room = in_flight.has_room(window(), self.opts.max_in_flight_bytes.load(Ordering::Relaxed));
+            let room = in_flight.has_room(window().min(allowed), self.opts.max_in_flight_bytes.load(Ordering::Relaxed));
             if !draining && retry_at.is_none() && room && (!redo.is_empty() || !exhausted) {
                 let fetched = if let Some(id) = redo.pop_first() {
                     let mut fetched = self.reader.next(Some(ChunkId(id.0.saturating_sub(1))), 1).await?;
@@ -562,6 +568,7 @@ impl<'a> Connection<'a> {
                     self.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
                     match outcome {
                         SendOutcome::Acked(status @ (AckStatus::Stored | AckStatus::Duplicate)) => {
+                            allowed = allowed.min(window()).saturating_add(1);
                             progress = true;
                             retry_backoff.reset();
                             // Counted before the spool learns of the ack, so whoever sees the
@@ -570,6 +577,9 @@ impl<'a> Connection<'a> {
                             self.spool.ack(vec![meta.id]);
                         }
                         SendOutcome::Acked(AckStatus::Retry(reason)) => {
+                            if reason == RetryReason::Overloaded {
+                                allowed = (allowed.min(window()) / 2).max(1);
+                            }
                             self.counters.retry.add(&meta);
                             let delay = retry_backoff.next_delay();
                             warn!(stream = %meta.stream, seq = meta.seq, ?reason, ?delay, "server asked to retry the chunk later");
