@@ -184,7 +184,8 @@ impl Spool {
     /// gate still keeps the last `disk_reserve_bytes` of free pages for acks, and the ballast
     /// comes back once the file system has room for it and a WAL.
     fn release_reserve_for_appends(&mut self) -> bool {
-        self.checkpoint_truncate();
+        // The free-page count is the committed state's; no checkpoint is needed to read it, and
+        // `commit` truncates the WAL after a failed append anyway.
         if self.reserve.is_present()
             && self.free_bytes_in_file() >= self.opts.disk_reserve_bytes.saturating_mul(2)
             && self.reserve.release()
