@@ -202,8 +202,24 @@ impl Trickle {
 }
 
 /// The 99th percentile of a Prometheus histogram from the difference of two scrapes, as the
-/// upper bound of the bucket it falls in (`None` without observations).
-fn p99(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>, name: &str) -> Option<f64> {
+/// upper bound of the bucket it falls in: a number of seconds, `"> {largest bound}"` when it is
+/// past every finite bucket, `null` without observations.
+fn p99(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>, name: &str) -> serde_json::Value {
+    match p99_bound(before, after, name) {
+        Some(le) if le.is_finite() => serde_json::json!(le),
+        Some(_) => {
+            let prefix = format!("{name}_bucket{{le=\"");
+            let largest = after
+                .keys()
+                .filter_map(|k| k.strip_prefix(&prefix)?.strip_suffix("\"}")?.parse::<f64>().ok())
+                .fold(0.0, f64::max);
+            serde_json::json!(format!("> {largest}"))
+        }
+        None => serde_json::Value::Null,
+    }
+}
+
+fn p99_bound(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>, name: &str) -> Option<f64> {
     let prefix = format!("{name}_bucket{{le=\"");
     let mut buckets: Vec<(f64, f64)> = after
         .iter()

@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use edge_proto::server::{ServerEvent, ServerSession};
-use edge_proto::{AckStatus, ChunkHeader, ErrorCode, Limits, ProtoError, RejectReason, RetryReason, StreamName};
+use edge_proto::{
+    AckStatus, ChunkHeader, ErrorCode, Limits, ProtoError, RejectReason, RetryReason, STOP_ANSWERED, StreamName,
+};
 use edge_transport::tls::RevocationList;
 use edge_transport::{ServerTls, Tuning};
 use tokio::sync::{Semaphore, mpsc};
@@ -1046,7 +1048,7 @@ async fn process_chunk(
         Ok(Ok(p)) => p,
         Ok(Err(_closed)) => return Err(ChunkEnd::Stream("server shutting down".into())),
         Err(_elapsed) => {
-            let _gone = recv.stop(0u32.into());
+            let _gone = recv.stop(STOP_ANSWERED.into());
             debug!(device = %ctx.device, stream = %key_stream, seq, "memory budget exhausted; asking the agent to retry");
             return send_ack(ctx, &key_stream, seq, AckStatus::Retry(RetryReason::Overloaded));
         }
@@ -1061,7 +1063,7 @@ async fn process_chunk(
             Ok(Ok(None)) => break,
             Ok(Err(e)) => return Err(ChunkEnd::Stream(e.to_string())),
             Err(_elapsed) => {
-                let _gone = recv.stop(0u32.into());
+                let _gone = recv.stop(STOP_ANSWERED.into());
                 warn!(device = %ctx.device, stream = %key_stream, seq, received = payload.len(), payload_len, "chunk payload too slow; asking the agent to retry");
                 return send_ack(ctx, &key_stream, seq, AckStatus::Retry(RetryReason::Overloaded));
             }

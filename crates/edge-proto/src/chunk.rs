@@ -45,6 +45,13 @@ pub const CHUNK_MAGIC: [u8; 4] = *b"EDGC";
 /// Bytes before the header body: the magic and `header_len: u16`.
 pub const CHUNK_PREFIX_LEN: usize = 6;
 
+/// The application error code of a `STOP_SENDING` with which the server stops a chunk stream it
+/// has accepted and answers on the control stream (a `Retry` when the payload came too slowly or
+/// memory ran out): the chunk's [`Ack`](crate::ControlFrame::Ack) follows, and the agent must
+/// wait for it before it offers the chunk again on the same connection. Any other code means the
+/// server did not accept the chunk and no ack for it will come on this connection.
+pub const STOP_ANSWERED: u32 = 1;
+
 /// Metadata of one chunk, sent before its payload on the chunk's own uni-stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChunkHeader {

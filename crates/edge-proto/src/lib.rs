@@ -13,7 +13,9 @@
 //! [`ControlFrame::Welcome`]. After that the agent sends each chunk on its own unidirectional
 //! stream, a [`ChunkHeader`] followed by the payload, many in parallel, so chunks arrive in any
 //! order. The server answers each chunk with one [`ControlFrame::Ack`] on the control stream, only
-//! once the chunk is durable (or with a retry or reject status). [`ControlFrame::GoAway`] tells the
+//! once the chunk is durable (or with a retry or reject status). A server that stops reading an
+//! accepted chunk's stream does so with code [`STOP_ANSWERED`] and still sends its Ack; any other
+//! stop code means the chunk was not accepted. [`ControlFrame::GoAway`] tells the
 //! agent to open no new chunk streams, wait for the acks of those in flight, and reconnect.
 //!
 //! # Byte layouts
@@ -58,7 +60,7 @@ pub mod records;
 pub mod server;
 mod wire;
 
-pub use chunk::{CHUNK_MAGIC, CHUNK_PREFIX_LEN, ChunkHeader};
+pub use chunk::{CHUNK_MAGIC, CHUNK_PREFIX_LEN, ChunkHeader, STOP_ANSWERED};
 pub use error::{ErrorCode, ProtoError};
 pub use frame::{
     AckStatus, ControlFrame, FRAME_HEADER_LEN, FrameDecoder, MAX_AGENT_LEN, MAX_DEVICE_LEN, RejectReason, RetryReason,

@@ -107,9 +107,10 @@ pub const MAX_STREAM_LABELS: usize = 64;
 /// The `stream` label value of every stream past the first [`MAX_STREAM_LABELS`].
 pub const OTHER_STREAM: &str = "other";
 
-/// Histogram buckets in seconds, 1 ms to 30 s in 1-2.5-5 steps.
-pub const LATENCY_BUCKETS: [f64; 15] =
-    [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0];
+/// Histogram buckets in seconds, 1 ms to 30 s in 1-2.5-5 steps, then up to 5 min: on a slow or
+/// lossy uplink, and after an outage, chunks wait minutes for their ack.
+pub const LATENCY_BUCKETS: [f64; 18] =
+    [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0];
 
 /// How often the QUIC path figures are sampled while connected.
 pub const QUIC_SAMPLE_PERIOD: Duration = Duration::from_secs(1);
@@ -549,9 +550,9 @@ mod tests {
     }
 
     #[test]
-    fn latency_buckets_rise_from_one_millisecond_to_thirty_seconds() {
+    fn latency_buckets_rise_from_one_millisecond_to_five_minutes() {
         assert_eq!(LATENCY_BUCKETS.first(), Some(&0.001));
-        assert_eq!(LATENCY_BUCKETS.last(), Some(&30.0));
+        assert_eq!(LATENCY_BUCKETS.last(), Some(&300.0));
         assert!(LATENCY_BUCKETS.windows(2).all(|w| w[0] < w[1]));
     }
 }

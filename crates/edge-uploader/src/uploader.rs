@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use edge_proto::client::{ClientEvent, ClientSession};
-use edge_proto::{AckStatus, ChunkHeader, Codec, ErrorCode, Limits, RetryReason, StreamName};
+use edge_proto::{AckStatus, ChunkHeader, Codec, ErrorCode, Limits, RetryReason, STOP_ANSWERED, StreamName};
 use edge_spool::{ChunkId, ChunkMeta, ChunkPayload, SpoolError};
 use rand::Rng;
 use tokio::task::JoinSet;
@@ -718,11 +718,11 @@ async fn send_chunk_inner(
     header.encode(&mut head);
     let wire = payload.len() as u64;
     let sent = async {
-        let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
-        s.write_chunk(Bytes::from(head)).await.map_err(|e| e.to_string())?;
-        s.write_chunk(Bytes::from(payload)).await.map_err(|e| e.to_string())?;
-        s.finish().map_err(|e| e.to_string())?;
-        Ok::<quinn::SendStream, String>(s)
+        let mut s = conn.open_uni().await.map_err(quinn::WriteError::ConnectionLost)?;
+        s.write_chunk(Bytes::from(head)).await?;
+        s.write_chunk(Bytes::from(payload)).await?;
+        s.finish().map_err(|_closed| quinn::WriteError::ClosedStream)?;
+        Ok::<quinn::SendStream, quinn::WriteError>(s)
     }
     .await;
     let abandon = |why: String| {
@@ -731,23 +731,35 @@ async fn send_chunk_inner(
         st.waiters.remove(&(header.stream.clone(), meta.seq));
         SendOutcome::Lost(why)
     };
-    let s = match sent {
-        Ok(s) => s,
-        Err(e) => return abandon(e),
-    };
-    counters.wire_bytes_total.fetch_add(wire, Ordering::Relaxed);
-    // The whole chunk may be buffered before the server stops the stream; then no ack comes
-    // on this connection. `stopped` tells that apart from the server having every byte (`None`,
-    // after which only the ack decides).
-    let stopped = s.stopped();
     let mut rx = rx;
-    let acked = tokio::select! {
-        r = &mut rx => r,
-        st = stopped => match st {
-            Ok(Some(code)) => return abandon(format!("server stopped the chunk stream (code {code})")),
-            Ok(None) | Err(_) => rx.await,
-        },
+    // Whether the server stopped the stream, and with which code. The whole chunk may be
+    // buffered before the server stops the stream, so once written, `stopped` tells a stop apart
+    // from the server having every byte (`None`, after which only the ack decides).
+    let stop = match sent {
+        Ok(s) => {
+            counters.wire_bytes_total.fetch_add(wire, Ordering::Relaxed);
+            tokio::select! {
+                r = &mut rx => return ack_outcome(r),
+                st = s.stopped() => match st {
+                    Ok(Some(code)) => Some(code),
+                    Ok(None) | Err(_) => None,
+                },
+            }
+        }
+        Err(quinn::WriteError::Stopped(code)) => Some(code),
+        Err(e) => return abandon(e.to_string()),
     };
+    match stop {
+        // Stopped after the server accepted it: its ack (a Retry) is on its way. Offering the
+        // chunk again before that ack arrives would put the same key in flight twice on this
+        // connection, and the late ack would answer the new attempt.
+        Some(code) if code.into_inner() == u64::from(STOP_ANSWERED) => ack_outcome(rx.await),
+        Some(code) => abandon(format!("server stopped the chunk stream (code {code})")),
+        None => ack_outcome(rx.await),
+    }
+}
+
+fn ack_outcome(acked: Result<AckStatus, tokio::sync::oneshot::error::RecvError>) -> SendOutcome {
     match acked {
         Ok(status) => SendOutcome::Acked(status),
         Err(_) => SendOutcome::Lost("connection ended before the ack".into()),

@@ -167,6 +167,65 @@ async fn a_chunk_whose_stream_the_server_stopped_is_sent_again_on_the_same_conne
     assert_eq!(agent.sealed_left(), 0, "the acked chunk left the spool");
 }
 
+#[tokio::test]
+async fn a_chunk_stopped_with_stop_answered_waits_for_its_ack_before_it_is_sent_again() {
+    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+    let agent = AgentSide::new(&pki, 256 << 10);
+    let endpoint = server(&pki, &Tuning { stream_receive_window: 64 << 10, ..Tuning::default() }, localhost());
+    let addr = endpoint.local_addr().expect("server address");
+    let counters = Arc::new(UploadCounters::default());
+    let cancel = CancellationToken::new();
+    let uploader = tokio::spawn(edge_uploader::uploader::run(
+        agent.options(addr),
+        agent.spool.clone(),
+        agent.reader.clone(),
+        counters.clone(),
+        cancel.clone(),
+    ));
+
+    let conn = bounded("connection", async { endpoint.accept().await.expect("endpoint open").await })
+        .await
+        .expect("handshake");
+    let (mut ctl, mut session) = welcome(&conn).await;
+
+    // The ingest's slow-payload path: accept the chunk, stop its stream with STOP_ANSWERED, and
+    // answer Retry on the control stream, here late (as on a lossy link).
+    let mut first = bounded("first chunk stream", conn.accept_uni()).await.expect("chunk stream");
+    let mut head = Vec::new();
+    let header = loop {
+        let got = bounded("chunk header", first.read_chunk(4096, true)).await.expect("read").expect("open");
+        head.extend_from_slice(&got.bytes);
+        if let Some((header, _)) = ChunkHeader::decode(&head, &Limits::default()).expect("valid header") {
+            break header;
+        }
+    };
+    session.accept_chunk(&header).expect("chunk within the window");
+    first.stop(edge_proto::STOP_ANSWERED.into()).expect("stop the stream");
+    drop(first);
+
+    // Until the ack comes, the agent must not offer the chunk again: the server still has it in
+    // flight, and a second stream for it would be a protocol violation. Its retry backoff is
+    // 10–50 ms, so a second stream would come well within this window.
+    let early = tokio::time::timeout(Duration::from_secs(1), conn.accept_uni()).await;
+    assert!(early.is_err(), "the agent sent the chunk again before its ack: {early:?}");
+    session.ack(&header.stream, header.seq, AckStatus::Retry(edge_proto::RetryReason::Overloaded)).expect("ack");
+    flush(&mut ctl, &mut session).await;
+
+    let mut second = bounded("the chunk offered again", conn.accept_uni()).await.expect("chunk stream");
+    let bytes = bounded("chunk bytes", second.read_to_end(1 << 20)).await.expect("whole chunk");
+    let (again, _) = ChunkHeader::decode(&bytes, &Limits::default()).expect("valid header").expect("complete header");
+    assert_eq!((again.stream.as_str(), again.seq), (STREAM, 1));
+    session.accept_chunk(&again).expect("not in flight any more");
+    session.ack(&again.stream, again.seq, AckStatus::Stored).expect("ack");
+    flush(&mut ctl, &mut session).await;
+
+    cancel.cancel();
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+    assert_eq!(counters.connects_total.load(Ordering::Relaxed), 1, "one connection throughout");
+    assert_eq!(counters.stored.chunks(), 1);
+    assert_eq!(agent.sealed_left(), 0, "the acked chunk left the spool");
+}
+
 /// The destination connection id of a QUIC v1 Initial packet, `None` for anything else.
 fn initial_dcid(datagram: &[u8]) -> Option<&[u8]> {
     let (&first, rest) = datagram.split_first()?;
