@@ -25,7 +25,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use edge_proto::StreamName;
-use edge_proto::records::encode_record;
+use edge_proto::records::{RECORD_OVERHEAD, encode_record};
 use edge_spool::{AppendRequest, Batch};
 use http_body_util::BodyExt;
 use serde_json::json;
@@ -281,60 +281,34 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
             );
         }
     };
-    let limited = http_body_util::Limited::new(body, intake.max_request_bytes);
-    let bytes = match limited.collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) => {
-            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
-                return error(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    Rejection::RequestTooLarge,
-                    format!("body exceeds intake.max_request_bytes = {}", intake.max_request_bytes),
-                );
+    // The body is framed into batches as it arrives: a large request is held once, framed, and
+    // never as a whole raw body beside its framed copy.
+    let mut framer = Framer::new(stream.as_str(), ndjson, intake.max_record_bytes, intake.batch_target);
+    let mut body = http_body_util::Limited::new(body, intake.max_request_bytes);
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(f) => f,
+            Err(e) => {
+                if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                    return error(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        Rejection::RequestTooLarge,
+                        format!("body exceeds intake.max_request_bytes = {}", intake.max_request_bytes),
+                    );
+                }
+                return error(StatusCode::BAD_REQUEST, Rejection::BadBody, format!("could not read the body: {e}"));
             }
-            return error(StatusCode::BAD_REQUEST, Rejection::BadBody, format!("could not read the body: {e}"));
+        };
+        let Ok(data) = frame.into_data() else { continue };
+        if let Err(e) = framer.push(&data) {
+            return framer_error(&e, intake.max_record_bytes);
         }
+    }
+    let (batches, n, payload_bytes) = match framer.finish() {
+        Ok(done) => done,
+        Err(e) => return framer_error(&e, intake.max_record_bytes),
     };
-    let records: Vec<&[u8]> = if ndjson {
-        bytes.split(|b| *b == b'\n').map(|l| l.strip_suffix(b"\r").unwrap_or(l)).filter(|l| !l.is_empty()).collect()
-    } else if bytes.is_empty() {
-        Vec::new()
-    } else {
-        vec![&bytes[..]]
-    };
-    if records.is_empty() {
-        return error(StatusCode::BAD_REQUEST, Rejection::EmptyBody, "the request carries no records");
-    }
-    if let Some((i, r)) = records.iter().enumerate().find(|(_, r)| r.len() > intake.max_record_bytes) {
-        return error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            Rejection::RecordTooLarge,
-            format!("record {} is {} bytes; intake.max_record_bytes = {}", i + 1, r.len(), intake.max_record_bytes),
-        );
-    }
 
-    // Frame into batches of about the chunk target so one huge request still makes
-    // reasonably sized chunks.
-    let mut batches = Vec::new();
-    let mut cur = Vec::with_capacity(bytes.len().min(intake.batch_target) + 4 * records.len().min(4096));
-    let mut cur_records = 0u32;
-    let mut payload_bytes = 0u64;
-    for r in &records {
-        if cur_records > 0 && cur.len() + r.len() + 4 > intake.batch_target {
-            batches.push(Batch {
-                stream: stream.as_str().to_owned(),
-                data: std::mem::take(&mut cur),
-                records: cur_records,
-            });
-            cur_records = 0;
-        }
-        encode_record(&mut cur, r);
-        cur_records += 1;
-        payload_bytes += r.len() as u64;
-    }
-    batches.push(Batch { stream: stream.as_str().to_owned(), data: cur, records: cur_records });
-
-    let n = records.len() as u64;
     match intake.spool.append(AppendRequest { batches }).await {
         Ok(()) => {
             intake.counters.accepted(stream.as_str(), n, payload_bytes);
@@ -351,5 +325,236 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
         Err(f @ AppendFailure::Storage(_)) => {
             error(StatusCode::INTERNAL_SERVER_ERROR, Rejection::StorageError, f.to_string())
         }
+    }
+}
+
+fn framer_error(e: &FrameError, max_record_bytes: usize) -> Response {
+    match *e {
+        FrameError::Empty => error(StatusCode::BAD_REQUEST, Rejection::EmptyBody, "the request carries no records"),
+        FrameError::RecordTooLarge { index, len } => error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            Rejection::RecordTooLarge,
+            format!("record {index} is {len} bytes; intake.max_record_bytes = {max_record_bytes}"),
+        ),
+    }
+}
+
+/// Why a body could not be framed.
+#[derive(Debug, PartialEq, Eq)]
+enum FrameError {
+    /// No record in the body (empty, or NDJSON with only blank lines).
+    Empty,
+    /// Record `index` (from 1) is over the limit; `len` is its length, or as much of it as was
+    /// read before the request was refused.
+    RecordTooLarge { index: u64, len: usize },
+}
+
+/// Frames a request body into spool batches of about `batch_target` bytes as its pieces arrive.
+///
+/// NDJSON: every non-empty line is a record (a trailing `\r` is not part of it); a line may span
+/// any number of pieces. Octet-stream: the whole body is one record, in one batch whatever its
+/// size. A record over `max_record`
+/// is refused as soon as it is seen to be, without reading the rest of the body.
+struct Framer {
+    stream: String,
+    ndjson: bool,
+    max_record: usize,
+    batch_target: usize,
+    batches: Vec<Batch>,
+    cur: Vec<u8>,
+    cur_records: u32,
+    records: u64,
+    payload_bytes: u64,
+    /// NDJSON: the start of a line whose end has not arrived yet.
+    partial: Vec<u8>,
+}
+
+impl Framer {
+    fn new(stream: &str, ndjson: bool, max_record: usize, batch_target: usize) -> Self {
+        Framer {
+            stream: stream.to_owned(),
+            ndjson,
+            max_record,
+            batch_target,
+            batches: Vec::new(),
+            cur: Vec::new(),
+            cur_records: 0,
+            records: 0,
+            payload_bytes: 0,
+            partial: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, mut piece: &[u8]) -> Result<(), FrameError> {
+        if !self.ndjson {
+            // The one record is built in place behind its length prefix, patched at the end.
+            if self.cur.is_empty() {
+                self.cur.extend_from_slice(&[0; RECORD_OVERHEAD]);
+            }
+            self.cur.extend_from_slice(piece);
+            let len = self.cur.len() - RECORD_OVERHEAD;
+            if len > self.max_record {
+                return Err(FrameError::RecordTooLarge { index: 1, len });
+            }
+            return Ok(());
+        }
+        while let Some(end) = memchr::memchr(b'\n', piece) {
+            if self.partial.is_empty() {
+                self.line(&piece[..end])?;
+            } else {
+                let mut line = std::mem::take(&mut self.partial);
+                line.extend_from_slice(&piece[..end]);
+                self.line(&line)?;
+                // Keep the allocation for the next line that spans pieces.
+                line.clear();
+                self.partial = line;
+            }
+            piece = &piece[end + 1..];
+        }
+        self.partial.extend_from_slice(piece);
+        // One byte of slack: the line may still end in "\r\n".
+        self.check_partial(1)
+    }
+
+    /// Refuses a line that is already over the limit before its end arrived.
+    fn check_partial(&self, slack: usize) -> Result<(), FrameError> {
+        if self.partial.len() > self.max_record + slack {
+            return Err(FrameError::RecordTooLarge { index: self.records + 1, len: self.partial.len() });
+        }
+        Ok(())
+    }
+
+    fn line(&mut self, line: &[u8]) -> Result<(), FrameError> {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if line.is_empty() { Ok(()) } else { self.record(line) }
+    }
+
+    fn record(&mut self, r: &[u8]) -> Result<(), FrameError> {
+        if r.len() > self.max_record {
+            return Err(FrameError::RecordTooLarge { index: self.records + 1, len: r.len() });
+        }
+        if self.cur_records > 0 && self.cur.len() + r.len() + RECORD_OVERHEAD > self.batch_target {
+            self.batches.push(Batch {
+                stream: self.stream.clone(),
+                data: std::mem::take(&mut self.cur),
+                records: self.cur_records,
+            });
+            self.cur_records = 0;
+        }
+        if self.cur.capacity() == 0 {
+            self.cur.reserve((r.len() + RECORD_OVERHEAD).max(self.batch_target.min(64 << 10)));
+        }
+        encode_record(&mut self.cur, r);
+        self.cur_records += 1;
+        self.records += 1;
+        self.payload_bytes += r.len() as u64;
+        Ok(())
+    }
+
+    /// The batches, the number of records and their payload bytes.
+    fn finish(mut self) -> Result<(Vec<Batch>, u64, u64), FrameError> {
+        if self.ndjson {
+            let last = std::mem::take(&mut self.partial);
+            self.line(&last)?;
+        } else if self.cur.len() > RECORD_OVERHEAD {
+            let len = self.cur.len() - RECORD_OVERHEAD;
+            let prefix = u32::try_from(len).map_err(|_| FrameError::RecordTooLarge { index: 1, len })?;
+            self.cur[..RECORD_OVERHEAD].copy_from_slice(&prefix.to_le_bytes());
+            self.cur_records = 1;
+            self.records = 1;
+            self.payload_bytes = len as u64;
+        } else {
+            self.cur.clear();
+        }
+        if self.records == 0 {
+            return Err(FrameError::Empty);
+        }
+        if self.cur_records > 0 {
+            self.batches.push(Batch { stream: self.stream, data: self.cur, records: self.cur_records });
+        }
+        Ok((self.batches, self.records, self.payload_bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(
+        ndjson: bool,
+        pieces: &[&[u8]],
+        max_record: usize,
+        target: usize,
+    ) -> Result<(Vec<Batch>, u64, u64), FrameError> {
+        let mut f = Framer::new("s", ndjson, max_record, target);
+        for p in pieces {
+            f.push(p)?;
+        }
+        f.finish()
+    }
+
+    fn records(batches: &[Batch]) -> Vec<Vec<u8>> {
+        batches
+            .iter()
+            .flat_map(|b| edge_proto::records::split_records(&b.data, b.records).expect("valid framing"))
+            .map(<[u8]>::to_vec)
+            .collect()
+    }
+
+    #[test]
+    fn ndjson_lines_split_anywhere_across_pieces_give_the_same_records() {
+        let body = b"alpha\r\n\nbeta\ngamma-delta\r\n\n\nepsilon";
+        let want: Vec<Vec<u8>> =
+            ["alpha", "beta", "gamma-delta", "epsilon"].iter().map(|s| s.as_bytes().to_vec()).collect();
+        for cut1 in 0..=body.len() {
+            for cut2 in cut1..=body.len() {
+                let (batches, n, bytes) =
+                    frame(true, &[&body[..cut1], &body[cut1..cut2], &body[cut2..]], 100, 1 << 20).expect("frames");
+                assert_eq!(records(&batches), want, "cut at {cut1} and {cut2}");
+                assert_eq!((n, bytes), (4, 27));
+                assert_eq!(batches.len(), 1);
+            }
+        }
+    }
+
+    #[test]
+    fn batches_stay_near_the_target_and_keep_the_order() {
+        let body: Vec<u8> = (0..100).flat_map(|i| format!("record-{i:03}\n").into_bytes()).collect();
+        let (batches, n, _) = frame(true, &[&body], 100, 64).expect("frames");
+        assert_eq!(n, 100);
+        assert!(batches.iter().all(|b| b.data.len() <= 64 && b.records > 0), "{batches:?}");
+        let want: Vec<Vec<u8>> = (0..100).map(|i| format!("record-{i:03}").into_bytes()).collect();
+        assert_eq!(records(&batches), want);
+    }
+
+    #[test]
+    fn an_oversized_line_is_refused_before_its_end_arrives() {
+        let mut f = Framer::new("s", true, 10, 1 << 20);
+        f.push(b"ok\n0123456").expect("under the limit so far");
+        assert_eq!(f.push(b"789ab"), Err(FrameError::RecordTooLarge { index: 2, len: 12 }));
+        // Exactly the limit, with "\r\n" split across pieces, is fine.
+        let (batches, n, _) = frame(true, &[b"0123456789\r", b"\n"], 10, 1 << 20).expect("at the limit");
+        assert_eq!((records(&batches), n), (vec![b"0123456789".to_vec()], 1));
+        assert_eq!(
+            frame(true, &[b"0123456789x"], 10, 1 << 20).map(|r| r.1),
+            Err(FrameError::RecordTooLarge { index: 1, len: 11 })
+        );
+    }
+
+    #[test]
+    fn octet_stream_bodies_are_one_record_whatever_their_pieces() {
+        let (batches, n, bytes) = frame(false, &[b"ab\n", b"", b"c\r\n"], 10, 4).expect("frames");
+        assert_eq!((records(&batches), n, bytes), (vec![b"ab\nc\r\n".to_vec()], 1, 6));
+        assert_eq!(
+            frame(false, &[b"0123", b"456789x"], 10, 1 << 20).map(|r| r.1),
+            Err(FrameError::RecordTooLarge { index: 1, len: 11 })
+        );
+    }
+
+    #[test]
+    fn bodies_without_records_are_empty() {
+        assert_eq!(frame(true, &[b"\n\r\n", b"\n"], 10, 64).map(|r| r.1), Err(FrameError::Empty));
+        assert_eq!(frame(true, &[], 10, 64).map(|r| r.1), Err(FrameError::Empty));
+        assert_eq!(frame(false, &[b""], 10, 64).map(|r| r.1), Err(FrameError::Empty));
     }
 }
