@@ -66,6 +66,10 @@ pub const CHUNKS_IN_FLIGHT: &str = "edge_uploader_chunks_in_flight";
 pub const CONNECTED: &str = "edge_uploader_connected";
 /// Connections established after the first one.
 pub const RECONNECTS_TOTAL: &str = "edge_uploader_reconnects_total";
+/// Connection attempts started, successful or not.
+pub const CONNECT_ATTEMPTS_TOTAL: &str = "edge_uploader_connect_attempts_total";
+/// Chunk payload bytes sent and waiting for their ack.
+pub const BYTES_IN_FLIGHT: &str = "edge_uploader_bytes_in_flight";
 /// QUIC round-trip time.
 pub const QUIC_RTT_SECONDS: &str = "edge_uploader_quic_rtt_seconds";
 /// QUIC packets lost.
@@ -80,7 +84,7 @@ pub const SPOOL_CORRUPT_CHUNKS_TOTAL: &str = "edge_uploader_spool_corrupt_chunks
 pub const SPOOL_QUARANTINED_CHUNKS: &str = "edge_uploader_spool_quarantined_chunks";
 
 /// Every metric name above.
-pub const ALL: [&str; 19] = [
+pub const ALL: [&str; 21] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
@@ -94,6 +98,8 @@ pub const ALL: [&str; 19] = [
     CHUNKS_IN_FLIGHT,
     CONNECTED,
     RECONNECTS_TOTAL,
+    CONNECT_ATTEMPTS_TOTAL,
+    BYTES_IN_FLIGHT,
     QUIC_RTT_SECONDS,
     QUIC_LOST_PACKETS_TOTAL,
     QUIC_CONGESTION_WINDOW_BYTES,
@@ -336,6 +342,14 @@ const LIVE_CONNECTED: Live =
     Live::gauge(CONNECTED, "1 while a QUIC connection to the ingest server is up, 0 otherwise.");
 const LIVE_RECONNECTS: Live =
     Live::counter(RECONNECTS_TOTAL, "Connections to the ingest server established after the first one since start.");
+const LIVE_CONNECT_ATTEMPTS: Live = Live::counter(
+    CONNECT_ATTEMPTS_TOTAL,
+    "Connection attempts to the ingest server since start, successful or not (each bounded by upload.connect_timeout).",
+);
+const LIVE_BYTES_IN_FLIGHT: Live = Live::gauge(
+    BYTES_IN_FLIGHT,
+    "Chunk payload bytes sent to the server and waiting for their ack (held below upload.max_in_flight_bytes plus one chunk).",
+);
 const LIVE_CORRUPT: Live = Live::counter(
     SPOOL_CORRUPT_CHUNKS_TOTAL,
     "Chunks whose bytes failed their checksum (or whose pages SQLite found damaged) when read for upload; \
@@ -345,7 +359,7 @@ const LIVE_QUARANTINED: Live = Live::gauge(
     SPOOL_QUARANTINED_CHUNKS,
     "Chunks held in quarantine in the spool (corrupt, or refused by the server), kept for inspection.",
 );
-const LIVE_ALL: [&Live; 11] = [
+const LIVE_ALL: [&Live; 13] = [
     &LIVE_SPOOL_BYTES,
     &LIVE_SPOOL_CHUNKS,
     &LIVE_OLDEST_AGE,
@@ -355,6 +369,8 @@ const LIVE_ALL: [&Live; 11] = [
     &LIVE_IN_FLIGHT,
     &LIVE_CONNECTED,
     &LIVE_RECONNECTS,
+    &LIVE_CONNECT_ATTEMPTS,
+    &LIVE_BYTES_IN_FLIGHT,
     &LIVE_CORRUPT,
     &LIVE_QUARANTINED,
 ];
@@ -382,6 +398,8 @@ fn live_families(spool: &SpoolStatsView, u: &UploadCounters) -> Vec<MetricFamily
         LIVE_IN_FLIGHT.family(&[("", u.in_flight.load(Relaxed) as f64)]),
         LIVE_CONNECTED.family(&[("", if u.connected.load(Relaxed) { 1.0 } else { 0.0 })]),
         LIVE_RECONNECTS.family(&[("", u.connects_total.load(Relaxed).saturating_sub(1) as f64)]),
+        LIVE_CONNECT_ATTEMPTS.family(&[("", u.connect_attempts_total.load(Relaxed) as f64)]),
+        LIVE_BYTES_IN_FLIGHT.family(&[("", u.in_flight_bytes.load(Relaxed) as f64)]),
         LIVE_CORRUPT.family(&[("", u.spool_corrupt_chunks.load(Relaxed) as f64)]),
         LIVE_QUARANTINED.family(&[("", s.quarantined_chunks as f64)]),
     ]
@@ -519,8 +537,11 @@ mod tests {
         assert_eq!(rig.sample(&format!("{INTAKE_REJECTED_TOTAL}{{reason=\"spool_full\"}}")), Some(0.0));
         assert_eq!(rig.sample(CONNECTED), Some(0.0));
         assert_eq!(rig.sample(RECONNECTS_TOTAL), Some(0.0));
+        assert_eq!(rig.sample(BYTES_IN_FLIGHT), Some(0.0));
         rig.upload.connected.store(true, Ordering::Relaxed);
         rig.upload.connects_total.store(3, Ordering::Relaxed);
+        rig.upload.connect_attempts_total.store(7, Ordering::Relaxed);
+        rig.upload.in_flight_bytes.store(4096, Ordering::Relaxed);
         rig.upload.stored.chunks.store(5, Ordering::Relaxed);
         rig.upload.stored.bytes.store(500, Ordering::Relaxed);
         rig.upload.retry.chunks.store(1, Ordering::Relaxed);
@@ -537,6 +558,8 @@ mod tests {
         rig.upload.metrics.acked(&meta, 1_520);
         assert_eq!(rig.sample(CONNECTED), Some(1.0));
         assert_eq!(rig.sample(RECONNECTS_TOTAL), Some(2.0));
+        assert_eq!(rig.sample(CONNECT_ATTEMPTS_TOTAL), Some(7.0));
+        assert_eq!(rig.sample(BYTES_IN_FLIGHT), Some(4096.0));
         assert_eq!(rig.sample(&format!("{UPLOAD_CHUNKS_TOTAL}{{result=\"stored\"}}")), Some(5.0));
         assert_eq!(rig.sample(&format!("{UPLOAD_BYTES_TOTAL}{{result=\"stored\"}}")), Some(500.0));
         assert_eq!(rig.sample(&format!("{UPLOAD_CHUNKS_TOTAL}{{result=\"retry\"}}")), Some(1.0));

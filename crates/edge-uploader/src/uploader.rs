@@ -81,7 +81,10 @@ pub struct UploadCounters {
     pub spool_corrupt_chunks: AtomicU64,
     /// Bytes put on the wire for chunk payloads.
     pub wire_bytes_total: AtomicU64,
+    /// Chunks sent and waiting for their ack.
     pub in_flight: AtomicU64,
+    /// Their payload bytes.
+    pub in_flight_bytes: AtomicU64,
     pub last_error: Mutex<Option<String>>,
     /// End-to-end latency samples (oldest record's commit → ack), milliseconds; exact quantiles
     /// for `status` and the demo. `/metrics` has the same observations as histograms.
@@ -526,6 +529,7 @@ impl<'a> Connection<'a> {
                     }
                     in_flight.insert(meta.id, raw.len() as u64);
                     self.counters.in_flight.fetch_add(1, Ordering::Relaxed);
+                    self.counters.in_flight_bytes.store(in_flight.bytes, Ordering::Relaxed);
                     tasks.spawn(send_chunk(
                         self.conn.clone(),
                         state.clone(),
@@ -566,6 +570,7 @@ impl<'a> Connection<'a> {
                     let Ok((meta, outcome)) = joined else { continue };
                     in_flight.remove(meta.id);
                     self.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    self.counters.in_flight_bytes.store(in_flight.bytes, Ordering::Relaxed);
                     match outcome {
                         SendOutcome::Acked(status @ (AckStatus::Stored | AckStatus::Duplicate)) => {
                             allowed = allowed.min(window()).saturating_add(1);
@@ -614,6 +619,7 @@ impl<'a> Connection<'a> {
         tasks.abort_all();
         control.abort();
         self.counters.in_flight.fetch_sub(in_flight.len() as u64, Ordering::Relaxed);
+        self.counters.in_flight_bytes.store(0, Ordering::Relaxed);
         match end {
             Ok(()) => Ok(progress),
             Err(ConnError::Lost(e)) if progress => Err(ConnError::LostAfterProgress(e.to_string())),
