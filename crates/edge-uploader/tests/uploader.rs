@@ -121,27 +121,43 @@ async fn flush(send: &mut quinn::SendStream, session: &mut ServerSession) {
     }
 }
 
+/// One agent with one sealed 256 KiB chunk, connected to a scripted server whose stream window
+/// is 64 KiB: the agent cannot have finished the chunk's stream when the server stops it, so the
+/// stop always reaches it.
+struct StopRig {
+    agent: AgentSide,
+    _endpoint: quinn::Endpoint,
+    conn: quinn::Connection,
+    counters: Arc<UploadCounters>,
+    cancel: CancellationToken,
+    uploader: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl StopRig {
+    async fn start() -> Self {
+        let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+        let agent = AgentSide::new(&pki, 256 << 10);
+        let endpoint = server(&pki, &Tuning { stream_receive_window: 64 << 10, ..Tuning::default() }, localhost());
+        let addr = endpoint.local_addr().expect("server address");
+        let counters = Arc::new(UploadCounters::default());
+        let cancel = CancellationToken::new();
+        let uploader = tokio::spawn(edge_uploader::uploader::run(
+            agent.options(addr),
+            agent.spool.clone(),
+            agent.reader.clone(),
+            counters.clone(),
+            cancel.clone(),
+        ));
+        let conn = bounded("connection", async { endpoint.accept().await.expect("endpoint open").await })
+            .await
+            .expect("handshake");
+        StopRig { agent, _endpoint: endpoint, conn, counters, cancel, uploader }
+    }
+}
+
 #[tokio::test]
 async fn a_chunk_whose_stream_the_server_stopped_is_sent_again_on_the_same_connection() {
-    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
-    // The chunk (256 KiB) is bigger than the server's stream window (64 KiB), so the agent
-    // cannot have finished its stream when the server stops it: the stop always reaches it.
-    let agent = AgentSide::new(&pki, 256 << 10);
-    let endpoint = server(&pki, &Tuning { stream_receive_window: 64 << 10, ..Tuning::default() }, localhost());
-    let addr = endpoint.local_addr().expect("server address");
-    let counters = Arc::new(UploadCounters::default());
-    let cancel = CancellationToken::new();
-    let uploader = tokio::spawn(edge_uploader::uploader::run(
-        agent.options(addr),
-        agent.spool.clone(),
-        agent.reader.clone(),
-        counters.clone(),
-        cancel.clone(),
-    ));
-
-    let conn = bounded("connection", async { endpoint.accept().await.expect("endpoint open").await })
-        .await
-        .expect("handshake");
+    let StopRig { agent, _endpoint, conn, counters, cancel, uploader } = StopRig::start().await;
     let (mut ctl, mut session) = welcome(&conn).await;
 
     let mut first = bounded("first chunk stream", conn.accept_uni()).await.expect("chunk stream");
@@ -169,23 +185,7 @@ async fn a_chunk_whose_stream_the_server_stopped_is_sent_again_on_the_same_conne
 
 #[tokio::test]
 async fn a_chunk_stopped_with_stop_answered_waits_for_its_ack_before_it_is_sent_again() {
-    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
-    let agent = AgentSide::new(&pki, 256 << 10);
-    let endpoint = server(&pki, &Tuning { stream_receive_window: 64 << 10, ..Tuning::default() }, localhost());
-    let addr = endpoint.local_addr().expect("server address");
-    let counters = Arc::new(UploadCounters::default());
-    let cancel = CancellationToken::new();
-    let uploader = tokio::spawn(edge_uploader::uploader::run(
-        agent.options(addr),
-        agent.spool.clone(),
-        agent.reader.clone(),
-        counters.clone(),
-        cancel.clone(),
-    ));
-
-    let conn = bounded("connection", async { endpoint.accept().await.expect("endpoint open").await })
-        .await
-        .expect("handshake");
+    let StopRig { agent, _endpoint, conn, counters, cancel, uploader } = StopRig::start().await;
     let (mut ctl, mut session) = welcome(&conn).await;
 
     // The ingest's slow-payload path: accept the chunk, stop its stream with STOP_ANSWERED, and
