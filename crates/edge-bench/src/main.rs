@@ -14,6 +14,7 @@
 mod baseline;
 mod cases;
 mod peers;
+mod spool;
 mod sys;
 mod world;
 
@@ -74,6 +75,25 @@ enum Cmd {
         #[arg(long)]
         allow_stale: bool,
     },
+    /// The spool alone, in process: write (group commits) and read+ack phases at several SQLite
+    /// page sizes, against an append-only file doing the same durable work.
+    Spool {
+        #[arg(long, default_value_t = 256)]
+        mib: u64,
+        /// Bytes per record (one record per request).
+        #[arg(long, default_value_t = 10240)]
+        record: usize,
+        /// Requests per commit.
+        #[arg(long, default_value_t = 32)]
+        per_commit: usize,
+        #[arg(long, value_delimiter = ',', default_value = "4096,16384,65536")]
+        page_sizes: Vec<u32>,
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Where the files go (default: target/edge-bench-work/spool).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
     /// Internal: one party of a baseline.
     #[command(hide = true)]
     Role {
@@ -108,6 +128,20 @@ fn main() -> anyhow::Result<()> {
                 baseline::handshake_role(side == Side::HandshakeServer, &pki, bytes, port)
             }
         },
+        Cmd::Spool { mib, record, per_commit, page_sizes, reps, dir } => {
+            let opts = spool::Opts { mib, record, per_commit, page_sizes, reps: reps.max(1) };
+            let dir = dir.unwrap_or_else(|| PathBuf::from("target/edge-bench-work/spool"));
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let samples = spool::run(&opts, &dir)?;
+            let command = format!(
+                "cargo run --release -p edge-bench -- spool --mib {mib} --record {record} --per-commit {per_commit} \
+                 --page-sizes {} --reps {}",
+                opts.page_sizes.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
+                opts.reps
+            );
+            println!("{}", spool::markdown(&samples, &opts, &command));
+            Ok(())
+        }
         Cmd::Quick { json, allow_stale } => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let ctx = cases::Ctx::new(allow_stale, 1, true)?;
