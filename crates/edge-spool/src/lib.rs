@@ -34,8 +34,9 @@
 //!   <= last_batch` (batch ids are shared by all streams, so a range always goes with
 //!   `stream_id`).
 //! * `batches(id INTEGER PRIMARY KEY, stream_id, records, crc32c, commit_ms, data BLOB)`: one
-//!   row per producer batch, in append order, **never updated**: inserted by `append`, deleted
-//!   with its chunk. `crc32c` is the CRC-32C of `data`, computed at append and checked on every
+//!   row per stream per writer transaction, holding the producer batches that transaction
+//!   appended to the stream back to back (cut where the stream is sealed), in append order,
+//!   **never updated**: inserted by `append`/`commit`, deleted with its chunk. `crc32c` is the CRC-32C of `data`, computed at append and checked on every
 //!   read. A chunk's payload is the concatenation of its batches' `data` in `id` order. The
 //!   writer chooses each id: greater than every batch id in the file and every
 //!   `streams.sealed_through` (SQLite's own choice, largest id + 1, would reuse the ids of acked
@@ -344,7 +345,7 @@ pub struct OpenReport {
     pub created: bool,
     /// Where a corrupt file was moved to, if one was.
     pub quarantined: Option<PathBuf>,
-    /// Open (not yet sealed) batches found.
+    /// Open (not yet sealed) batch rows found: one per stream per commit that appended to it.
     pub open_batches: u64,
     /// Sealed, not quarantined chunks found (they will be offered again).
     pub sealed_chunks: u64,
