@@ -86,6 +86,26 @@ enum PkiCommand {
         #[arg(long, default_value_t = 825)]
         days: u32,
     },
+    /// Revoke device certificates issued by the CA in DIR: keeps a copy of each in DIR/revoked/
+    /// and writes DIR/crl.pem revoking all of them (list it in the ingest's `[tls] crls`).
+    Revoke {
+        #[arg(long)]
+        dir: PathBuf,
+        /// The device certificates (PEM files) to revoke.
+        #[arg(required = true)]
+        certs: Vec<PathBuf>,
+        /// Validity of the CRL; re-issue it with `pki crl` before it runs out.
+        #[arg(long, default_value_t = edge_transport::pki::DEFAULT_CRL_VALIDITY_DAYS)]
+        days: u32,
+    },
+    /// Write DIR/crl.pem again from DIR/revoked/, valid for --days: run it before the CRL's
+    /// nextUpdate (the ingest refuses an outdated CRL and keeps the previous one).
+    Crl {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, default_value_t = edge_transport::pki::DEFAULT_CRL_VALIDITY_DAYS)]
+        days: u32,
+    },
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -108,7 +128,7 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("edge-ingest: invalid config: {e:#}");
+                eprintln!("edge-ingest: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
                 ExitCode::from(EXIT_CONFIG as u8)
             }
         },
@@ -116,7 +136,7 @@ fn main() -> ExitCode {
             let cfg = match config::load(config.as_deref()) {
                 Ok(c) => c,
                 Err(e) => {
-                    eprintln!("edge-ingest: invalid config: {e:#}");
+                    eprintln!("edge-ingest: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
                     return ExitCode::from(EXIT_CONFIG as u8);
                 }
             };
@@ -140,7 +160,7 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("edge-ingest: {e:#}");
+            eprintln!("edge-ingest: {}", edge_telemetry::logging::error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }
@@ -181,7 +201,7 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
                     Ok(()) => tracing::info!(log_level = %new.log_level, "configuration reloaded (log level; other keys apply at the next restart)"),
                     Err(e) => tracing::error!(error = %e, "log.level not applied"),
                 },
-                Err(e) => tracing::error!(error = %format!("{e:#}"), "configuration reload refused; the running configuration stays in force"),
+                Err(e) => tracing::error!(error = %edge_telemetry::logging::error_chain(e.as_ref()), "configuration reload refused; the running configuration stays in force"),
             },
             _ = tokio::signal::ctrl_c() => break,
             () = async { match watchdog { Some(i) => tokio::time::sleep(i).await, None => std::future::pending().await } } => {
@@ -256,6 +276,21 @@ fn pki(cmd: PkiCommand) -> anyhow::Result<()> {
         PkiCommand::Issue { dir, device, out, days } => {
             let paths = edge_transport::pki::issue_device(&dir, &device, &out, days)?;
             println!("device certificate for {device} written to {}: {paths:?}", out.display());
+        }
+        PkiCommand::Revoke { dir, certs, days } => {
+            let w = edge_transport::pki::revoke(&dir, &certs, days)?;
+            println!(
+                "{} certificate(s) newly revoked; {} revokes {} in all, valid for {days} days: list it in \
+                 [tls] crls and run `edge-ingest pki crl --dir {}` before then",
+                w.added,
+                w.crl.display(),
+                w.revoked,
+                dir.display()
+            );
+        }
+        PkiCommand::Crl { dir, days } => {
+            let w = edge_transport::pki::reissue_crl(&dir, days)?;
+            println!("{} re-issued: revokes {}, valid for {days} days", w.crl.display(), w.revoked);
         }
     }
     Ok(())

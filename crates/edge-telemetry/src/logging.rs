@@ -370,15 +370,9 @@ impl Visit for FieldCollector {
         self.put(field, value.to_string());
     }
 
-    /// An error with its chain of sources, like anyhow's `{:#}`.
+    /// An error with its chain of sources (see [`error_chain`]).
     fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
-        let mut text = value.to_string();
-        let mut source = value.source();
-        while let Some(e) = source {
-            let _ = write!(text, ": {e}");
-            source = e.source();
-        }
-        self.put(field, text);
+        self.put(field, error_chain(value));
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
@@ -386,11 +380,38 @@ impl Visit for FieldCollector {
     }
 }
 
+/// An error and its chain of sources, joined by ": " like anyhow's `{:#}`, without repeating a
+/// source whose text the previous message already ends with (many error types print their
+/// source in their own message and also return it from `source()`).
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let part = cause.to_string();
+        if !text.ends_with(&part) {
+            let _ = write!(text, ": {part}");
+        }
+        source = cause.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::{Arc, Mutex};
 
     use super::*;
+
+    #[test]
+    fn an_error_chain_names_each_cause_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        #[derive(Debug, thiserror::Error)]
+        #[error("cannot read x.pem: {0}")]
+        struct Repeats(#[source] std::io::Error);
+        let err = anyhow::Error::new(Repeats(io)).context("loading the CA");
+        assert_eq!(error_chain(err.as_ref()), "loading the CA: cannot read x.pem: no such file");
+        assert_eq!(format!("{err:#}"), "loading the CA: cannot read x.pem: no such file: no such file");
+    }
 
     #[test]
     fn a_bad_level_directive_is_named_in_the_error() {

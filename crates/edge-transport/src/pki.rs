@@ -328,6 +328,85 @@ pub fn write_crl(ca_dir: &Path, revoked: &[PathBuf], out: &Path, validity_days: 
     Ok(out.to_owned())
 }
 
+/// The CRL [`revoke`] and [`reissue_crl`] write in the CA directory.
+pub const CRL_FILE: &str = "crl.pem";
+/// The directory in the CA directory where [`revoke`] keeps a copy of every revoked
+/// certificate, named by serial number; [`reissue_crl`] builds the CRL from it.
+pub const REVOKED_DIR: &str = "revoked";
+/// How long a CRL written by [`revoke`] and [`reissue_crl`] is valid by default.
+pub const DEFAULT_CRL_VALIDITY_DAYS: u32 = 30;
+
+/// What [`revoke`] and [`reissue_crl`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CrlWritten {
+    /// `<ca_dir>/crl.pem`.
+    pub crl: PathBuf,
+    /// Certificates it revokes: every one ever revoked with this CA directory.
+    pub revoked: usize,
+    /// Of those, how many this call added (a certificate revoked twice counts once).
+    pub added: usize,
+}
+
+/// Revokes the device certificates in the PEM files `certs`, each checked to be issued by the
+/// CA in `ca_dir`: keeps a copy of each in `<ca_dir>/revoked/`, then writes `<ca_dir>/crl.pem`
+/// revoking every certificate kept there, valid for `validity_days` (the server refuses a CRL
+/// past its `nextUpdate`: re-issue it in time with [`reissue_crl`]). Nothing is written if any
+/// certificate is refused. The ingest server reloads the CRL when the file changes.
+pub fn revoke(ca_dir: &Path, certs: &[PathBuf], validity_days: u32) -> Result<CrlWritten, PkiError> {
+    let (_, next_update) = validity_from_days("validity_days", validity_days)?;
+    let ca = Ca::load(ca_dir)?;
+    let mut checked = Vec::with_capacity(certs.len());
+    for path in certs {
+        let text = read_text(path)?;
+        let serial = ca.issued_serial(&format!("file {}", path.display()), &text)?;
+        checked.push((serial, text));
+    }
+    let dir = ca_dir.join(REVOKED_DIR);
+    ensure_dir(&dir)?;
+    let mut added = 0;
+    for (serial, text) in checked {
+        let hex: String = serial.iter().map(|b| format!("{b:02x}")).collect();
+        let kept = dir.join(format!("{hex}.pem"));
+        if !kept.exists() {
+            write_file(&kept, text.as_bytes(), CERT_MODE)?;
+            added += 1;
+        }
+    }
+    let mut written = write_revoked_crl(&ca, ca_dir, next_update)?;
+    written.added = added;
+    Ok(written)
+}
+
+/// Writes `<ca_dir>/crl.pem` again from the certificates kept in `<ca_dir>/revoked/`, valid for
+/// `validity_days`: run it before the current CRL's `nextUpdate` (a cron job or timer).
+pub fn reissue_crl(ca_dir: &Path, validity_days: u32) -> Result<CrlWritten, PkiError> {
+    let (_, next_update) = validity_from_days("validity_days", validity_days)?;
+    let ca = Ca::load(ca_dir)?;
+    write_revoked_crl(&ca, ca_dir, next_update)
+}
+
+fn write_revoked_crl(ca: &Ca, ca_dir: &Path, next_update: SystemTime) -> Result<CrlWritten, PkiError> {
+    let dir = ca_dir.join(REVOKED_DIR);
+    let mut certs = Vec::new();
+    match fs::read_dir(&dir) {
+        Ok(entries) => {
+            for entry in entries {
+                let path = entry.map_err(|source| PkiError::Io { action: "list", path: dir.clone(), source })?.path();
+                if path.extension().is_some_and(|e| e == "pem") {
+                    certs.push((format!("file {}", path.display()), read_text(&path)?));
+                }
+            }
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(source) => return Err(PkiError::Io { action: "list", path: dir, source }),
+    }
+    certs.sort();
+    let crl = ca.crl(&certs, SystemTime::now(), next_update)?;
+    let out = ca_dir.join(CRL_FILE);
+    write_file(&out, crl.as_bytes(), CERT_MODE)?;
+    Ok(CrlWritten { crl: out, revoked: certs.len(), added: 0 })
+}
+
 /// A CA, server identity and device issuer held in memory, for tests and the demo.
 ///
 /// `Debug` leaves out the private keys.
@@ -572,13 +651,9 @@ impl Ca {
     ) -> Result<String, PkiError> {
         let mut revoked = Vec::with_capacity(certs.len());
         for (origin, text) in certs {
-            let fail = |reason: String| PkiError::InvalidRevocation { origin: origin.clone(), reason };
-            let (_, pem) = x509_parser::pem::parse_x509_pem(text.as_bytes())
-                .map_err(|e| fail(format!("not a PEM certificate: {e}")))?;
-            let cert = pem.parse_x509().map_err(|e| fail(format!("not a valid X.509 certificate: {e}")))?;
-            self.check_issued(&cert).map_err(fail)?;
+            let serial = self.issued_serial(origin, text)?;
             revoked.push(RevokedCertParams {
-                serial_number: SerialNumber::from_slice(&cert.serial.to_bytes_be()),
+                serial_number: SerialNumber::from_slice(&serial),
                 revocation_time: rcgen_time!(this_update, "this_update")?,
                 reason_code: None,
                 invalidity_date: None,
@@ -601,6 +676,17 @@ impl Ca {
             what: "PEM encoding of the certificate revocation list".into(),
             source,
         })
+    }
+
+    /// The serial number (big-endian bytes) of the PEM certificate `text`, after checking that
+    /// this CA issued it. `origin` names the certificate in the error.
+    fn issued_serial(&self, origin: &str, text: &str) -> Result<Vec<u8>, PkiError> {
+        let fail = |reason: String| PkiError::InvalidRevocation { origin: origin.to_owned(), reason };
+        let (_, pem) = x509_parser::pem::parse_x509_pem(text.as_bytes())
+            .map_err(|e| fail(format!("not a PEM certificate: {e}")))?;
+        let cert = pem.parse_x509().map_err(|e| fail(format!("not a valid X.509 certificate: {e}")))?;
+        self.check_issued(&cert).map_err(fail)?;
+        Ok(cert.serial.to_bytes_be())
     }
 
     /// Checks that this CA issued `cert`: issuer name equal to our subject and the signature

@@ -461,6 +461,44 @@ async fn revocation_written_by_write_crl_is_enforced_from_files() {
     assert_server_refused(attempt, AlertDescription::CertificateRevoked, "Revoked").await;
 }
 
+#[tokio::test]
+async fn revoke_keeps_every_revoked_certificate_and_its_crl_is_enforced() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let ca_dir = root.path().join("ca");
+    let paths = pki::init(&ca_dir, &InitOptions::default()).expect("init");
+    let revoked = pki::issue_device(&ca_dir, "sensor-7", &root.path().join("dev7"), 30).expect("device 7");
+    let kept = pki::issue_device(&ca_dir, "sensor-8", &root.path().join("dev8"), 30).expect("device 8");
+    let other_ca = root.path().join("other-ca");
+    pki::init(&other_ca, &InitOptions::default()).expect("other CA");
+    let foreign = pki::issue_device(&other_ca, "sensor-8", &root.path().join("foreign"), 30).expect("foreign");
+
+    let w = pki::revoke(&ca_dir, std::slice::from_ref(&revoked.cert), 7).expect("revoke");
+    assert_eq!((w.added, w.revoked, w.crl.clone()), (1, 1, ca_dir.join(pki::CRL_FILE)));
+    let again = pki::revoke(&ca_dir, std::slice::from_ref(&revoked.cert), 7).expect("revoke again");
+    assert_eq!((again.added, again.revoked), (0, 1), "a certificate revoked twice counts once");
+    // One certificate of another CA refuses the whole call, naming its file; nothing is kept.
+    let err = pki::revoke(&ca_dir, &[kept.cert.clone(), foreign.cert.clone()], 7).expect_err("foreign certificate");
+    assert!(matches!(&err, PkiError::InvalidRevocation { origin, .. } if origin.contains("foreign")), "{err}");
+    assert_eq!(std::fs::read_dir(ca_dir.join(pki::REVOKED_DIR)).expect("revoked dir").count(), 1);
+    assert_eq!(pki::reissue_crl(&ca_dir, 7).expect("reissue").revoked, 1);
+
+    let mut tls = paths.server_tls();
+    tls.crls.push(w.crl);
+    let server = server_endpoint(
+        localhost(),
+        server_config(&tls, &Tuning::default()).expect("server config"),
+        &Tuning::default(),
+    )
+    .expect("endpoint");
+    let config = client_config(&revoked.client_tls(SERVER_NAME), &Tuning::default()).expect("client");
+    assert_server_refused(attempt(&server, config, SERVER_NAME).await, AlertDescription::CertificateRevoked, "Revoked")
+        .await;
+    let config = client_config(&kept.client_tls(SERVER_NAME), &Tuning::default()).expect("client");
+    let attempt = attempt(&server, config, SERVER_NAME).await;
+    let conn = attempt.server.expect("a device not revoked still connects");
+    assert_eq!(peer_device_id(&conn).expect("device id"), "sensor-8");
+}
+
 #[test]
 fn invalid_device_id_is_refused_naming_it() {
     let pki = pki();

@@ -265,7 +265,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
                         running.upload.max_in_flight = new.upload.max_in_flight;
                         running.upload.max_in_flight_bytes = new.upload.max_in_flight_bytes;
                     }
-                    Err(e) => error!(error = %format!("{e:#}"), "configuration reload refused; the running configuration stays in force"),
+                    Err(e) => error!(error = %edge_telemetry::logging::error_chain(e.as_ref()), "configuration reload refused; the running configuration stays in force"),
                 }
             }
             () = async { match watchdog { Some(i) => tokio::time::sleep(i).await, None => std::future::pending().await } } => {

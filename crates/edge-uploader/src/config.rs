@@ -234,7 +234,8 @@ pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
         anyhow::anyhow!("{}: {e}", if exists { path.display().to_string() } else { "environment".into() })
     })?;
     let origin = if exists { path.display().to_string() } else { "built-in defaults and environment".into() };
-    validate(raw, exists.then_some(path)).map_err(|e| anyhow::anyhow!("{origin}: {e:#}"))
+    validate(raw, exists.then_some(path))
+        .map_err(|e| anyhow::anyhow!("{origin}: {}", edge_telemetry::logging::error_chain(e.as_ref())))
 }
 
 /// Turns a raw config into a runtime config, naming the key on every error.

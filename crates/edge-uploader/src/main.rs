@@ -133,7 +133,7 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("edge-uploader: invalid config: {e:#}");
+                eprintln!("edge-uploader: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
                 ExitCode::from(EXIT_CONFIG as u8)
             }
         },
@@ -144,7 +144,7 @@ fn main() -> ExitCode {
             let cfg = match config::load(config.as_deref()) {
                 Ok(c) => c,
                 Err(e) => {
-                    eprintln!("edge-uploader: invalid config: {e:#}");
+                    eprintln!("edge-uploader: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
                     return ExitCode::from(EXIT_CONFIG as u8);
                 }
             };
@@ -218,7 +218,7 @@ fn main() -> ExitCode {
                     }
                 }
                 Err(e) => {
-                    eprintln!("edge-uploader: demo failed: {e:#}");
+                    eprintln!("edge-uploader: demo failed: {}", edge_telemetry::logging::error_chain(e.as_ref()));
                     ExitCode::FAILURE
                 }
             }
@@ -234,7 +234,7 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("edge-uploader: {e:#}");
+            eprintln!("edge-uploader: {}", edge_telemetry::logging::error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }

@@ -29,7 +29,7 @@ pub fn run(config: Option<&Path>, spool: Option<PathBuf>, json: bool) -> u8 {
         None => match crate::config::load(config) {
             Ok(c) => c.spool.path,
             Err(e) => {
-                eprintln!("edge-uploader: invalid config: {e:#}");
+                eprintln!("edge-uploader: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
                 return config_exit();
             }
         },
