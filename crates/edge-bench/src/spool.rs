@@ -108,32 +108,29 @@ pub fn run(opts: &Opts, dir: &Path) -> anyhow::Result<Vec<Sample>> {
             let _ = std::fs::remove_dir_all(&d);
             std::fs::create_dir_all(&d)?;
             let [w, r] = spool_once(&d.join("spool.db"), page, &pool, records, opts.per_commit, &variant)?;
-            eprintln!(
-                "[spool rep {}] {variant}: write {:.2} CPU-s/GiB {:.0} MB/s wear {:.2}; read+ack {:.2} CPU-s/GiB {:.0} MB/s",
-                rep + 1,
-                w.cpu_s_per_gib,
-                w.mb_per_s,
-                w.written_per_byte,
-                r.cpu_s_per_gib,
-                r.mb_per_s
-            );
+            progress(rep, &w, &r);
             out.extend([w, r]);
             std::fs::remove_dir_all(&d)?;
         }
         let variant = "append-only file".to_owned();
         let [w, r] = file_once(&dir.join("segment"), &pool, records, opts.per_commit, &variant)?;
-        eprintln!(
-            "[spool rep {}] {variant}: write {:.2} CPU-s/GiB {:.0} MB/s wear {:.2}; read {:.2} CPU-s/GiB {:.0} MB/s",
-            rep + 1,
-            w.cpu_s_per_gib,
-            w.mb_per_s,
-            w.written_per_byte,
-            r.cpu_s_per_gib,
-            r.mb_per_s
-        );
+        progress(rep, &w, &r);
         out.extend([w, r]);
     }
     Ok(out)
+}
+
+fn progress(rep: usize, w: &Sample, r: &Sample) {
+    eprintln!(
+        "[spool rep {}] {}: write {:.2} CPU-s/GiB {:.0} MB/s wear {:.2}; read+ack {:.2} CPU-s/GiB {:.0} MB/s",
+        rep + 1,
+        w.variant,
+        w.cpu_s_per_gib,
+        w.mb_per_s,
+        w.written_per_byte,
+        r.cpu_s_per_gib,
+        r.mb_per_s
+    );
 }
 
 fn spool_once(

@@ -153,11 +153,33 @@ impl StopRig {
             .expect("handshake");
         StopRig { agent, _endpoint: endpoint, conn, counters, cancel, uploader }
     }
+
+    /// Takes the chunk offered again on a new stream and acks it `Stored`, then shuts the
+    /// uploader down (it drains: it returns only once the ack was processed) and checks that
+    /// the one chunk was stored over the one connection and left the spool.
+    async fn store_the_resent_chunk(self, ctl: &mut quinn::SendStream, session: &mut ServerSession) {
+        let mut again = bounded("the chunk offered again", self.conn.accept_uni()).await.expect("chunk stream");
+        let bytes = bounded("chunk bytes", again.read_to_end(1 << 20)).await.expect("whole chunk");
+        let (header, consumed) =
+            ChunkHeader::decode(&bytes, &Limits::default()).expect("valid header").expect("complete header");
+        assert_eq!((header.stream.as_str(), header.seq), (STREAM, 1));
+        assert_eq!(bytes.len() - consumed, header.payload_len as usize, "the whole payload came");
+        session.accept_chunk(&header).expect("within the window and not in flight any more");
+        session.ack(&header.stream, header.seq, AckStatus::Stored).expect("ack");
+        flush(ctl, session).await;
+
+        self.cancel.cancel();
+        bounded("uploader end", self.uploader).await.expect("uploader task").expect("uploader ran");
+        assert_eq!(self.counters.connects_total.load(Ordering::Relaxed), 1, "one connection throughout");
+        assert_eq!(self.counters.stored.chunks(), 1);
+        assert_eq!(self.agent.sealed_left(), 0, "the acked chunk left the spool");
+    }
 }
 
 #[tokio::test]
 async fn a_chunk_whose_stream_the_server_stopped_is_sent_again_on_the_same_connection() {
-    let StopRig { agent, _endpoint, conn, counters, cancel, uploader } = StopRig::start().await;
+    let rig = StopRig::start().await;
+    let conn = rig.conn.clone();
     let (mut ctl, mut session) = welcome(&conn).await;
 
     let mut first = bounded("first chunk stream", conn.accept_uni()).await.expect("chunk stream");
@@ -165,27 +187,13 @@ async fn a_chunk_whose_stream_the_server_stopped_is_sent_again_on_the_same_conne
     drop(first);
 
     // The connection lives on; the same chunk must come again on a new stream.
-    let mut second = bounded("the chunk offered again", conn.accept_uni()).await.expect("chunk stream");
-    let bytes = bounded("chunk bytes", second.read_to_end(1 << 20)).await.expect("whole chunk");
-    let (header, consumed) =
-        ChunkHeader::decode(&bytes, &Limits::default()).expect("valid header").expect("complete header");
-    assert_eq!((header.stream.as_str(), header.seq), (STREAM, 1));
-    assert_eq!(bytes.len() - consumed, header.payload_len as usize, "the whole payload came");
-    session.accept_chunk(&header).expect("chunk within the window");
-    session.ack(&header.stream, header.seq, AckStatus::Stored).expect("ack");
-    flush(&mut ctl, &mut session).await;
-
-    // Shutdown drains: the uploader returns only once the ack in flight was processed.
-    cancel.cancel();
-    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
-    assert_eq!(counters.connects_total.load(Ordering::Relaxed), 1, "one connection throughout");
-    assert_eq!(counters.stored.chunks(), 1);
-    assert_eq!(agent.sealed_left(), 0, "the acked chunk left the spool");
+    rig.store_the_resent_chunk(&mut ctl, &mut session).await;
 }
 
 #[tokio::test]
 async fn a_chunk_stopped_with_stop_answered_waits_for_its_ack_before_it_is_sent_again() {
-    let StopRig { agent, _endpoint, conn, counters, cancel, uploader } = StopRig::start().await;
+    let rig = StopRig::start().await;
+    let conn = rig.conn.clone();
     let (mut ctl, mut session) = welcome(&conn).await;
 
     // The ingest's slow-payload path: accept the chunk, stop its stream with STOP_ANSWERED, and
@@ -211,19 +219,7 @@ async fn a_chunk_stopped_with_stop_answered_waits_for_its_ack_before_it_is_sent_
     session.ack(&header.stream, header.seq, AckStatus::Retry(edge_proto::RetryReason::Overloaded)).expect("ack");
     flush(&mut ctl, &mut session).await;
 
-    let mut second = bounded("the chunk offered again", conn.accept_uni()).await.expect("chunk stream");
-    let bytes = bounded("chunk bytes", second.read_to_end(1 << 20)).await.expect("whole chunk");
-    let (again, _) = ChunkHeader::decode(&bytes, &Limits::default()).expect("valid header").expect("complete header");
-    assert_eq!((again.stream.as_str(), again.seq), (STREAM, 1));
-    session.accept_chunk(&again).expect("not in flight any more");
-    session.ack(&again.stream, again.seq, AckStatus::Stored).expect("ack");
-    flush(&mut ctl, &mut session).await;
-
-    cancel.cancel();
-    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
-    assert_eq!(counters.connects_total.load(Ordering::Relaxed), 1, "one connection throughout");
-    assert_eq!(counters.stored.chunks(), 1);
-    assert_eq!(agent.sealed_left(), 0, "the acked chunk left the spool");
+    rig.store_the_resent_chunk(&mut ctl, &mut session).await;
 }
 
 /// The destination connection id of a QUIC v1 Initial packet, `None` for anything else.
