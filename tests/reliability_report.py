@@ -6,6 +6,13 @@ test, written by edge_testkit::report) as the results table of RELIABILITY.md.
     python3 tests/reliability_report.py --write RELIABILITY.md  # replace the table in the file
 
 The table sits between the markers <!-- results:begin --> and <!-- results:end -->.
+
+EDGE_REPORT_DIR overrides the directory. It may list several, separated by ":", each
+optionally followed by "@COMMIT", the commit its files were measured on when they do not say
+(files from before the tests recorded it); a file in a later directory replaces the file of
+the same name in an earlier one:
+
+    EDGE_REPORT_DIR=/a/target/reliability@be378d6:/b/target/reliability python3 tests/reliability_report.py
 """
 import datetime
 import glob
@@ -14,7 +21,7 @@ import os
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-META = {"test", "tier", "unix_time"}
+META = {"test", "tier", "unix_time", "commit"}
 
 
 def fmt(v):
@@ -26,16 +33,24 @@ def fmt(v):
     return str(v)
 
 
-def table(report_dir):
+def table(report_dirs):
+    files = {}
+    for spec in report_dirs.split(":"):
+        directory, _, commit = spec.partition("@")
+        for path in glob.glob(os.path.join(directory, "*.json")):
+            files[os.path.basename(path)] = (path, commit or None)
     rows = []
-    for path in sorted(glob.glob(os.path.join(report_dir, "*.json"))):
+    for name in sorted(files):
+        path, dir_commit = files[name]
         with open(path) as f:
             doc = json.load(f)
         when = datetime.datetime.fromtimestamp(doc.get("unix_time", 0), datetime.timezone.utc)
         figures = ", ".join(f"{k}={fmt(v)}" for k, v in doc.items() if k not in META)
-        rows.append(f"| `{doc.get('test', os.path.basename(path))}` | {doc.get('tier', '?')} | "
-                    f"{when:%Y-%m-%d %H:%M} | {figures.replace('|', '/')} |")
-    head = ["| test | tier | run (UTC) | figures |", "|---|---|---|---|"]
+        commit = doc.get("commit") or dir_commit
+        commit = f"`{commit}`" if commit else "(not recorded)"
+        rows.append(f"| `{doc.get('test', name)}` | {doc.get('tier', '?')} | "
+                    f"{when:%Y-%m-%d %H:%M} | {commit} | {figures.replace('|', '/')} |")
+    head = ["| test | tier | run (UTC) | commit | figures |", "|---|---|---|---|---|"]
     return "\n".join(head + rows) + "\n"
 
 

@@ -50,9 +50,33 @@ pub fn report_dir() -> PathBuf {
     }
 }
 
+/// The short commit id of the workspace, with `+changes` when tracked files differ from it;
+/// `unknown` without git. Figures are only as good as the code they were measured on.
+pub fn commit() -> String {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(&root)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    match git(&["rev-parse", "--short", "HEAD"]) {
+        Some(id) if !id.is_empty() => match git(&["status", "--porcelain", "--untracked-files=no"]) {
+            Some(changes) if !changes.is_empty() => format!("{id}+changes"),
+            _ => id,
+        },
+        _ => "unknown".to_owned(),
+    }
+}
+
 /// Writes the figures of test `name` (one JSON object) to `<report_dir>/<name>.<tier>.json`,
-/// adding the tier and the time (so a quick run never overwrites the long tier's figures).
-/// The test's own assertions decide pass or fail; this is the record.
+/// adding the tier, the time (so a quick run never overwrites the long tier's figures) and the
+/// commit the workspace is at (see [`commit`]). The test's own assertions decide pass or fail;
+/// this is the record.
 pub fn report(name: &str, figures: &serde_json::Value) -> anyhow::Result<PathBuf> {
     let dir = report_dir();
     std::fs::create_dir_all(&dir)?;
@@ -60,6 +84,7 @@ pub fn report(name: &str, figures: &serde_json::Value) -> anyhow::Result<PathBuf
         "test": name,
         "tier": Tier::current().name(),
         "unix_time": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        "commit": commit(),
     });
     if let (Some(out), Some(extra)) = (doc.as_object_mut(), figures.as_object()) {
         for (k, v) in extra {
