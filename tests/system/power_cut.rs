@@ -135,9 +135,9 @@ fn regular_files(dir: &Path) -> anyhow::Result<Vec<(String, std::fs::Metadata)>>
 
 /// Commit frames of the current WAL generation (frames up to the first whose salt differs from
 /// the header's), and that salt.
-fn wal_commits(wal: &[u8]) -> (u64, Option<[u8; 8]>) {
+fn wal_commits(wal: &[u8]) -> (u64, u64, Option<[u8; 8]>) {
     if wal.len() < 32 {
-        return (0, None);
+        return (0, 0, None);
     }
     let page = u32::from_be_bytes([wal[8], wal[9], wal[10], wal[11]]) as usize;
     let salt: [u8; 8] = wal[16..24].try_into().unwrap_or([0; 8]);
@@ -153,7 +153,9 @@ fn wal_commits(wal: &[u8]) -> (u64, Option<[u8; 8]>) {
         }
         at += 24 + page;
     }
-    (commits, Some(salt))
+    // The bytes of the current WAL generation's frames: a WAL file is reused after a
+    // checkpoint, so its length says nothing about how many of its frames are current.
+    (commits, at as u64 - 32, Some(salt))
 }
 
 /// Starts the agent under the shim and waits for READY.
@@ -212,10 +214,15 @@ fn power_cuts(durability: &str, cuts: u32, seed: u64) -> anyhow::Result<(serde_j
         let real_wal = std::fs::read(spool.with_file_name("spool.db-wal")).unwrap_or_default();
         let durable = cut.durable_files()?;
         let image_wal = durable.get("spool.db-wal").cloned().unwrap_or_default();
-        let (real, real_salt) = wal_commits(&real_wal);
-        let (kept, kept_salt) = wal_commits(&image_wal);
-        unsynced_commits.push(if real_salt == kept_salt { real.saturating_sub(kept) } else { real });
-        wal_bytes_lost += (real_wal.len() as u64).saturating_sub(image_wal.len() as u64);
+        let (real, real_bytes, real_salt) = wal_commits(&real_wal);
+        let (kept, kept_bytes, kept_salt) = wal_commits(&image_wal);
+        if real_salt == kept_salt {
+            unsynced_commits.push(real.saturating_sub(kept));
+            wal_bytes_lost += real_bytes.saturating_sub(kept_bytes);
+        } else {
+            unsynced_commits.push(real);
+            wal_bytes_lost += real_bytes;
+        }
         cut.cut()?;
         integrity_check(&spool).context("the spool after a power cut")?;
         let t = std::time::Instant::now();
