@@ -25,6 +25,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::Context;
+use edge_proto::records::encode_record;
 use edge_spool::{AppendOutcome, AppendRequest, Batch, ChunkId, SealWhat, Spool, SpoolOptions};
 
 use crate::sys;
@@ -164,7 +165,7 @@ fn spool_once(
             .take_while(|i| n + i < records)
             .map(|i| {
                 let mut data = Vec::with_capacity(pool[0].len() + 4);
-                edge_proto_frame(&mut data, &pool[((n + i) % pool.len() as u64) as usize]);
+                encode_record(&mut data, &pool[((n + i) % pool.len() as u64) as usize]);
                 AppendRequest { batches: vec![Batch { stream: "bench".into(), data, records: 1 }] }
             })
             .collect();
@@ -195,12 +196,6 @@ fn spool_once(
     Ok([write, read_ack])
 }
 
-/// The intake's record framing (a 4-byte length, then the record).
-fn edge_proto_frame(out: &mut Vec<u8>, r: &[u8]) {
-    out.extend_from_slice(&u32::try_from(r.len()).unwrap_or(u32::MAX).to_le_bytes());
-    out.extend_from_slice(r);
-}
-
 fn file_once(
     path: &Path,
     pool: &[Vec<u8>],
@@ -219,7 +214,7 @@ fn file_once(
         for i in (0..per_commit as u64).take_while(|i| n + i < records) {
             let r = &pool[((n + i) % pool.len() as u64) as usize];
             crcs.push(crc32c::crc32c(r));
-            edge_proto_frame(&mut buf, r);
+            encode_record(&mut buf, r);
         }
         n += per_commit as u64;
         file.write_all(&buf)?;

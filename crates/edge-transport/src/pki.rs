@@ -318,14 +318,20 @@ pub fn issue_device(ca_dir: &Path, device: &str, out_dir: &Path, validity_days: 
 pub fn write_crl(ca_dir: &Path, revoked: &[PathBuf], out: &Path, validity_days: u32) -> Result<PathBuf, PkiError> {
     let (_, next_update) = validity_from_days("validity_days", validity_days)?;
     let ca = Ca::load(ca_dir)?;
-    let mut certs = Vec::with_capacity(revoked.len());
-    for path in revoked {
-        let text = read_text(path)?;
-        certs.push((format!("file {}", path.display()), text));
-    }
-    let crl = ca.crl(&certs, SystemTime::now(), next_update)?;
-    write_file(out, crl.as_bytes(), CERT_MODE)?;
+    write_crl_of(&ca, revoked, out, next_update)?;
     Ok(out.to_owned())
+}
+
+/// Writes to `out` a CRL signed by `ca` revoking the certificates in the PEM files `certs`;
+/// returns how many it revokes.
+fn write_crl_of(ca: &Ca, certs: &[PathBuf], out: &Path, next_update: SystemTime) -> Result<usize, PkiError> {
+    let mut texts = Vec::with_capacity(certs.len());
+    for path in certs {
+        texts.push((format!("file {}", path.display()), read_text(path)?));
+    }
+    let crl = ca.crl(&texts, SystemTime::now(), next_update)?;
+    write_file(out, crl.as_bytes(), CERT_MODE)?;
+    Ok(texts.len())
 }
 
 /// The CRL [`revoke`] and [`reissue_crl`] write in the CA directory.
@@ -393,7 +399,7 @@ fn write_revoked_crl(ca: &Ca, ca_dir: &Path, next_update: SystemTime) -> Result<
             for entry in entries {
                 let path = entry.map_err(|source| PkiError::Io { action: "list", path: dir.clone(), source })?.path();
                 if path.extension().is_some_and(|e| e == "pem") {
-                    certs.push((format!("file {}", path.display()), read_text(&path)?));
+                    certs.push(path);
                 }
             }
         }
@@ -401,10 +407,9 @@ fn write_revoked_crl(ca: &Ca, ca_dir: &Path, next_update: SystemTime) -> Result<
         Err(source) => return Err(PkiError::Io { action: "list", path: dir, source }),
     }
     certs.sort();
-    let crl = ca.crl(&certs, SystemTime::now(), next_update)?;
     let out = ca_dir.join(CRL_FILE);
-    write_file(&out, crl.as_bytes(), CERT_MODE)?;
-    Ok(CrlWritten { crl: out, revoked: certs.len(), added: 0 })
+    let revoked = write_crl_of(ca, &certs, &out, next_update)?;
+    Ok(CrlWritten { crl: out, revoked, added: 0 })
 }
 
 /// A CA, server identity and device issuer held in memory, for tests and the demo.

@@ -412,13 +412,9 @@ impl Framer {
             piece = &piece[end + 1..];
         }
         self.partial.extend_from_slice(piece);
-        // One byte of slack: the line may still end in "\r\n".
-        self.check_partial(1)
-    }
-
-    /// Refuses a line that is already over the limit before its end arrived.
-    fn check_partial(&self, slack: usize) -> Result<(), FrameError> {
-        if self.partial.len() > self.max_record + slack {
+        // A line already over the limit before its end arrived is refused now. One byte of
+        // slack: the line may still end in "\r\n".
+        if self.partial.len() > self.max_record + 1 {
             return Err(FrameError::RecordTooLarge { index: self.records + 1, len: self.partial.len() });
         }
         Ok(())

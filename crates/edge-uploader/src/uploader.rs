@@ -528,8 +528,7 @@ impl<'a> Connection<'a> {
                         continue;
                     }
                     in_flight.insert(meta.id, raw.len() as u64);
-                    self.counters.in_flight.fetch_add(1, Ordering::Relaxed);
-                    self.counters.in_flight_bytes.store(in_flight.bytes, Ordering::Relaxed);
+                    in_flight.publish(self.counters);
                     tasks.spawn(send_chunk(
                         self.conn.clone(),
                         state.clone(),
@@ -569,8 +568,7 @@ impl<'a> Connection<'a> {
                 Some(joined) = tasks.join_next() => {
                     let Ok((meta, outcome)) = joined else { continue };
                     in_flight.remove(meta.id);
-                    self.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
-                    self.counters.in_flight_bytes.store(in_flight.bytes, Ordering::Relaxed);
+                    in_flight.publish(self.counters);
                     match outcome {
                         SendOutcome::Acked(status @ (AckStatus::Stored | AckStatus::Duplicate)) => {
                             allowed = allowed.min(window()).saturating_add(1);
@@ -618,8 +616,7 @@ impl<'a> Connection<'a> {
         self.spool.set_uploader_idle(false);
         tasks.abort_all();
         control.abort();
-        self.counters.in_flight.fetch_sub(in_flight.len() as u64, Ordering::Relaxed);
-        self.counters.in_flight_bytes.store(0, Ordering::Relaxed);
+        InFlight::default().publish(self.counters);
         match end {
             Ok(()) => Ok(progress),
             Err(ConnError::Lost(e)) if progress => Err(ConnError::LostAfterProgress(e.to_string())),
@@ -663,6 +660,13 @@ impl InFlight {
 
     fn len(&self) -> usize {
         self.chunks.len()
+    }
+
+    /// Shows the chunks and bytes in flight in the counters `status` and `/metrics` read (one
+    /// uploader connection at a time, so they are this connection's).
+    fn publish(&self, counters: &UploadCounters) {
+        counters.in_flight.store(self.chunks.len() as u64, Ordering::Relaxed);
+        counters.in_flight_bytes.store(self.bytes, Ordering::Relaxed);
     }
 }
 
