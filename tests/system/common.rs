@@ -29,7 +29,12 @@ impl World {
     /// `agent_extra` lands inside the agent's `[upload]` section and may open later sections
     /// (except `[metrics]`, which is written here).
     pub fn new(device: &str, agent_extra: &str) -> anyhow::Result<World> {
-        let dir = tempfile::Builder::new().prefix("edge-system-").tempdir()?;
+        // EDGE_TEST_KEEP=1 keeps the directory (logs, spool, store) for a post-mortem.
+        let keep = std::env::var_os("EDGE_TEST_KEEP").is_some();
+        let dir = tempfile::Builder::new().prefix("edge-system-").keep(keep).tempdir()?;
+        if keep {
+            eprintln!("world kept at {}", dir.path().display());
+        }
         let port = free_udp_port()?;
         let agent_metrics = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));
         let ingest_metrics = SocketAddr::from(([127, 0, 0, 1], free_tcp_port()?));

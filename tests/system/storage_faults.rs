@@ -310,14 +310,18 @@ fn corrupt_spool_chunks_are_quarantined_never_sent_and_the_agent_keeps_working()
 }
 
 /// Starts one endless producer per stream; returns their tasks and progress handles.
+/// One producer per stream of `workload`, each sending `per_stream` records (`None`: until
+/// stopped).
 fn start_producers(
     rt: &tokio::runtime::Runtime,
     workload: &Arc<Workload>,
     socket: &Path,
+    per_stream: Option<u64>,
 ) -> Vec<(tokio::task::JoinHandle<anyhow::Result<Vec<Sent>>>, Progress)> {
     (0..workload.streams.len())
         .map(|s| {
             let mut opts = ProducerOptions::new(s);
+            opts.total = per_stream;
             opts.max_batch = 30;
             opts.retry_pause = Duration::from_millis(100);
             let progress = Progress::default();
@@ -354,7 +358,7 @@ fn agent_disk_full_answers_507_then_recovers_once_uploads_free_the_spool() -> an
     let mut agent = world.start_agent()?;
     let rt = rt()?;
     let workload = Arc::new(Workload::new(0xD15C_F011).with_sizes(200, 4000));
-    let producers = start_producers(&rt, &workload, &world.intake_socket());
+    let producers = start_producers(&rt, &workload, &world.intake_socket(), None);
 
     // No ingest yet: the spool fills the file system and intake refuses with 507.
     wait_for("a 507", Duration::from_secs(90), || Ok(total(&producers, |p| p.refused.load(Ordering::Relaxed)) > 0))?;
@@ -468,7 +472,13 @@ fn ingest_disk_full_never_acks_backs_off_and_stores_everything_once_space_return
     let mut agent = world.start_agent()?;
     let rt = rt()?;
     let workload = Arc::new(Workload::new(0x1C_F011).with_sizes(200, 4000));
-    let producers = start_producers(&rt, &workload, &world.intake_socket());
+    // A fixed amount, not "until space returns": how much that is depends on the machine's
+    // speed, and on a quiet machine it came near or past what the 96 MiB file system holds. It
+    // then stayed full for good and the drain timed out with the ingest rightly answering Retry.
+    // 3 streams x 10,000 records of 1.3 KB on average (log-uniform 200..4000 B) is about 38 MB,
+    // 20 times the 2 MiB left free, so the disk is full long before they finish.
+    let per_stream = 10_000;
+    let producers = start_producers(&rt, &workload, &world.intake_socket(), Some(per_stream));
     let retry_series = "edge_ingest_chunks_total{result=\"retry\"}";
     wait_for("the ingest to answer retry", Duration::from_secs(90), || {
         Ok(metric(world.ingest_metrics, retry_series)? > 0.0)
