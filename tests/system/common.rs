@@ -31,7 +31,7 @@ impl World {
     pub fn new(device: &str, agent_extra: &str) -> anyhow::Result<World> {
         // EDGE_TEST_KEEP=1 keeps the directory (logs, spool, store) for a post-mortem.
         let keep = std::env::var_os("EDGE_TEST_KEEP").is_some();
-        let dir = tempfile::Builder::new().prefix("edge-system-").keep(keep).tempdir()?;
+        let dir = tempfile::Builder::new().prefix("edge-system-").disable_cleanup(keep).tempdir()?;
         if keep {
             eprintln!("world kept at {}", dir.path().display());
         }
