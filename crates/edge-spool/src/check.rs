@@ -17,6 +17,7 @@ use std::path::Path;
 use rusqlite::{Connection, OpenFlags};
 
 use crate::error::ctx;
+use crate::rowcrc::{self, ChunkRow};
 use crate::{SpoolError, schema};
 
 /// Damage found in one sealed chunk.
@@ -79,6 +80,9 @@ pub struct CheckReport {
     pub quarantined_intact: u64,
     /// Open batches with damage.
     pub damaged_open_batches: Vec<DamagedBatch>,
+    /// Stream rows and `meta` values that fail their row checksums (schema version 3): damage
+    /// the agent refuses to run on (it moves the file aside at open).
+    pub damaged_rows: Vec<String>,
     /// A read error that stopped the walk over the rows (SQLite-level damage), if any.
     pub read_error: Option<String>,
 }
@@ -90,6 +94,7 @@ impl CheckReport {
         !self.integrity.is_empty()
             || !self.damaged_chunks.is_empty()
             || !self.damaged_open_batches.is_empty()
+            || !self.damaged_rows.is_empty()
             || self.read_error.is_some()
     }
 
@@ -120,10 +125,10 @@ pub fn check(path: &Path) -> Result<CheckReport, SpoolError> {
         }
     }
     // An empty or truncated-to-nothing file passes integrity_check as an empty database.
-    // Version 1 files (not yet migrated by an agent of this version) are audited as they are:
-    // the check never writes, so it cannot migrate them.
+    // Files of older versions (not yet migrated by an agent of this version) are audited as
+    // they are, without row checksums: the check never writes, so it cannot migrate them.
     let version = match schema::inspect(&conn) {
-        Ok((version @ (1 | schema::SCHEMA_VERSION), _)) => version,
+        Ok((version @ (1..=schema::SCHEMA_VERSION), _)) => version,
         Ok((version, objects)) => {
             report.integrity.push(format!("not an edge spool: user_version {version}, {objects} schema objects"));
             return Ok(report);
@@ -172,7 +177,9 @@ struct BatchCheck {
     problem: Option<String>,
 }
 
-fn check_batch(r: &rusqlite::Row<'_>) -> rusqlite::Result<BatchCheck> {
+/// Checks a batch row: its data against `crc32c`, and from version 3 its other columns against
+/// `row_crc` (batches up to `legacy_through` may have none: written before version 3).
+fn check_batch(r: &rusqlite::Row<'_>, rows: Option<RowChecks>) -> rusqlite::Result<BatchCheck> {
     let id: i64 = r.get("id")?;
     let records: i64 = r.get("records")?;
     let stored: i64 = r.get("crc32c")?;
@@ -182,9 +189,24 @@ fn check_batch(r: &rusqlite::Row<'_>) -> rusqlite::Result<BatchCheck> {
     };
     let computed = crc32c::crc32c(data);
     let len = crate::len_u64(data);
-    let problem = (stored != i64::from(computed))
+    let mut problem = (stored != i64::from(computed))
         .then(|| format!("batch {id}: crc32c stored {stored:08x}, computed {computed:08x} over {len} bytes"));
+    if let Some(RowChecks { legacy_through }) = rows
+        && problem.is_none()
+    {
+        let row_crc: Option<i64> = r.get("row_crc")?;
+        let want = rowcrc::batch(id, r.get("stream_id")?, records, stored, r.get("commit_ms")?);
+        if row_crc != Some(want) && !(row_crc.is_none() && id <= legacy_through) {
+            problem = Some(format!("batch {id}: row fails its checksum (stored {row_crc:?}, computed {want})"));
+        }
+    }
     Ok(BatchCheck { records, len, problem })
+}
+
+/// Version 3's row checksums are checked.
+#[derive(Debug, Clone, Copy)]
+struct RowChecks {
+    legacy_through: i64,
 }
 
 /// Membership by schema version: a chunk's batches, and the open batches.
@@ -207,11 +229,63 @@ const V2_MEMBERSHIP: Membership = Membership {
     open_filter: "s.id IS NULL OR b.id > s.sealed_through",
 };
 
+const V3_MEMBERSHIP: Membership = Membership {
+    chunk_columns: "c.stream_id, c.first_batch, c.last_batch",
+    chunk_batches: "SELECT id, stream_id, data, records, crc32c, commit_ms, row_crc FROM batches
+                    WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 ORDER BY id",
+    open_filter: "s.id IS NULL OR b.id > s.sealed_through",
+};
+
+/// Version 3: the `meta` values and every stream row against their checksums. Returns the
+/// legacy mark when the meta values check out (else every batch row must have a checksum).
+fn check_fixed_rows(conn: &Connection, report: &mut CheckReport) -> Result<i64, SpoolError> {
+    let legacy = match schema::read_verified_meta(conn) {
+        Ok(meta) => meta.legacy_batches_through,
+        Err(e) => {
+            report.damaged_rows.push(error_text(&e));
+            0
+        }
+    };
+    let mut stmt = conn
+        .prepare("SELECT id, name, next_seq, sealed_through, row_crc FROM streams ORDER BY id")
+        .map_err(ctx("reading streams"))?;
+    let mut rows = stmt.query([]).map_err(ctx("reading streams"))?;
+    while let Some(r) = rows.next().map_err(ctx("reading streams"))? {
+        let get = |e| ctx("reading streams")(e);
+        let (id, name, next_seq, sealed_through, stored): (i64, String, i64, i64, Option<i64>) = (
+            r.get(0).map_err(get)?,
+            r.get(1).map_err(get)?,
+            r.get(2).map_err(get)?,
+            r.get(3).map_err(get)?,
+            r.get(4).map_err(get)?,
+        );
+        let computed = rowcrc::stream(id, &name, next_seq, sealed_through);
+        if stored != Some(computed) {
+            report.damaged_rows.push(format!(
+                "stream row {id} ({name:?}, next_seq {next_seq}, sealed_through {sealed_through}) fails its checksum \
+                 (stored {stored:?}, computed {computed})"
+            ));
+        }
+    }
+    Ok(legacy)
+}
+
 fn walk(conn: &Connection, version: i64, report: &mut CheckReport) -> Result<(), SpoolError> {
-    let m = if version == 1 { &V1_MEMBERSHIP } else { &V2_MEMBERSHIP };
+    let m = match version {
+        1 => &V1_MEMBERSHIP,
+        2 => &V2_MEMBERSHIP,
+        _ => &V3_MEMBERSHIP,
+    };
+    let rows_checked =
+        if version >= 3 { Some(RowChecks { legacy_through: check_fixed_rows(conn, report)? }) } else { None };
+    let chunk_crc_columns = if version >= 3 {
+        ", c.id, c.stream_id, c.seq, c.records, c.bytes, c.first_ms, c.sealed_ms, c.first_batch, c.last_batch, c.row_crc"
+    } else {
+        ""
+    };
     let mut chunks = conn
         .prepare(&format!(
-            "SELECT c.id, coalesce(s.name, '?'), c.seq, c.records, c.bytes, c.quarantine, {}
+            "SELECT c.id, coalesce(s.name, '?'), c.seq, c.records, c.bytes, c.quarantine, {}{chunk_crc_columns}
              FROM chunks c LEFT JOIN streams s ON s.id = c.stream_id ORDER BY c.id",
             m.chunk_columns
         ))
@@ -234,6 +308,13 @@ fn walk(conn: &Connection, version: i64, report: &mut CheckReport) -> Result<(),
         };
         report.chunks += 1;
         let mut problems = Vec::new();
+        if rows_checked.is_some() {
+            let row = ChunkRow::from_row(r, 9).map_err(get)?;
+            let stored: Option<i64> = r.get(18).map_err(get)?;
+            if stored != Some(row.crc()) {
+                problems.push(format!("chunk row fails its checksum (stored {stored:?}, computed {})", row.crc()));
+            }
+        }
         let (mut records, mut bytes, mut n) = (0i64, 0u64, 0u64);
         let range: (i64, i64, i64) = (r.get(6).map_err(get)?, r.get(7).map_err(get)?, r.get(8).map_err(get)?);
         let mut b =
@@ -248,7 +329,7 @@ fn walk(conn: &Connection, version: i64, report: &mut CheckReport) -> Result<(),
                     break;
                 }
             };
-            match check_batch(row) {
+            match check_batch(row, rows_checked) {
                 Ok(v) => {
                     n += 1;
                     records = records.saturating_add(v.records);
@@ -291,15 +372,16 @@ fn walk(conn: &Connection, version: i64, report: &mut CheckReport) -> Result<(),
     }
     let mut open = conn
         .prepare(&format!(
-            "SELECT b.id, coalesce(s.name, '?') AS stream, b.data, b.records, b.crc32c
+            "SELECT b.id, coalesce(s.name, '?') AS stream, b.data, b.records, b.crc32c{}
              FROM batches b LEFT JOIN streams s ON s.id = b.stream_id
              WHERE {} ORDER BY b.id",
+            if rows_checked.is_some() { ", b.stream_id, b.commit_ms, b.row_crc" } else { "" },
             m.open_filter
         ))
         .map_err(ctx("reading open batches"))?;
     let mut rows = open.query([]).map_err(ctx("reading open batches"))?;
     while let Some(r) = rows.next().map_err(ctx("reading open batches"))? {
-        let v = check_batch(r).map_err(ctx("reading open batches"))?;
+        let v = check_batch(r, rows_checked).map_err(ctx("reading open batches"))?;
         report.batches += 1;
         report.bytes += v.len;
         if let Some(detail) = v.problem {

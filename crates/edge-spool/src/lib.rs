@@ -11,7 +11,7 @@
 //! The API is synchronous; the agent runs it on a blocking thread. There is one writer
 //! ([`Spool`]) per file and any number of readers ([`SpoolReader`]).
 //!
-//! # On-disk format (`PRAGMA user_version = 2`)
+//! # On-disk format (`PRAGMA user_version = 3`)
 //!
 //! One SQLite database file in WAL mode (`<path>`, `<path>-wal`, `<path>-shm`).
 //!
@@ -21,6 +21,17 @@
 //!     so the server never mistakes its fresh sequence numbers for old ones.
 //!   * `dropped_chunks`, `dropped_records`: INTEGER counters of what
 //!     [`FullPolicy::DropOldest`] evicted, updated in the evicting transaction.
+//!   * `legacy_batches_through`: the last batch id written before the file was migrated to
+//!     version 3 (0 for a file created at version 3); those batches have no `row_crc`.
+//!   * `row_crc`: the row checksum (see `rowcrc.rs`) over the four values above, rewritten with
+//!     the counters.
+//! * Every `streams`, `chunks` and `batches` row has a `row_crc` INTEGER: a CRC-32C over the
+//!   table name and the row's other columns (for `batches` all but `data`, which `crc32c`
+//!   covers; for `chunks` all but `quarantine`). Stream rows and `meta` are checked at
+//!   [`Spool::open`] (a mismatch is corruption: the file is moved aside), chunk and batch rows
+//!   by every [`SpoolReader::read`] (a mismatch is [`SpoolError::Corrupt`]), all of them by
+//!   [`check`]. The writer chooses stream and chunk ids itself (as SQLite would), since the
+//!   checksum covers the id.
 //! * `streams(id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, next_seq INTEGER NOT NULL,
 //!   sealed_through INTEGER NOT NULL)`: one row per stream ever seen, never deleted; `next_seq`
 //!   is the sequence number the next sealed chunk of that stream gets (starts at 1);
@@ -46,7 +57,9 @@
 //! * Indexes: `batches(stream_id, id)` (a chunk's batches, a stream's open batches, deleting a
 //!   range), `chunks(stream_id, first_ms) WHERE quarantine IS NULL` (per-stream oldest data).
 //! * Migration: a version-1 file (membership in `batches.chunk_id`) is converted in place at
-//!   [`Spool::open`], in one transaction that writes only `chunks`, `streams` and the indexes.
+//!   [`Spool::open`], in one transaction that writes only `chunks`, `streams` and the indexes;
+//!   a version-2 file gets its `row_crc` columns in one transaction that computes them for
+//!   `streams`, `chunks` and `meta` and leaves batch rows as they are.
 //!
 //! Times (`commit_ms`, `first_ms`, `sealed_ms`) are the `now_ms` values the caller passed in
 //! (unix milliseconds); the spool reads no clock for them.
@@ -131,7 +144,8 @@
 //!
 //! * `lib.rs`: this contract and the public value types.
 //! * `error.rs`: [`SpoolError`].
-//! * `schema.rs`: DDL, pragmas, `user_version` migrations (version 1 to 2).
+//! * `schema.rs`: DDL, pragmas, `user_version` migrations (versions 1 to 2 to 3).
+//! * `rowcrc.rs`: the row checksums of version 3.
 //! * `recovery.rs`: opening a file, quick check, quarantine of a bad file.
 //! * `check.rs`: [`check`], the read-only audit behind `edge-uploader spool check`.
 //! * `reserve.rs`: the disk reserve that keeps acks working on a full file system.
@@ -158,6 +172,7 @@ mod error;
 mod reader;
 mod recovery;
 mod reserve;
+mod rowcrc;
 mod schema;
 mod spool;
 mod state;

@@ -6,6 +6,7 @@ use std::path::Path;
 use rusqlite::{Connection, OptionalExtension};
 
 use crate::error::ctx;
+use crate::rowcrc::{self, ChunkRow};
 use crate::schema;
 use crate::{ChunkId, ChunkMeta, ChunkPayload, QuarantinedChunk, SpoolError};
 
@@ -14,13 +15,15 @@ use crate::{ChunkId, ChunkMeta, ChunkPayload, QuarantinedChunk, SpoolError};
 #[derive(Debug)]
 pub struct SpoolReader {
     conn: Connection,
+    /// `meta.legacy_batches_through`: batch rows up to this id may have no row checksum.
+    legacy_batches_through: i64,
 }
 
 const META_COLUMNS: &str = "c.id, s.name, c.seq, c.records, c.bytes, c.first_ms, c.sealed_ms";
 
 impl SpoolReader {
-    pub(crate) fn open(path: &Path) -> Result<SpoolReader, SpoolError> {
-        Ok(SpoolReader { conn: schema::open_reader(path)? })
+    pub(crate) fn open(path: &Path, legacy_batches_through: i64) -> Result<SpoolReader, SpoolError> {
+        Ok(SpoolReader { conn: schema::open_reader(path)?, legacy_batches_through })
     }
 
     /// Up to `limit` sealed, not quarantined chunks with an id greater than `after` (all if
@@ -61,16 +64,50 @@ impl SpoolReader {
     pub fn read_payload(&mut self, meta: &ChunkMeta) -> Result<ChunkPayload, SpoolError> {
         let id = meta.id;
         let tx = self.conn.transaction().map_err(ctx("beginning a read transaction"))?;
-        let row: Option<(u64, u64, i64, i64, i64)> = tx
-            .prepare_cached("SELECT records, bytes, stream_id, first_batch, last_batch FROM chunks WHERE id = ?1")
+        let corrupt = |detail: String| SpoolError::Corrupt { chunk: id, detail };
+        // The chunk row and its stream's row, each against its checksum, and the values the
+        // caller will send (listed earlier, maybe from a damaged row) against the row.
+        type Rows = (ChunkRow, Option<i64>, String, i64, i64, Option<i64>);
+        let row: Option<Rows> = tx
+            .prepare_cached(
+                "SELECT c.id, c.stream_id, c.seq, c.records, c.bytes, c.first_ms, c.sealed_ms, c.first_batch,
+                        c.last_batch, c.row_crc, s.name, s.next_seq, s.sealed_through, s.row_crc
+                 FROM chunks c LEFT JOIN streams s ON s.id = c.stream_id WHERE c.id = ?1",
+            )
             .and_then(|mut s| {
-                s.query_row([id.0], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))).optional()
+                s.query_row([id.0], |r| {
+                    Ok((
+                        ChunkRow::from_row(r, 0)?,
+                        r.get(9)?,
+                        r.get::<_, Option<String>>(10)?.unwrap_or_default(),
+                        r.get::<_, Option<i64>>(11)?.unwrap_or(0),
+                        r.get::<_, Option<i64>>(12)?.unwrap_or(0),
+                        r.get(13)?,
+                    ))
+                })
+                .optional()
             })
             .map_err(ctx("looking up a chunk"))?;
-        let Some((want_records, want_bytes, stream_id, first_batch, last_batch)) = row else {
+        let Some((c, chunk_crc, name, next_seq, sealed_through, stream_crc)) = row else {
             return Err(SpoolError::ChunkGone(id));
         };
-        let corrupt = |detail: String| SpoolError::Corrupt { chunk: id, detail };
+        if chunk_crc != Some(c.crc()) {
+            return Err(corrupt(format!("chunk row fails its checksum (stored {chunk_crc:?}, computed {})", c.crc())));
+        }
+        let stream_want = rowcrc::stream(c.stream_id, &name, next_seq, sealed_through);
+        if stream_crc != Some(stream_want) {
+            return Err(corrupt(format!(
+                "the row of its stream {} ({name:?}) fails its checksum (stored {stream_crc:?}, computed {stream_want})",
+                c.stream_id
+            )));
+        }
+        let listed = (meta.stream.as_str(), meta.seq, u64::from(meta.records), meta.bytes, meta.first_ms);
+        let on_disk = (name.as_str(), c.seq as u64, c.records as u64, c.bytes as u64, c.first_ms as u64);
+        if listed != on_disk {
+            return Err(corrupt(format!("listed as {listed:?}, the verified rows say {on_disk:?}")));
+        }
+        let (want_records, want_bytes, stream_id, first_batch, last_batch) =
+            (on_disk.2, on_disk.3, c.stream_id, c.first_batch, c.last_batch);
         let mut out = Vec::with_capacity(usize::try_from(want_bytes).unwrap_or(0).min(64 << 20));
         let mut records = 0u64;
         let mut crc = 0u32;
@@ -78,7 +115,7 @@ impl SpoolReader {
         {
             let mut stmt = tx
                 .prepare_cached(
-                    "SELECT id, data, records, crc32c FROM batches
+                    "SELECT id, data, records, crc32c, commit_ms, row_crc FROM batches
                      WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 ORDER BY id",
                 )
                 .map_err(ctx("reading a chunk's batches"))?;
@@ -101,6 +138,16 @@ impl SpoolReader {
                     )));
                 }
                 let n: u32 = r.get(2).map_err(|e| corrupt(format!("batch {batch}: bad records column: {e}")))?;
+                let commit_ms: i64 =
+                    r.get(4).map_err(|e| corrupt(format!("batch {batch}: bad commit_ms column: {e}")))?;
+                let row_crc: Option<i64> =
+                    r.get(5).map_err(|e| corrupt(format!("batch {batch}: bad row_crc column: {e}")))?;
+                let want = rowcrc::batch(batch, stream_id, i64::from(n), i64::from(stored), commit_ms);
+                if row_crc != Some(want) && !(row_crc.is_none() && batch <= self.legacy_batches_through) {
+                    return Err(corrupt(format!(
+                        "batch {batch}: row fails its checksum (stored {row_crc:?}, computed {want})"
+                    )));
+                }
                 records += u64::from(n);
                 batches += 1;
                 // Continuing the running CRC over the same (cache-hot) bytes: the hardware CRC

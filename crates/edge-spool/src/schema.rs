@@ -3,22 +3,28 @@
 //! Each migration runs in its own `IMMEDIATE` transaction together with the `user_version`
 //! bump, so a crash leaves the file at the old or the new version, never in between.
 //!
-//! Version 2 (the current one) records chunk membership as a batch-id range in `chunks`
-//! instead of a `chunk_id` in every batch row, so sealing never rewrites a batch. The migration
-//! from version 1 ([`V1_TO_V2`]) touches only `chunks`, `streams` and indexes: batch rows, which
-//! hold nearly all the bytes, are left as they are (a rewrite would need as much free disk as
-//! the spool holds, on gateways that are often short of it). So a migrated file keeps v1's
+//! Version 2 records chunk membership as a batch-id range in `chunks` instead of a `chunk_id`
+//! in every batch row, so sealing never rewrites a batch. The migration from version 1
+//! ([`V1_TO_V2`]) touches only `chunks`, `streams` and indexes: batch rows, which hold nearly
+//! all the bytes, are left as they are (a rewrite would need as much free disk as the spool
+//! holds, on gateways that are often short of it). So a migrated file keeps v1's
 //! `batches.chunk_id` column and its column order; version 2 never reads or writes that column.
+//!
+//! Version 3 (the current one) adds a `row_crc` to every `streams`, `chunks` and `batches` row
+//! and a `row_crc` over the `meta` values (see `rowcrc.rs`). Its migration ([`migrate_2_to_3`])
+//! computes them for `streams`, `chunks` and `meta`, and for the same reason leaves existing
+//! batch rows without one: `meta.legacy_batches_through` marks them.
 
 use std::time::Duration;
 
-use rusqlite::{Connection, OpenFlags, TransactionBehavior};
+use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior};
 
 use crate::error::ctx;
+use crate::rowcrc::{self, ChunkRow, MetaValues};
 use crate::{Durability, SpoolError, SpoolId};
 
 /// The newest schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i64 = 2;
+pub(crate) const SCHEMA_VERSION: i64 = 3;
 
 /// How long a connection waits for a lock held by another connection.
 pub(crate) const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -26,9 +32,57 @@ pub(crate) const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Upper bound SQLite keeps the WAL at after a checkpoint (bytes).
 const JOURNAL_SIZE_LIMIT: i64 = 64 << 20;
 
-/// Version 2, as created for a new file: the tables described in the crate docs. `data` is the
+/// Version 3, as created for a new file: the tables described in the crate docs. `data` is the
 /// last column of `batches`, so reading the other columns never follows a blob's overflow pages.
-const V2: &str = "
+/// `meta` gets its `spool_id` and `row_crc` rows from [`migrate`].
+const V3: &str = "
+CREATE TABLE meta (
+    key   TEXT PRIMARY KEY,
+    value NOT NULL
+) WITHOUT ROWID;
+
+CREATE TABLE streams (
+    id             INTEGER PRIMARY KEY,
+    name           TEXT NOT NULL UNIQUE,
+    next_seq       INTEGER NOT NULL CHECK (next_seq >= 1),
+    sealed_through INTEGER NOT NULL DEFAULT 0,
+    row_crc        INTEGER
+);
+
+CREATE TABLE chunks (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    stream_id   INTEGER NOT NULL,
+    seq         INTEGER NOT NULL,
+    records     INTEGER NOT NULL,
+    bytes       INTEGER NOT NULL,
+    first_ms    INTEGER NOT NULL,
+    sealed_ms   INTEGER NOT NULL,
+    quarantine  TEXT,
+    first_batch INTEGER NOT NULL,
+    last_batch  INTEGER NOT NULL,
+    row_crc     INTEGER,
+    UNIQUE (stream_id, seq)
+);
+CREATE INDEX chunks_live_first ON chunks (stream_id, first_ms) WHERE quarantine IS NULL;
+
+CREATE TABLE batches (
+    id        INTEGER PRIMARY KEY,
+    stream_id INTEGER NOT NULL,
+    records   INTEGER NOT NULL,
+    crc32c    INTEGER NOT NULL,
+    commit_ms INTEGER NOT NULL,
+    row_crc   INTEGER,
+    data      BLOB NOT NULL
+);
+CREATE INDEX batches_stream ON batches (stream_id, id);
+
+INSERT INTO meta (key, value) VALUES ('dropped_chunks', 0), ('dropped_records', 0), ('legacy_batches_through', 0);
+";
+
+/// Version 2, as version 2 of this crate created it: kept to build version-2 files in the
+/// migration tests.
+#[cfg(test)]
+pub(crate) const V2: &str = "
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value NOT NULL
@@ -139,6 +193,8 @@ INSERT INTO meta (key, value) VALUES ('dropped_chunks', 0), ('dropped_records', 
 pub(crate) const META_SPOOL_ID: &str = "spool_id";
 pub(crate) const META_DROPPED_CHUNKS: &str = "dropped_chunks";
 pub(crate) const META_DROPPED_RECORDS: &str = "dropped_records";
+pub(crate) const META_LEGACY_BATCHES: &str = "legacy_batches_through";
+pub(crate) const META_ROW_CRC: &str = "row_crc";
 
 /// What [`migrate`] found.
 #[derive(Debug, PartialEq, Eq)]
@@ -225,11 +281,15 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<Migrated, SpoolError> {
                 if tables > 0 {
                     return Ok(Migrated::Foreign);
                 }
-                tx.execute_batch(V2).map_err(ctx("creating schema version 2"))?;
-                tx.execute("INSERT INTO meta (key, value) VALUES (?1, ?2)", (META_SPOOL_ID, &SpoolId::random().0[..]))
-                    .map_err(ctx("writing the spool id"))?;
+                tx.execute_batch(V3).map_err(ctx("creating schema version 3"))?;
+                let meta = MetaValues { spool_id: SpoolId::random().0.to_vec(), ..MetaValues::default() };
+                tx.execute(
+                    "INSERT INTO meta (key, value) VALUES (?1, ?2), (?3, ?4)",
+                    (META_SPOOL_ID, &meta.spool_id, META_ROW_CRC, meta.crc()),
+                )
+                .map_err(ctx("writing the spool id"))?;
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(ctx("setting user_version"))?;
-                tx.commit().map_err(ctx("committing schema version 2"))?;
+                tx.commit().map_err(ctx("committing schema version 3"))?;
                 created = true;
             }
             1 => {
@@ -241,7 +301,16 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<Migrated, SpoolError> {
                 tx.commit().map_err(ctx("committing the migration from version 1"))?;
                 tracing::info!("spool schema migrated from version 1 to 2");
             }
-            // Future migrations go here: `2 => { ...; user_version = 3 }`.
+            2 => {
+                let tx = conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)
+                    .map_err(ctx("starting the migration from version 2"))?;
+                migrate_2_to_3(&tx)?;
+                tx.pragma_update(None, "user_version", 3).map_err(ctx("setting user_version"))?;
+                tx.commit().map_err(ctx("committing the migration from version 2"))?;
+                tracing::info!("spool schema migrated from version 2 to 3 (row checksums)");
+            }
+            // Future migrations go here: `3 => { ...; user_version = 4 }`.
             v => {
                 return Err(SpoolError::Unrecoverable {
                     path: conn.path().unwrap_or_default().into(),
@@ -250,6 +319,103 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<Migrated, SpoolError> {
             }
         }
     }
+}
+
+/// Version 2 to 3, in place: a `row_crc` column in `streams`, `chunks` and `batches`, computed
+/// for every stream and chunk row; batch rows keep a NULL one (see the module docs), and
+/// `meta.legacy_batches_through` names the last of them. The rows are read as they are: a
+/// version-2 file has no checksums that could tell whether they were damaged before.
+fn migrate_2_to_3(tx: &rusqlite::Transaction<'_>) -> Result<(), SpoolError> {
+    tx.execute_batch(
+        "ALTER TABLE streams ADD COLUMN row_crc INTEGER;
+         ALTER TABLE chunks ADD COLUMN row_crc INTEGER;
+         ALTER TABLE batches ADD COLUMN row_crc INTEGER;",
+    )
+    .map_err(ctx("adding the row_crc columns"))?;
+    let streams: Vec<(i64, String, i64, i64)> = {
+        let mut stmt = tx
+            .prepare("SELECT id, name, next_seq, sealed_through FROM streams")
+            .map_err(ctx("reading streams to migrate"))?;
+        let rows = stmt
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+            .map_err(ctx("reading streams to migrate"))?;
+        rows.collect::<Result<_, _>>().map_err(ctx("reading streams to migrate"))?
+    };
+    for (id, name, next_seq, sealed_through) in streams {
+        tx.execute(
+            "UPDATE streams SET row_crc = ?1 WHERE id = ?2",
+            (rowcrc::stream(id, &name, next_seq, sealed_through), id),
+        )
+        .map_err(ctx("writing a stream's row_crc"))?;
+    }
+    let chunks: Vec<ChunkRow> = {
+        let mut stmt = tx
+            .prepare(
+                "SELECT id, stream_id, seq, records, bytes, first_ms, sealed_ms, first_batch, last_batch FROM chunks",
+            )
+            .map_err(ctx("reading chunks to migrate"))?;
+        let rows = stmt.query_map([], |r| ChunkRow::from_row(r, 0)).map_err(ctx("reading chunks to migrate"))?;
+        rows.collect::<Result<_, _>>().map_err(ctx("reading chunks to migrate"))?
+    };
+    for c in chunks {
+        tx.execute("UPDATE chunks SET row_crc = ?1 WHERE id = ?2", (c.crc(), c.id))
+            .map_err(ctx("writing a chunk's row_crc"))?;
+    }
+    let legacy: i64 = tx
+        .query_row("SELECT coalesce(max(id), 0) FROM batches", [], |r| r.get(0))
+        .map_err(ctx("finding the last batch"))?;
+    tx.execute("INSERT INTO meta (key, value) VALUES (?1, ?2)", (META_LEGACY_BATCHES, legacy))
+        .map_err(ctx("writing legacy_batches_through"))?;
+    let meta = read_meta(tx)?;
+    tx.execute("INSERT INTO meta (key, value) VALUES (?1, ?2)", (META_ROW_CRC, meta.crc()))
+        .map_err(ctx("writing the meta row_crc"))?;
+    Ok(())
+}
+
+/// The `meta` values the meta checksum covers. A missing row reads as
+/// [`SpoolError::Inconsistent`] (one flipped bit in its key is enough, and `quick_check` does
+/// not see it), so `open` moves the file aside instead of refusing to start (found by the
+/// `spool_recovery` fuzz target).
+pub(crate) fn read_meta(conn: &Connection) -> Result<MetaValues, SpoolError> {
+    let get = |key: &str| -> Result<rusqlite::types::Value, SpoolError> {
+        conn.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))
+            .optional()
+            .map_err(ctx("reading meta"))?
+            .ok_or_else(|| SpoolError::Inconsistent(format!("meta row {key:?} is missing")))
+    };
+    let int = |key: &str| -> Result<i64, SpoolError> {
+        match get(key)? {
+            rusqlite::types::Value::Integer(v) if v >= 0 => Ok(v),
+            other => Err(SpoolError::Inconsistent(format!("meta row {key:?} holds {other:?}, not a count"))),
+        }
+    };
+    let spool_id = match get(META_SPOOL_ID)? {
+        rusqlite::types::Value::Blob(b) => b,
+        other => return Err(SpoolError::Inconsistent(format!("meta row \"spool_id\" holds {other:?}, not a blob"))),
+    };
+    Ok(MetaValues {
+        spool_id,
+        dropped_chunks: int(META_DROPPED_CHUNKS)?,
+        dropped_records: int(META_DROPPED_RECORDS)?,
+        legacy_batches_through: int(META_LEGACY_BATCHES)?,
+    })
+}
+
+/// Reads the `meta` values and checks them against the meta row checksum.
+pub(crate) fn read_verified_meta(conn: &Connection) -> Result<MetaValues, SpoolError> {
+    let meta = read_meta(conn)?;
+    let stored: Option<i64> = conn
+        .query_row("SELECT value FROM meta WHERE key = ?1", [META_ROW_CRC], |r| r.get(0))
+        .optional()
+        .map_err(ctx("reading the meta row_crc"))?;
+    let computed = meta.crc();
+    if stored != Some(computed) {
+        return Err(SpoolError::Inconsistent(format!(
+            "meta values fail their checksum (stored {stored:?}, computed {computed}): spool id, \
+             dropped counters or legacy mark damaged"
+        )));
+    }
+    Ok(meta)
 }
 
 #[cfg(test)]
@@ -401,5 +567,64 @@ mod tests {
         drop(spool);
         let (spool, _) = Spool::open(opts).expect("reopen");
         assert_eq!(spool.stats(), stats);
+    }
+
+    #[test]
+    fn a_version_2_file_gets_row_checksums_and_its_batches_are_marked_legacy() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("spool.db");
+        {
+            // As version 2 wrote them: a stream with a sealed chunk of two batches and an open one.
+            let conn = Connection::open(&path).expect("open");
+            conn.pragma_update(None, "journal_mode", "WAL").expect("wal");
+            conn.execute_batch(V2).expect("v2 schema");
+            conn.execute("INSERT INTO meta (key, value) VALUES (?1, ?2)", (META_SPOOL_ID, &[9u8; 16][..]))
+                .expect("spool id");
+            conn.execute("INSERT INTO streams (id, name, next_seq, sealed_through) VALUES (1, 'a', 2, 2)", [])
+                .expect("stream");
+            for (id, data, ms) in [(1, &b"a1"[..], 10), (2, b"a2", 11), (3, b"a3", 12)] {
+                conn.execute(
+                    "INSERT INTO batches (id, stream_id, records, crc32c, commit_ms, data) VALUES (?1, 1, 1, ?2, ?3, ?4)",
+                    (id, crc32c::crc32c(data), ms, data),
+                )
+                .expect("batch");
+            }
+            conn.execute(
+                "INSERT INTO chunks (stream_id, seq, records, bytes, first_ms, sealed_ms, first_batch, last_batch)
+                 VALUES (1, 1, 2, 4, 10, 11, 1, 2)",
+                [],
+            )
+            .expect("chunk");
+            conn.pragma_update(None, "user_version", 2).expect("user_version");
+        }
+        let opts = SpoolOptions::new(&path);
+        let (mut spool, report) = Spool::open(opts.clone()).expect("open migrates");
+        assert!(!report.created && report.quarantined.is_none(), "{report:?}");
+        assert_eq!(spool.id(), SpoolId([9u8; 16]));
+        let version: i64 = spool.conn().pragma_query_value(None, "user_version", |r| r.get(0)).expect("version");
+        assert_eq!(version, 3);
+        let legacy: i64 = spool
+            .conn()
+            .query_row("SELECT value FROM meta WHERE key = ?1", [META_LEGACY_BATCHES], |r| r.get(0))
+            .expect("legacy mark");
+        assert_eq!(legacy, 3);
+        let mut reader = spool.reader().expect("reader");
+        assert_eq!(reader.read(&meta(&spool, 1)).expect("migrated chunk reads"), b"a1a2");
+        // The open batch seals with a new one into a chunk whose rows all carry checksums.
+        spool.append(&[one("a", b"a4")], 20).expect("append");
+        assert_eq!(spool.seal_all(21).expect("seal"), 1);
+        let new = reader.sealed_after(Some(ChunkId(1)), 1).expect("list").remove(0);
+        assert_eq!((new.seq, reader.read(&new).expect("read")), (2, b"a3a4".to_vec()));
+        let audit = crate::check(&path).expect("check");
+        assert!(!audit.has_damage() && audit.chunks == 2 && audit.batches == 4, "{audit:?}");
+        let unchecked: i64 = spool
+            .conn()
+            .query_row("SELECT count(*) FROM batches WHERE row_crc IS NULL", [], |r| r.get(0))
+            .expect("count");
+        assert_eq!(unchecked, 3, "only the batches written before version 3 lack a checksum");
+        drop(reader);
+        drop(spool);
+        let (_spool, report) = Spool::open(opts).expect("reopen");
+        assert!(report.quarantined.is_none(), "{report:?}");
     }
 }

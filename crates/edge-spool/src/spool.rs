@@ -13,7 +13,8 @@ use crate::error::ctx;
 use crate::reader::SpoolReader;
 use crate::recovery;
 use crate::reserve::Reserve;
-use crate::schema::{META_DROPPED_CHUNKS, META_DROPPED_RECORDS};
+use crate::rowcrc::{self, ChunkRow};
+use crate::schema::{META_DROPPED_CHUNKS, META_DROPPED_RECORDS, META_ROW_CRC};
 use crate::state::{State, StreamState, min_opt};
 use crate::{
     AckReport, AppendOutcome, AppendRequest, Batch, ChunkId, CommitReport, FullPolicy, OpenReport, SealWhat,
@@ -269,6 +270,11 @@ impl Spool {
             }
             st.dropped_chunks += dropped.chunks;
             st.dropped_records += dropped.records;
+            st.meta.dropped_chunks = sql_u64(st.dropped_chunks);
+            st.meta.dropped_records = sql_u64(st.dropped_records);
+            tx.prepare_cached("UPDATE meta SET value = ?2 WHERE key = ?1")
+                .and_then(|mut s| s.execute((META_ROW_CRC, st.meta.crc())))
+                .map_err(ctx("updating the meta checksum"))?;
             touched.extend(&dropped.streams);
         }
         refresh_oldest_sealed(&tx, &mut st, &touched)?;
@@ -387,7 +393,7 @@ impl Spool {
     /// # Errors
     /// When SQLite cannot open the file.
     pub fn reader(&self) -> Result<SpoolReader, SpoolError> {
-        SpoolReader::open(&self.opts.path)
+        SpoolReader::open(&self.opts.path, self.state.meta.legacy_batches_through)
     }
 
     /// Runs a write that frees (or must not be blocked by a lack of) disk space. On
@@ -497,11 +503,13 @@ impl PendingRow {
         let Some(name) = self.stream.take() else { return Ok(()) };
         let batch_id = st.next_batch_id;
         let stream = stream_entry(tx, st, &name)?;
+        let records = sql_u64(self.records);
+        let row_crc = rowcrc::batch(batch_id, stream.id, records, i64::from(self.crc), sql_u64(now_ms));
         tx.prepare_cached(
-            "INSERT INTO batches (id, stream_id, records, crc32c, commit_ms, data)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            "INSERT INTO batches (id, stream_id, records, crc32c, commit_ms, row_crc, data)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         )
-        .and_then(|mut s| s.execute((batch_id, stream.id, self.records, self.crc, sql_u64(now_ms), &self.data)))
+        .and_then(|mut s| s.execute((batch_id, stream.id, records, self.crc, sql_u64(now_ms), row_crc, &self.data)))
         .map_err(ctx("inserting a batch"))?;
         stream.open_batches += 1;
         st.next_batch_id = batch_id.saturating_add(1);
@@ -607,10 +615,13 @@ fn refresh_oldest_sealed(tx: &Transaction<'_>, st: &mut State, stream_ids: &BTre
 /// The counters of stream `name`, inserting its `streams` row on first use.
 fn stream_entry<'s>(tx: &Transaction<'_>, st: &'s mut State, name: &str) -> Result<&'s mut StreamState, SpoolError> {
     if !st.streams.contains_key(name) {
-        tx.prepare_cached("INSERT INTO streams (name, next_seq) VALUES (?1, 1)")
-            .and_then(|mut s| s.execute([name]))
-            .map_err(ctx("inserting a stream"))?;
-        let id = tx.last_insert_rowid();
+        let id = st.next_stream_id;
+        tx.prepare_cached(
+            "INSERT INTO streams (id, name, next_seq, sealed_through, row_crc) VALUES (?1, ?2, 1, 0, ?3)",
+        )
+        .and_then(|mut s| s.execute((id, name, rowcrc::stream(id, name, 1, 0))))
+        .map_err(ctx("inserting a stream"))?;
+        st.next_stream_id = id.saturating_add(1);
         st.names.insert(id, name.to_owned());
         st.streams.insert(name.to_owned(), StreamState { id, next_seq: 1, ..StreamState::default() });
     }
@@ -626,6 +637,7 @@ fn stream_by_id(st: &mut State, id: i64) -> Result<&mut StreamState, SpoolError>
 /// Seals the open batches of stream `name` into one chunk with the stream's next seq. Returns
 /// false if the stream had no open batches. The chunk's sizes come from the rows themselves.
 fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) -> Result<bool, SpoolError> {
+    let chunk_id = st.next_chunk_id;
     let Some(stream) = st.streams.get_mut(name) else {
         return Ok(false);
     };
@@ -646,28 +658,44 @@ fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) ->
         return Ok(false);
     };
     let seq = stream.next_seq;
+    let row = ChunkRow {
+        id: chunk_id,
+        stream_id: stream.id,
+        seq: sql_u64(seq),
+        records: sql_u64(records),
+        bytes: sql_u64(bytes),
+        first_ms: sql_u64(first_ms),
+        sealed_ms: sql_u64(now_ms),
+        first_batch,
+        last_batch,
+    };
     tx.prepare_cached(
-        "INSERT INTO chunks (stream_id, seq, records, bytes, first_ms, sealed_ms, first_batch, last_batch)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        "INSERT INTO chunks (id, stream_id, seq, records, bytes, first_ms, sealed_ms, first_batch, last_batch, row_crc)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
     )
     .and_then(|mut s| {
         s.execute((
-            stream.id,
-            sql_u64(seq),
-            sql_u64(records),
-            sql_u64(bytes),
-            sql_u64(first_ms),
-            sql_u64(now_ms),
-            first_batch,
-            last_batch,
+            row.id,
+            row.stream_id,
+            row.seq,
+            row.records,
+            row.bytes,
+            row.first_ms,
+            row.sealed_ms,
+            row.first_batch,
+            row.last_batch,
+            row.crc(),
         ))
     })
     .map_err(ctx("inserting a chunk"))?;
     crate::crash_point!("spool::seal::chunk_row_written");
     // The batches themselves are not touched: the chunk row names their range, and moving
     // `sealed_through` past it closes the stream's open set.
-    tx.prepare_cached("UPDATE streams SET next_seq = ?1, sealed_through = ?2 WHERE id = ?3")
-        .and_then(|mut s| s.execute((sql_u64(seq + 1), last_batch, stream.id)))
+    let next_seq = sql_u64(seq + 1);
+    tx.prepare_cached("UPDATE streams SET next_seq = ?1, sealed_through = ?2, row_crc = ?3 WHERE id = ?4")
+        .and_then(|mut s| {
+            s.execute((next_seq, last_batch, rowcrc::stream(stream.id, name, next_seq, last_batch), stream.id))
+        })
         .map_err(ctx("advancing a stream's sequence"))?;
     stream.next_seq = seq + 1;
     stream.sealed_through = last_batch;
@@ -684,6 +712,7 @@ fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) ->
     stream.open_records = 0;
     stream.open_bytes = 0;
     stream.oldest_open_ms = None;
+    st.next_chunk_id = chunk_id.saturating_add(1);
     Ok(true)
 }
 

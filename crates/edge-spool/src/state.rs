@@ -9,7 +9,8 @@ use std::collections::{BTreeMap, HashMap};
 use rusqlite::{Connection, OptionalExtension};
 
 use crate::error::ctx;
-use crate::schema::{META_DROPPED_CHUNKS, META_DROPPED_RECORDS};
+use crate::rowcrc::{self, MetaValues};
+use crate::schema;
 use crate::{SpoolError, SpoolStats, StreamStats};
 
 /// Counters of one stream.
@@ -54,6 +55,13 @@ pub(crate) struct State {
     /// of acked batches once the newest ones are deleted, putting a new batch inside a range
     /// that is already sealed.
     pub next_batch_id: i64,
+    /// The id the next sealed chunk gets (the row checksum covers it, so it is chosen before
+    /// the insert).
+    pub next_chunk_id: i64,
+    /// The id the next new stream gets (streams are never deleted).
+    pub next_stream_id: i64,
+    /// The `meta` values as on disk (their checksum is rewritten with every change).
+    pub meta: MetaValues,
 }
 
 impl State {
@@ -61,18 +69,33 @@ impl State {
     pub(crate) fn load(conn: &Connection) -> Result<State, SpoolError> {
         let mut st = State::default();
         {
+            // Each row is checked against its checksum: the next sequence number and the open
+            // set come from here, and a damaged one would reuse sequence numbers the server
+            // already holds (it would answer Duplicate for new data) or seal batches twice.
             let mut stmt = conn
-                .prepare("SELECT id, name, next_seq, sealed_through FROM streams")
+                .prepare("SELECT id, name, next_seq, sealed_through, row_crc FROM streams")
                 .map_err(ctx("loading streams"))?;
             let rows = stmt
-                .query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get(2)?, r.get(3)?)))
+                .query_map([], |r| {
+                    Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get(2)?, r.get(3)?, r.get::<_, Option<i64>>(4)?))
+                })
                 .map_err(ctx("loading streams"))?;
             for row in rows {
-                let (id, name, next_seq, sealed_through): (i64, String, u64, i64) =
+                let (id, name, next_seq, sealed_through, stored): (i64, String, i64, i64, Option<i64>) =
                     row.map_err(ctx("loading streams"))?;
+                let computed = rowcrc::stream(id, &name, next_seq, sealed_through);
+                if stored != Some(computed) {
+                    return Err(SpoolError::Inconsistent(format!(
+                        "stream row {id} ({name:?}, next_seq {next_seq}, sealed_through {sealed_through}) fails its \
+                         checksum (stored {stored:?}, computed {computed})"
+                    )));
+                }
+                let next_seq = u64::try_from(next_seq)
+                    .map_err(|_| SpoolError::Inconsistent(format!("stream row {id}: next_seq {next_seq}")))?;
                 st.names.insert(id, name.clone());
                 st.streams.insert(name, StreamState { id, next_seq, sealed_through, ..StreamState::default() });
             }
+            st.next_stream_id = st.names.keys().max().map_or(1, |m| m.saturating_add(1));
         }
         {
             // Open batches, stream by stream, over the (stream_id, id) index.
@@ -108,6 +131,16 @@ impl State {
                 )
                 .map_err(ctx("finding the last batch id"))?;
             st.next_batch_id = last.unwrap_or(0).saturating_add(1);
+            // As AUTOINCREMENT would choose: past every id in use or ever handed out.
+            let last: i64 = conn
+                .query_row(
+                    "SELECT max(coalesce((SELECT max(id) FROM chunks), 0),
+                                coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'chunks'), 0))",
+                    [],
+                    |r| r.get(0),
+                )
+                .map_err(ctx("finding the last chunk id"))?;
+            st.next_chunk_id = last.saturating_add(1);
         }
         {
             let mut stmt = conn
@@ -127,17 +160,10 @@ impl State {
         st.quarantined_chunks = conn
             .query_row("SELECT count(*) FROM chunks WHERE quarantine IS NOT NULL", [], |r| r.get(0))
             .map_err(ctx("counting quarantined chunks"))?;
-        // A missing counter row (one flipped bit in its key is enough, and quick_check does not
-        // see it) is a file our schema cannot hold: `Inconsistent` lets `open` move it aside
-        // instead of refusing to start (found by the `spool_recovery` fuzz target).
-        let meta = |key: &str| -> Result<u64, SpoolError> {
-            conn.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))
-                .optional()
-                .map_err(ctx("loading meta counters"))?
-                .ok_or_else(|| SpoolError::Inconsistent(format!("meta row {key:?} is missing")))
-        };
-        st.dropped_chunks = meta(META_DROPPED_CHUNKS)?;
-        st.dropped_records = meta(META_DROPPED_RECORDS)?;
+        let meta = schema::read_verified_meta(conn)?;
+        st.dropped_chunks = u64::try_from(meta.dropped_chunks).unwrap_or(0);
+        st.dropped_records = u64::try_from(meta.dropped_records).unwrap_or(0);
+        st.meta = meta;
         Ok(st)
     }
 

@@ -218,7 +218,7 @@ fn newer_schema_version_is_refused_and_the_file_left_in_place() {
     raw.pragma_update(None, "user_version", 99).expect("bump version");
     drop(raw);
     match Spool::open(opts.clone()) {
-        Err(SpoolError::UnsupportedSchema { found: 99, supported: 2 }) => {}
+        Err(SpoolError::UnsupportedSchema { found: 99, supported: 3 }) => {}
         other => panic!("expected UnsupportedSchema, got {:?}", other.map(|(_, r)| r)),
     }
     assert!(opts.path.exists());
@@ -235,4 +235,98 @@ fn spool_id_of_the_wrong_length_gets_the_file_quarantined() {
     let (spool, report) = Spool::open(opts.clone()).expect("open");
     assert!(report.quarantined.is_some());
     assert_ne!(spool.id(), old);
+}
+
+/// One value of a row changed behind the spool's back, as a flipped bit would change it.
+fn damage(opts: &SpoolOptions, sql: &str) {
+    let raw = Connection::open(&opts.path).expect("raw connection");
+    assert_eq!(raw.execute(sql, []).expect("damage"), 1, "{sql}");
+}
+
+#[test]
+fn a_changed_value_in_a_chunk_or_batch_row_makes_the_chunk_corrupt_on_read() {
+    // Values outside the payload: the sequence number the server dedups by, the stream, the
+    // batch range, the times sent as metadata, and a batch's own columns.
+    let cases = [
+        "UPDATE chunks SET seq = seq + 8",
+        "UPDATE chunks SET first_ms = first_ms + 1024",
+        "UPDATE chunks SET sealed_ms = sealed_ms + 1",
+        "UPDATE chunks SET first_batch = first_batch + 1",
+        "UPDATE batches SET commit_ms = commit_ms + 1 WHERE id = (SELECT min(id) FROM batches)",
+        "UPDATE batches SET records = records + 1 WHERE id = (SELECT max(id) FROM batches)",
+        "UPDATE batches SET row_crc = NULL WHERE id = (SELECT max(id) FROM batches)",
+    ];
+    for sql in cases {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+        append_one(&mut spool, "s", b"first".to_vec(), 1);
+        append_one(&mut spool, "s", b"second".to_vec(), 2);
+        spool.seal_all(3).expect("seal");
+        let listed_before = sealed(&spool).remove(0);
+        damage(&opts, sql);
+        // Listed before or after the damage, the chunk does not read.
+        for chunk in [listed_before.clone(), sealed(&spool).remove(0)] {
+            let err = spool.reader().expect("reader").read(&chunk).expect_err(sql);
+            assert!(matches!(err, SpoolError::Corrupt { .. }), "{sql}: {err:?}");
+        }
+        let report = edge_spool::check(&opts.path).expect("check");
+        assert_eq!(report.damaged_chunks.len(), 1, "{sql}: {report:?}");
+        spool.quarantine(listed_before.id, "test").expect("quarantine");
+        append_one(&mut spool, "s", b"later".to_vec(), 4);
+        spool.seal_all(5).expect("the spool keeps working");
+        let next = sealed(&spool).remove(0);
+        assert_eq!(spool.reader().expect("reader").read(&next).expect("later chunk reads"), b"later");
+    }
+}
+
+#[test]
+fn a_changed_stream_row_or_meta_value_gets_the_file_moved_aside() {
+    // A lower next_seq would reuse sequence numbers the server holds (new data answered
+    // Duplicate and deleted); a changed sealed_through would seal batches twice or never; a
+    // changed spool id would store everything again under a new identity.
+    let cases = [
+        "UPDATE streams SET next_seq = next_seq - 1",
+        "UPDATE streams SET sealed_through = sealed_through - 1",
+        "UPDATE streams SET name = 't'",
+        "UPDATE meta SET value = x'000102030405060708090a0b0c0d0e0f' WHERE key = 'spool_id'",
+        "UPDATE meta SET value = value + 1 WHERE key = 'dropped_records'",
+        "UPDATE meta SET value = 7 WHERE key = 'legacy_batches_through'",
+    ];
+    for sql in cases {
+        let (dir, opts) = setup();
+        let old = spool_with_chunks(&opts, 2);
+        damage(&opts, sql);
+        let report = edge_spool::check(&opts.path).expect("check");
+        assert!(report.has_damage() && report.damaged_rows.len() == 1, "{sql}: {report:?}");
+        let (spool, opened) = Spool::open(opts.clone()).expect("open");
+        assert!(opened.quarantined.is_some(), "{sql}: {opened:?}");
+        assert_ne!(spool.id(), old, "{sql}");
+        assert_eq!(quarantined_files(dir.path()).len(), 1, "{sql}");
+    }
+}
+
+#[test]
+fn row_checksums_survive_reopen_drops_and_quarantines() {
+    let (_dir, mut opts) = setup();
+    opts.max_bytes = 4096;
+    opts.full_policy = edge_spool::FullPolicy::DropOldest;
+    let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+    for i in 0..12 {
+        append_one(&mut spool, if i % 2 == 0 { "a" } else { "b" }, noise(i + 7, 700), i);
+        spool.seal_all(i).expect("seal");
+    }
+    let stats = spool.stats();
+    assert!(stats.dropped_chunks > 0, "the cap dropped chunks: {stats:?}");
+    let victim = sealed(&spool).remove(0);
+    spool.quarantine(victim.id, "test").expect("quarantine");
+    drop(spool);
+    let report = edge_spool::check(&opts.path).expect("check");
+    assert!(!report.has_damage(), "{report:?}");
+    let (spool, opened) = Spool::open(opts).expect("reopen");
+    assert!(opened.quarantined.is_none(), "{opened:?}");
+    assert_eq!(spool.stats().dropped_chunks, stats.dropped_chunks);
+    let mut reader = spool.reader().expect("reader");
+    for chunk in sealed(&spool) {
+        reader.read(&chunk).expect("every chunk reads");
+    }
 }

@@ -82,6 +82,7 @@ pub fn to_json(path: &Path, r: &CheckReport) -> serde_json::Value {
         "clean": !r.has_damage(),
         "integrity": r.integrity,
         "read_error": r.read_error,
+        "damaged_rows": r.damaged_rows,
         "chunks": r.chunks,
         "batches": r.batches,
         "bytes": r.bytes,
@@ -120,6 +121,9 @@ pub fn render(path: &Path, r: &CheckReport) -> String {
     }
     if let Some(e) = &r.read_error {
         let _ = writeln!(out, "reading rows stopped: {e}");
+    }
+    for row in &r.damaged_rows {
+        let _ = writeln!(out, "DAMAGED: {row} (the agent moves this file aside when it opens it)");
     }
     for c in &r.damaged_chunks {
         let _ = writeln!(
