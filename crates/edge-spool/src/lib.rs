@@ -105,7 +105,9 @@
 //!   again with the same id, stream, seq and bytes. That is safe because the server dedups by
 //!   (spool id, stream, seq).
 //! * [`Spool::open`] runs `PRAGMA quick_check`. A file that is not a SQLite database, fails the
-//!   check, is a SQLite database that is not a spool, or has no valid spool id, is moved aside
+//!   check, is a SQLite database that is not a spool, has no valid spool id, has stream rows or
+//!   meta values that fail their row checksums, or whose header forbids writing (SQLite opens
+//!   it read-only although the file may be written), is moved aside
 //!   (with its `-wal`/`-shm`) as `<path>.corrupt-<unix-seconds>` and replaced by a fresh spool
 //!   with a new id, reported in [`OpenReport::quarantined`]. We prefer that over refusing to
 //!   start: an agent wedged on a bad file loses *all* data from then on, while the quarantined

@@ -2,7 +2,8 @@
 //! aside so the agent never wedges on it.
 //!
 //! A file is moved aside only for *corruption* (not a database, `quick_check` failures, rows
-//! our schema cannot hold, a foreign SQLite database, a missing spool id). Lock, permission and
+//! our schema cannot hold or that fail their row checksums, a foreign SQLite database, a missing
+//! spool id, a header that makes SQLite open a writable file read-only). Lock, permission and
 //! I/O errors are returned to the caller instead: they say nothing about the file's contents.
 //!
 //! Sidecars (`-wal`, `-shm`, `-journal`) are renamed *before* the main file. A crash between
@@ -65,9 +66,24 @@ pub(crate) fn open(opts: &SpoolOptions) -> Result<(Opened, Option<PathBuf>), Spo
 fn attempt(opts: &SpoolOptions) -> Result<Attempt, SpoolError> {
     match try_open(opts) {
         Ok(a) => Ok(a),
-        Err(e) if e.is_corruption() || is_schema_mismatch(&e) => Ok(Attempt::Bad(error_chain(&e))),
+        Err(e) if e.is_corruption() || is_schema_mismatch(&e) || is_read_only_by_its_header(&e, &opts.path) => {
+            Ok(Attempt::Bad(error_chain(&e)))
+        }
         Err(e) => Err(e),
     }
+}
+
+/// SQLite's `SQLITE_READONLY` for a file we may write: the file itself forbids writing, as a
+/// damaged header does whose write-format version (byte 18) is above 2 (found by the
+/// `spool_recovery` fuzz target). A read-only file system or file mode is not damage: then the
+/// file cannot be opened for writing here either, and the error is returned.
+fn is_read_only_by_its_header(e: &SpoolError, path: &Path) -> bool {
+    let read_only = matches!(
+        e,
+        SpoolError::Sqlite { source: rusqlite::Error::SqliteFailure(error, _), .. }
+            if error.code == rusqlite::ErrorCode::ReadOnly
+    );
+    read_only && fs::OpenOptions::new().write(true).open(path).is_ok()
 }
 
 /// SQLite's generic `SQLITE_ERROR` while opening, e.g. "no such column: value" after one flipped
@@ -92,6 +108,18 @@ fn try_open(opts: &SpoolOptions) -> Result<Attempt, SpoolError> {
     }
     // Decide what the file is before writing anything to it (even the WAL switch is a write).
     let (version, tables) = schema::inspect(&conn)?;
+    // A header whose write-format version is above 2 makes SQLite open the file read-only
+    // (found by the `spool_recovery` fuzz target). The spool would open, then refuse every
+    // append and ack. On a read-only file system or file mode, that is not the file's fault.
+    if conn.is_readonly(rusqlite::MAIN_DB).map_err(ctx("asking whether the file is writable"))? {
+        if fs::OpenOptions::new().write(true).open(&opts.path).is_ok() {
+            return Ok(Attempt::Bad("SQLite opens the file read-only: its header forbids writing".into()));
+        }
+        return Err(SpoolError::sqlite(
+            "opening the database for writing",
+            rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_READONLY), None),
+        ));
+    }
     if version > schema::SCHEMA_VERSION {
         return Err(SpoolError::UnsupportedSchema { found: version, supported: schema::SCHEMA_VERSION });
     }
@@ -111,6 +139,9 @@ fn try_open(opts: &SpoolOptions) -> Result<Attempt, SpoolError> {
         }
     };
     crate::crash_point!("spool::open::after_migrate");
+    if let Some(problems) = repair_small_indexes(&conn)? {
+        return Ok(Attempt::Bad(format!("integrity_check after REINDEX: {problems}")));
+    }
     let raw: Option<Vec<u8>> = conn
         .query_row("SELECT value FROM meta WHERE key = ?1", [META_SPOOL_ID], |r| r.get(0))
         .optional()
@@ -124,6 +155,39 @@ fn try_open(opts: &SpoolOptions) -> Result<Attempt, SpoolError> {
     };
     let state = State::load(&conn)?;
     Ok(Attempt::Ready(Box::new(Opened { conn, id: SpoolId(bytes), state, created })))
+}
+
+/// `quick_check` does not compare index entries with their rows. For the small tables
+/// (`streams`, `chunks`) the full check costs little, and a damaged index entry is repaired
+/// from the rows (`REINDEX`): left alone, a later update or delete of its row misses it, and
+/// the stale entry fails `quick_check` at the next open, which moves the whole file aside
+/// (found by the `spool_recovery` fuzz target). Damaged rows are the row checksums' business.
+/// Returns the problems that remain after the repair, if any.
+fn repair_small_indexes(conn: &Connection) -> Result<Option<String>, SpoolError> {
+    for table in ["streams", "chunks"] {
+        let problems = table_check(conn, table)?;
+        if problems.is_empty() {
+            continue;
+        }
+        tracing::warn!(table, problems = %problems.join("; "), "spool index damaged; rebuilding it from the rows");
+        conn.execute_batch(&format!("REINDEX {table}")).map_err(ctx("rebuilding a damaged index"))?;
+        let left = table_check(conn, table)?;
+        if !left.is_empty() {
+            return Ok(Some(left.join("; ")));
+        }
+    }
+    Ok(None)
+}
+
+/// `PRAGMA integrity_check(table)`: the table's b-tree and its indexes; empty when "ok".
+fn table_check(conn: &Connection, table: &str) -> Result<Vec<String>, SpoolError> {
+    let mut stmt = conn.prepare(&format!("PRAGMA integrity_check({table})")).map_err(ctx("running integrity_check"))?;
+    let rows = stmt.query_map([], |r| r.get::<_, String>(0)).map_err(ctx("running integrity_check"))?;
+    let mut lines: Vec<String> = rows.take(8).collect::<Result<_, _>>().map_err(ctx("running integrity_check"))?;
+    if lines.len() == 1 && lines[0] == "ok" {
+        lines.clear();
+    }
+    Ok(lines)
 }
 
 /// Renames `path` and its sidecars to `<path>.corrupt-<unix-seconds>[-n]` (sidecars keep their

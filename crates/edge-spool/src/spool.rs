@@ -334,6 +334,7 @@ impl Spool {
             Some((_, _, true)) => return Ok(()),
             Some((stream_id, bytes, false)) => (stream_id, bytes),
         };
+        reindex_damaged_rows(&tx, chunk, st.meta.legacy_batches_through)?;
         tx.prepare_cached("UPDATE chunks SET quarantine = ?2 WHERE id = ?1")
             .and_then(|mut s| s.execute((chunk.0, reason)))
             .map_err(ctx("quarantining a chunk"))?;
@@ -565,6 +566,56 @@ fn make_room(
         dropped.streams.insert(deleted.stream_id);
     }
     Ok(true)
+}
+
+/// Rebuilds the indexes of `chunks` (or `batches`) when the chunk's row (or a batch row in its
+/// range) fails its checksum. A changed indexed value (`stream_id`, `seq`, `first_ms`) leaves
+/// the row's index entries under the old value; SQLite's later updates and deletes of the row
+/// then miss them, and the stale entries fail `quick_check` at the next open, which moves the
+/// whole file aside (found by the `spool_recovery` fuzz target). Runs only on damage, before the
+/// chunk is quarantined; `REINDEX batches` reads every batch row's page, so it is not done
+/// otherwise.
+fn reindex_damaged_rows(tx: &Transaction<'_>, chunk: ChunkId, legacy_batches_through: i64) -> Result<(), SpoolError> {
+    let row: Option<(ChunkRow, Option<i64>)> = tx
+        .prepare_cached(
+            "SELECT id, stream_id, seq, records, bytes, first_ms, sealed_ms, first_batch, last_batch, row_crc
+             FROM chunks WHERE id = ?1",
+        )
+        .and_then(|mut s| s.query_row([chunk.0], |r| Ok((ChunkRow::from_row(r, 0)?, r.get(9)?))).optional())
+        .map_err(ctx("checking a chunk row before quarantine"))?;
+    let Some((c, stored)) = row else { return Ok(()) };
+    if stored != Some(c.crc()) {
+        tracing::warn!(chunk = chunk.0, "chunk row fails its checksum; rebuilding the indexes of `chunks`");
+        tx.execute_batch("REINDEX chunks").map_err(ctx("rebuilding the indexes of chunks"))?;
+    }
+    // Every batch in the id range, of any stream: a changed stream_id is found by its checksum.
+    let mut stmt = tx
+        .prepare_cached(
+            "SELECT id, stream_id, records, crc32c, commit_ms, row_crc FROM batches WHERE id BETWEEN ?1 AND ?2",
+        )
+        .map_err(ctx("checking batch rows before quarantine"))?;
+    let mut rows = stmt.query((c.first_batch, c.last_batch)).map_err(ctx("checking batch rows before quarantine"))?;
+    let mut damaged = false;
+    while let Some(r) = rows.next().map_err(ctx("checking batch rows before quarantine"))? {
+        let get = |i| r.get::<_, i64>(i);
+        let (Ok(id), Ok(stream_id), Ok(records), Ok(crc32c), Ok(commit_ms)) = (get(0), get(1), get(2), get(3), get(4))
+        else {
+            damaged = true;
+            break;
+        };
+        let stored: Option<i64> = r.get(5).unwrap_or(Some(-1));
+        let want = rowcrc::batch(id, stream_id, records, crc32c, commit_ms);
+        if stored != Some(want) && !(stored.is_none() && id <= legacy_batches_through) {
+            damaged = true;
+            break;
+        }
+    }
+    drop(rows);
+    if damaged {
+        tracing::warn!(chunk = chunk.0, "a batch row fails its checksum; rebuilding the indexes of `batches`");
+        tx.execute_batch("REINDEX batches").map_err(ctx("rebuilding the indexes of batches"))?;
+    }
+    Ok(())
 }
 
 /// Deletes a live (not quarantined) chunk and its batches, updating the counters except the

@@ -330,3 +330,22 @@ fn row_checksums_survive_reopen_drops_and_quarantines() {
         reader.read(&chunk).expect("every chunk reads");
     }
 }
+
+#[test]
+fn a_header_that_forbids_writing_gets_the_file_moved_aside() {
+    // Byte 18 of a SQLite file is its write-format version; above 2, SQLite opens the file
+    // read-only, and the spool could not write a byte (found by the spool_recovery fuzz target).
+    let (dir, opts) = setup();
+    let old = spool_with_chunks(&opts, 2);
+    let mut bytes = fs::read(&opts.path).expect("read");
+    assert_eq!(bytes[18], 2, "a WAL-mode file");
+    bytes[18] = 3;
+    fs::write(&opts.path, &bytes).expect("write");
+    let (mut spool, report) = Spool::open(opts.clone()).expect("moved aside, not refused");
+    let moved = report.quarantined.expect("reported as quarantined");
+    assert_eq!(fs::read(&moved).expect("moved file")[18], 3, "the bad file is kept as it was");
+    assert_ne!(spool.id(), old);
+    assert_eq!(quarantined_files(dir.path()).len(), 1);
+    append_one(&mut spool, "s", b"works".to_vec(), 1);
+    assert_eq!(spool.seal_all(1).expect("seal"), 1);
+}
