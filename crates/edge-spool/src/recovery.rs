@@ -170,7 +170,15 @@ fn repair_small_indexes(conn: &Connection) -> Result<Option<String>, SpoolError>
             continue;
         }
         tracing::warn!(table, problems = %problems.join("; "), "spool index damaged; rebuilding it from the rows");
-        conn.execute_batch(&format!("REINDEX {table}")).map_err(ctx("rebuilding a damaged index"))?;
+        match conn.execute_batch(&format!("REINDEX {table}")) {
+            Ok(()) => {}
+            // Rows that break a UNIQUE index (a changed `seq` equal to another chunk's): the
+            // index cannot be rebuilt, and the file is damage, not an error to start on.
+            Err(rusqlite::Error::SqliteFailure(e, msg)) if e.code == rusqlite::ErrorCode::ConstraintViolation => {
+                return Ok(Some(format!("REINDEX {table}: {}", msg.unwrap_or_else(|| e.to_string()))));
+            }
+            Err(e) => return Err(SpoolError::sqlite("rebuilding a damaged index", e)),
+        }
         let left = table_check(conn, table)?;
         if !left.is_empty() {
             return Ok(Some(left.join("; ")));

@@ -349,3 +349,36 @@ fn a_header_that_forbids_writing_gets_the_file_moved_aside() {
     append_one(&mut spool, "s", b"works".to_vec(), 1);
     assert_eq!(spool.seal_all(1).expect("seal"), 1);
 }
+
+#[test]
+fn a_chunks_index_that_disagrees_with_its_rows_is_rebuilt_at_open() {
+    // A row changed behind its index's back, as a flipped index entry leaves them: the partial
+    // index is hidden from SQLite while the row changes, so its entry keeps the old value.
+    let (dir, opts) = setup();
+    spool_with_chunks(&opts, 3);
+    let raw = Connection::open(&opts.path).expect("raw connection");
+    raw.execute_batch(
+        "PRAGMA writable_schema = ON;
+         UPDATE sqlite_schema SET sql = replace(sql, 'quarantine IS NULL', 'quarantine IS NULL AND 0')
+           WHERE name = 'chunks_live_first';",
+    )
+    .expect("neuter index");
+    drop(raw);
+    let raw = Connection::open(&opts.path).expect("raw connection");
+    raw.execute("UPDATE chunks SET first_ms = first_ms + 5 WHERE id = 1", []).expect("change row");
+    raw.execute_batch(
+        "PRAGMA writable_schema = ON;
+         UPDATE sqlite_schema SET sql = replace(sql, 'quarantine IS NULL AND 0', 'quarantine IS NULL')
+           WHERE name = 'chunks_live_first';",
+    )
+    .expect("restore index");
+    drop(raw);
+    let before = edge_spool::check(&opts.path).expect("check");
+    assert!(!before.integrity.is_empty(), "the index disagrees with its rows: {before:?}");
+    let (spool, report) = Spool::open(opts.clone()).expect("open");
+    assert!(report.quarantined.is_none(), "rebuilt, not moved aside: {report:?}");
+    drop(spool);
+    let after = edge_spool::check(&opts.path).expect("check");
+    assert!(after.integrity.is_empty(), "{after:?}");
+    assert!(quarantined_files(dir.path()).is_empty());
+}
