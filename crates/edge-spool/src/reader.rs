@@ -142,11 +142,9 @@ impl SpoolReader {
                     r.get(4).map_err(|e| corrupt(format!("batch {batch}: bad commit_ms column: {e}")))?;
                 let row_crc: Option<i64> =
                     r.get(5).map_err(|e| corrupt(format!("batch {batch}: bad row_crc column: {e}")))?;
-                let want = rowcrc::batch(batch, stream_id, i64::from(n), i64::from(stored), commit_ms);
-                if row_crc != Some(want) && !(row_crc.is_none() && batch <= self.legacy_batches_through) {
-                    return Err(corrupt(format!(
-                        "batch {batch}: row fails its checksum (stored {row_crc:?}, computed {want})"
-                    )));
+                let columns = (batch, stream_id, i64::from(n), i64::from(stored), commit_ms);
+                if !rowcrc::batch_row_ok(columns, row_crc, self.legacy_batches_through) {
+                    return Err(corrupt(format!("batch {batch}: row fails its checksum (stored {row_crc:?})")));
                 }
                 records += u64::from(n);
                 batches += 1;

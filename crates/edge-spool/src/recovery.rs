@@ -66,24 +66,9 @@ pub(crate) fn open(opts: &SpoolOptions) -> Result<(Opened, Option<PathBuf>), Spo
 fn attempt(opts: &SpoolOptions) -> Result<Attempt, SpoolError> {
     match try_open(opts) {
         Ok(a) => Ok(a),
-        Err(e) if e.is_corruption() || is_schema_mismatch(&e) || is_read_only_by_its_header(&e, &opts.path) => {
-            Ok(Attempt::Bad(error_chain(&e)))
-        }
+        Err(e) if e.is_corruption() || is_schema_mismatch(&e) => Ok(Attempt::Bad(error_chain(&e))),
         Err(e) => Err(e),
     }
-}
-
-/// SQLite's `SQLITE_READONLY` for a file we may write: the file itself forbids writing, as a
-/// damaged header does whose write-format version (byte 18) is above 2 (found by the
-/// `spool_recovery` fuzz target). A read-only file system or file mode is not damage: then the
-/// file cannot be opened for writing here either, and the error is returned.
-fn is_read_only_by_its_header(e: &SpoolError, path: &Path) -> bool {
-    let read_only = matches!(
-        e,
-        SpoolError::Sqlite { source: rusqlite::Error::SqliteFailure(error, _), .. }
-            if error.code == rusqlite::ErrorCode::ReadOnly
-    );
-    read_only && fs::OpenOptions::new().write(true).open(path).is_ok()
 }
 
 /// SQLite's generic `SQLITE_ERROR` while opening, e.g. "no such column: value" after one flipped

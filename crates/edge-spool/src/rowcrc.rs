@@ -95,6 +95,19 @@ pub(crate) fn batch(id: i64, stream_id: i64, records: i64, crc32c: i64, commit_m
     RowCrc::new("batches").int(id).int(stream_id).int(records).int(crc32c).int(commit_ms).finish()
 }
 
+/// Whether a batch row's stored `row_crc` matches its columns. Batches up to
+/// `legacy_batches_through` were written before version 3 and may have none.
+pub(crate) fn batch_row_ok(
+    (id, stream_id, records, crc32c, commit_ms): (i64, i64, i64, i64, i64),
+    stored: Option<i64>,
+    legacy_batches_through: i64,
+) -> bool {
+    match stored {
+        Some(crc) => crc == batch(id, stream_id, records, crc32c, commit_ms),
+        None => id <= legacy_batches_through,
+    }
+}
+
 /// The `meta` values a row checksum covers, kept in the row `row_crc`.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) struct MetaValues {

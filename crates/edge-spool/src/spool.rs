@@ -268,10 +268,8 @@ impl Spool {
                     .and_then(|mut s| s.execute((key, sql_u64(n))))
                     .map_err(ctx("counting dropped chunks"))?;
             }
-            st.dropped_chunks += dropped.chunks;
-            st.dropped_records += dropped.records;
-            st.meta.dropped_chunks = sql_u64(st.dropped_chunks);
-            st.meta.dropped_records = sql_u64(st.dropped_records);
+            st.meta.dropped_chunks = st.meta.dropped_chunks.saturating_add(sql_u64(dropped.chunks));
+            st.meta.dropped_records = st.meta.dropped_records.saturating_add(sql_u64(dropped.records));
             tx.prepare_cached("UPDATE meta SET value = ?2 WHERE key = ?1")
                 .and_then(|mut s| s.execute((META_ROW_CRC, st.meta.crc())))
                 .map_err(ctx("updating the meta checksum"))?;
@@ -604,8 +602,7 @@ fn reindex_damaged_rows(tx: &Transaction<'_>, chunk: ChunkId, legacy_batches_thr
             break;
         };
         let stored: Option<i64> = r.get(5).unwrap_or(Some(-1));
-        let want = rowcrc::batch(id, stream_id, records, crc32c, commit_ms);
-        if stored != Some(want) && !(stored.is_none() && id <= legacy_batches_through) {
+        if !rowcrc::batch_row_ok((id, stream_id, records, crc32c, commit_ms), stored, legacy_batches_through) {
             damaged = true;
             break;
         }

@@ -47,8 +47,6 @@ pub(crate) struct State {
     pub streams: BTreeMap<String, StreamState>,
     /// Stream name by `streams.id`.
     pub names: HashMap<i64, String>,
-    pub dropped_chunks: u64,
-    pub dropped_records: u64,
     pub quarantined_chunks: u64,
     /// The id the next inserted batch gets: greater than every batch id in the file and every
     /// `streams.sealed_through`. SQLite's own rowid choice (largest id + 1) would reuse the ids
@@ -161,8 +159,6 @@ impl State {
             .query_row("SELECT count(*) FROM chunks WHERE quarantine IS NOT NULL", [], |r| r.get(0))
             .map_err(ctx("counting quarantined chunks"))?;
         let meta = schema::read_verified_meta(conn)?;
-        st.dropped_chunks = u64::try_from(meta.dropped_chunks).unwrap_or(0);
-        st.dropped_records = u64::try_from(meta.dropped_records).unwrap_or(0);
         st.meta = meta;
         Ok(st)
     }
@@ -193,8 +189,8 @@ impl State {
 
     pub(crate) fn stats(&self) -> SpoolStats {
         let mut out = SpoolStats {
-            dropped_records: self.dropped_records,
-            dropped_chunks: self.dropped_chunks,
+            dropped_records: u64::try_from(self.meta.dropped_records).unwrap_or(0),
+            dropped_chunks: u64::try_from(self.meta.dropped_chunks).unwrap_or(0),
             quarantined_chunks: self.quarantined_chunks,
             ..SpoolStats::default()
         };
