@@ -6,10 +6,12 @@
 //! while the writer is still open (as a crash leaves them, the WAL holding the latest commits),
 //! and the main file after a clean close (checkpointed, no WAL).
 //!
-//! Input: `data[0]` picks the snapshot, then a program of mutations, each an opcode byte and its
+//! Input: `data[0]` picks the snapshot (bit 0) and whether mutations go to the main file or the
+//! payload segment file (bits 1 to 3 equal to 0b011), then a program of mutations, each an opcode byte and its
 //! arguments: flip a byte, overwrite a byte, overwrite a 4-byte big-endian field (SQLite headers
-//! are big-endian), truncate, append garbage, delete the WAL. Each targets the main file or the
-//! WAL (bit 7 of the opcode). Positions are 3 bytes, folded into the file's length.
+//! are big-endian), truncate, append garbage, delete the segment file, delete the WAL. Each
+//! targets the WAL when bit 7 of the opcode is set. Positions are 3 bytes, folded into the
+//! file's length.
 //!
 //! Asserts, for every input:
 //! - no panic and no hang (libFuzzer's `-timeout` catches a hang);
@@ -24,11 +26,16 @@ use std::sync::OnceLock;
 
 use edge_spool::{AppendRequest, Batch, Durability, Spool, SpoolError, SpoolOptions};
 
-/// The two snapshots: `(main file, Some(wal))` taken while open, `(main file, None)` after close.
+/// The two snapshots: `(main file, wal)` taken while open, the main file after close; and the
+/// payload segment file, the same in both (it is written before each commit and never again).
 struct Template {
     open: (Vec<u8>, Vec<u8>),
     closed: Vec<u8>,
+    segment: Vec<u8>,
 }
+
+/// The template's one payload segment file, next to `spool.db`.
+const SEGMENT: &str = "spool.db-seg-0000000001";
 
 fn options(path: &Path) -> SpoolOptions {
     let mut o = SpoolOptions::new(path);
@@ -75,7 +82,8 @@ fn template() -> &'static Template {
         let wal = std::fs::read(dir.path().join("spool.db-wal")).expect("reading the template WAL");
         drop(spool);
         let closed = std::fs::read(&path).expect("reading the closed template");
-        Template { open: (db, wal), closed }
+        let segment = std::fs::read(dir.path().join(SEGMENT)).expect("reading the template's segment");
+        Template { open: (db, wal), closed, segment }
     })
 }
 
@@ -93,22 +101,28 @@ impl Input<'_> {
     }
 }
 
-/// Applies the mutation program to `(db, wal)`.
-fn mutate(data: &[u8]) -> (Vec<u8>, Option<Vec<u8>>) {
+/// Applies the mutation program to `(db, wal, segment)`.
+fn mutate(data: &[u8]) -> (Vec<u8>, Option<Vec<u8>>, Option<Vec<u8>>) {
     let t = template();
     let mut input = Input(data);
-    let (mut db, mut wal) = match input.byte() {
-        Some(b) if b & 1 == 1 => (t.closed.clone(), None),
+    let first = input.byte().unwrap_or(0);
+    let (mut db, mut wal) = match first {
+        b if b & 1 == 1 => (t.closed.clone(), None),
         _ => (t.open.0.clone(), Some(t.open.1.clone())),
     };
+    let mut segment = Some(t.segment.clone());
+    // Bits 1 to 3 of the first byte equal to 0b011: mutations that do not target the WAL target
+    // the segment file (a pattern none of the regression inputs found before segments has).
+    let on_segment = (first >> 1) & 0b111 == 0b011;
     let mut ops = 0;
     while let Some(op) = input.byte() {
         ops += 1;
         if ops > 64 {
             break;
         }
-        let file = match wal.as_mut() {
-            Some(wal) if op & 0x80 != 0 => wal,
+        let file = match (wal.as_mut(), segment.as_mut()) {
+            (Some(wal), _) if op & 0x80 != 0 => wal,
+            (_, Some(seg)) if on_segment => seg,
             _ => &mut db,
         };
         match op & 0x7f {
@@ -141,20 +155,24 @@ fn mutate(data: &[u8]) -> (Vec<u8>, Option<Vec<u8>>) {
                 let fill = input.byte().unwrap_or(0);
                 file.extend(std::iter::repeat_n(fill, n));
             }
+            120..=123 => segment = None,
             _ => wal = None,
         }
     }
-    (db, wal)
+    (db, wal, segment)
 }
 
 /// Runs one input; panics if a property is broken.
 pub fn run(data: &[u8]) {
-    let (db, wal) = mutate(data);
+    let (db, wal, segment) = mutate(data);
     let dir = scratch_dir();
     let path = dir.path().join("spool.db");
     std::fs::write(&path, &db).expect("writing the damaged file");
     if let Some(wal) = &wal {
         std::fs::write(dir.path().join("spool.db-wal"), wal).expect("writing the damaged WAL");
+    }
+    if let Some(segment) = &segment {
+        std::fs::write(dir.path().join(SEGMENT), segment).expect("writing the damaged segment");
     }
     let (mut spool, report) = match Spool::open(options(&path)) {
         Ok(opened) => opened,
@@ -234,5 +252,10 @@ pub fn seeds() -> Vec<Vec<u8>> {
         vec![0, 127],
         // Overwrite a 4-byte field in the middle of the WAL.
         vec![0, 0x80 | 60, 0x20, 0x10, 0x00, 0xff, 0xff, 0xff, 0x7f],
+        // The payload segment: a flipped byte, cut short, garbage after it, deleted.
+        vec![0b0110, 0, 40, 0, 0, 0x01],
+        vec![0b0111, 80, 50, 0, 0],
+        vec![0b0110, 100, 8, 0x55],
+        vec![0b0111, 120],
     ]
 }

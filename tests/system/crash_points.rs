@@ -270,7 +270,11 @@ fn run(report_name: &str, points: &[Point], seed: u64) -> anyhow::Result<()> {
 fn crash_points_spool_append() -> anyhow::Result<()> {
     run(
         "crash_points_spool_append",
-        &[agent("spool::append::before_commit", 40), agent("spool::append::after_commit", 40)],
+        &[
+            agent("spool::segment::written", 30),
+            agent("spool::append::before_commit", 30),
+            agent("spool::append::after_commit", 30),
+        ],
         0xA99E,
     )
 }

@@ -109,7 +109,8 @@ fn logical_dump(path: &Path) -> Option<Vec<String>> {
         "SELECT id, name, next_seq, sealed_through FROM streams ORDER BY id",
         "SELECT id, stream_id, seq, records, bytes, first_ms, sealed_ms, quote(quarantine), first_batch, last_batch
          FROM chunks ORDER BY id",
-        "SELECT id, stream_id, hex(data), records, crc32c, commit_ms FROM batches ORDER BY id",
+        "SELECT id, stream_id, hex(data), records, crc32c, commit_ms, segment, seg_offset, seg_len FROM batches
+         ORDER BY id",
     ] {
         let mut stmt = conn.prepare(sql).ok()?;
         let n = stmt.column_count();
@@ -125,6 +126,26 @@ fn logical_dump(path: &Path) -> Option<Vec<String>> {
         }
     }
     Some(out)
+}
+
+/// The payload segment files of the spool at `db` (`<db>-seg-<id>`), by name.
+fn segment_files(db: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let name = db.file_name().context("spool file name")?.to_string_lossy().into_owned();
+    let dir = db.parent().context("spool directory")?;
+    let mut out: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&format!("{name}-seg-")))
+        .map(|e| e.path())
+        .collect();
+    out.sort();
+    Ok(out)
+}
+
+/// `path` with `suffix` appended to its file name.
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut s = path.as_os_str().to_owned();
+    s.push(suffix);
+    PathBuf::from(s)
 }
 
 /// Offsets in `bytes` where a workload record's header starts (`wl:<seed>:`).
@@ -160,33 +181,43 @@ fn spool_check_finds_every_injected_flip_and_truncation() -> anyhow::Result<()> 
     let (code, doc) = spool_check(&spool)?;
     assert_eq!(code, 0, "pristine spool is clean: {doc}");
     assert!(doc["chunks"].as_u64().unwrap_or(0) >= 5, "too few chunks to damage: {doc}");
-
-    let offsets = record_offsets(&pristine, SPOOL_SEED);
-    anyhow::ensure!(!offsets.is_empty(), "no record bytes found in the file");
+    // The payload is in segment files (schema version 4); the database holds the index.
+    let segments: Vec<(String, Vec<u8>)> = segment_files(&spool)?
+        .iter()
+        .map(|p| {
+            let suffix = p.file_name().unwrap_or_default().to_string_lossy().trim_start_matches("spool.db").to_owned();
+            Ok((suffix, std::fs::read(p)?))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    anyhow::ensure!(!segments.is_empty(), "the spool has no payload segment files");
+    anyhow::ensure!(
+        record_offsets(&pristine, SPOOL_SEED).is_empty(),
+        "record bytes found in the database file: payload should be in segments"
+    );
+    // (segment index, offset of a record header)
+    let offsets: Vec<(usize, usize)> = segments
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (_, bytes))| record_offsets(bytes, SPOOL_SEED).into_iter().map(move |o| (i, o)))
+        .collect();
+    anyhow::ensure!(!offsets.is_empty(), "no record bytes found in the segment files");
     let mut rng = rand::rngs::StdRng::seed_from_u64(0xF1_1B5);
-    let rounds = tier.pick(30, 300);
+    let rounds = tier.pick(40, 400);
     let victim = world.path().join("victim.db");
     // kind → (injected, detected)
     let mut tally: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
     let (mut anywhere_harmless, mut anywhere_missed) = (0u64, 0u64);
     for round in 0..rounds {
         let mut bytes = pristine.clone();
-        let kind = match round % 3 {
+        let mut segs = segments.clone();
+        let kind = match round % 4 {
             0 => {
-                // A bit inside a record's bytes, never past its page. The file also holds dead
-                // copies of records (free pages, old page versions); a flip there changes no
-                // data, so pick again until the flip lands in live data.
-                for _ in 0..50 {
-                    bytes.clone_from(&pristine);
-                    let start = offsets[rng.random_range(0..offsets.len())];
-                    let page_end = (start / 4096 + 1) * 4096;
-                    let at = rng.random_range(start..(start + 64).min(page_end).min(bytes.len()));
-                    bytes[at] ^= 1 << rng.random_range(0..8);
-                    std::fs::write(&victim, &bytes)?;
-                    if logical_dump(&victim).as_ref() != Some(&pristine_dump) {
-                        break;
-                    }
-                }
+                // A bit inside a record's bytes. Every byte of a segment below its end belongs
+                // to a live batch (nothing is acked without an ingest).
+                let (i, start) = offsets[rng.random_range(0..offsets.len())];
+                let seg = &mut segs[i].1;
+                let at = rng.random_range(start..(start + 64).min(seg.len()));
+                seg[at] ^= 1 << rng.random_range(0..8);
                 "payload_bit_flip"
             }
             1 => {
@@ -194,12 +225,21 @@ fn spool_check_finds_every_injected_flip_and_truncation() -> anyhow::Result<()> 
                 bytes.truncate(len);
                 "truncation"
             }
+            2 => {
+                let i = rng.random_range(0..segs.len());
+                let len = rng.random_range(0..segs[i].1.len());
+                segs[i].1.truncate(len);
+                "segment_truncation"
+            }
             _ => {
                 let at = rng.random_range(0..bytes.len());
                 bytes[at] ^= 1 << rng.random_range(0..8);
                 "db_bit_flip_anywhere"
             }
         };
+        for (suffix, seg) in &segs {
+            std::fs::write(with_suffix(&victim, suffix), seg)?;
+        }
         std::fs::write(&victim, &bytes)?;
         let (code, doc) = spool_check(&victim)?;
         assert!(code == 0 || code == 1, "spool check exit {code}: {doc}");
@@ -215,6 +255,7 @@ fn spool_check_finds_every_injected_flip_and_truncation() -> anyhow::Result<()> 
                 assert_eq!(doc["damaged_chunks"].as_array().map_or(0, Vec::len), 1, "exactly one chunk: {doc}");
             }
             "truncation" => assert!(detected, "round {round}: truncation to {} bytes not detected: {doc}", bytes.len()),
+            "segment_truncation" => assert!(detected, "round {round}: segment truncation not detected: {doc}"),
             _ if !detected => {
                 // Not detected: fine only if the flip changed no data (unused bytes of a page).
                 if logical_dump(&victim).as_ref() == Some(&pristine_dump) {
@@ -241,6 +282,7 @@ fn spool_check_finds_every_injected_flip_and_truncation() -> anyhow::Result<()> 
     let figures = serde_json::json!({
         "tier": tier.name(),
         "spool_bytes": pristine.len(),
+        "segment_bytes": segments.iter().map(|(_, b)| b.len()).sum::<usize>(),
         "chunks": doc["chunks"],
         "seed": 0xF1_1B5,
         "injections": tally.iter().map(|(k, (i, d))| (k.to_string(), serde_json::json!({"injected": i, "detected": d}))).collect::<serde_json::Map<_, _>>(),
@@ -261,17 +303,26 @@ fn corrupt_spool_chunks_are_quarantined_never_sent_and_the_agent_keeps_working()
     let sent_old = build_spool(&world, &old, tier.pick(150, 1500))?;
     let spool = world.path().join("agent/spool.db");
 
-    // Flip one bit in the records of `flips` different places (seeded).
-    let mut bytes = std::fs::read(&spool)?;
-    let offsets = record_offsets(&bytes, SPOOL_SEED);
+    // Flip one bit in the records of `flips` different places (seeded), in the payload
+    // segment files.
+    let files = segment_files(&spool)?;
+    let mut segs: Vec<Vec<u8>> = files.iter().map(std::fs::read).collect::<Result<_, _>>()?;
+    let offsets: Vec<(usize, usize)> = segs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, bytes)| record_offsets(bytes, SPOOL_SEED).into_iter().map(move |o| (i, o)))
+        .collect();
+    anyhow::ensure!(!offsets.is_empty(), "no record bytes found in the segment files");
     let mut rng = rand::rngs::StdRng::seed_from_u64(0xBAD_C0DE);
     let flips = tier.pick(3, 12);
     for _ in 0..flips {
-        let start = offsets[rng.random_range(0..offsets.len())];
-        let at = rng.random_range(start..(start + 64).min((start / 4096 + 1) * 4096));
-        bytes[at] ^= 1 << rng.random_range(0..8);
+        let (i, start) = offsets[rng.random_range(0..offsets.len())];
+        let at = rng.random_range(start..(start + 64).min(segs[i].len()));
+        segs[i][at] ^= 1 << rng.random_range(0..8);
     }
-    std::fs::write(&spool, &bytes)?;
+    for (file, bytes) in files.iter().zip(&segs) {
+        std::fs::write(file, bytes)?;
+    }
     let (code, check) = spool_check(&spool)?;
     assert_eq!(code, 1, "damage found: {check}");
     let damaged_chunks = check["damaged_chunks"].as_array().map_or(0, Vec::len) as u64;

@@ -17,7 +17,8 @@ use std::path::Path;
 use rusqlite::{Connection, OpenFlags};
 
 use crate::error::ctx;
-use crate::rowcrc::{self, ChunkRow};
+use crate::rowcrc::{self, BatchRow, ChunkRow, SegRef};
+use crate::segment::SegmentFiles;
 use crate::{SpoolError, schema};
 
 /// Damage found in one sealed chunk.
@@ -138,7 +139,7 @@ pub fn check(path: &Path) -> Result<CheckReport, SpoolError> {
             return Ok(report);
         }
     };
-    if let Err(e) = walk(&conn, version, &mut report) {
+    if let Err(e) = walk(&conn, path, version, &mut report) {
         report.read_error = Some(error_text(&e));
     }
     Ok(report)
@@ -177,36 +178,77 @@ struct BatchCheck {
     problem: Option<String>,
 }
 
-/// Checks a batch row: its data against `crc32c`, and from version 3 its other columns against
-/// `row_crc` (batches up to `legacy_through` may have none: written before version 3).
-fn check_batch(r: &rusqlite::Row<'_>, rows: Option<RowChecks>) -> rusqlite::Result<BatchCheck> {
+/// Checks a batch row: its data (in the row, or from version 4 in a segment file) against
+/// `crc32c`, and from version 3 its other columns against `row_crc` (batches up to
+/// `legacy_through` may have none: written before version 3).
+fn check_batch(r: &rusqlite::Row<'_>, rows: Option<RowChecks>, files: &mut Files) -> rusqlite::Result<BatchCheck> {
     let id: i64 = r.get("id")?;
     let records: i64 = r.get("records")?;
     let stored: i64 = r.get("crc32c")?;
-    let data = r.get_ref("data")?;
-    let Ok(data) = data.as_blob() else {
-        return Ok(BatchCheck { records, len: 0, problem: Some(format!("batch {id}: data is not a blob")) });
+    let seg = match rows {
+        Some(RowChecks { segments: true, .. }) => {
+            match SegRef::from_columns((r.get("segment")?, r.get("seg_offset")?, r.get("seg_len")?)) {
+                Ok(seg) => seg,
+                Err(e) => return Ok(BatchCheck { records, len: 0, problem: Some(format!("batch {id}: {e}")) }),
+            }
+        }
+        _ => None,
+    };
+    let (data, place) = match seg {
+        None => {
+            let data = r.get_ref("data")?;
+            let Ok(data) = data.as_blob() else {
+                return Ok(BatchCheck { records, len: 0, problem: Some(format!("batch {id}: data is not a blob")) });
+            };
+            (data, String::new())
+        }
+        Some(s) => {
+            files.buf.clear();
+            let len = s.len as u64;
+            match files.segments.read_into(s.segment, s.offset as u64, len, &mut files.buf) {
+                Ok(()) => {}
+                Err(detail) => {
+                    let detail = detail.unwrap_or_else(|| format!("payload segment file {} is missing", s.segment));
+                    return Ok(BatchCheck { records, len, problem: Some(format!("batch {id}: {detail}")) });
+                }
+            }
+            (files.buf.as_slice(), format!(" (segment {} at {})", s.segment, s.offset))
+        }
     };
     let computed = crc32c::crc32c(data);
     let len = crate::len_u64(data);
     let mut problem = (stored != i64::from(computed))
-        .then(|| format!("batch {id}: crc32c stored {stored:08x}, computed {computed:08x} over {len} bytes"));
-    if let Some(RowChecks { legacy_through }) = rows
+        .then(|| format!("batch {id}: crc32c stored {stored:08x}, computed {computed:08x} over {len} bytes{place}"));
+    if let Some(RowChecks { legacy_through, .. }) = rows
         && problem.is_none()
     {
         let row_crc: Option<i64> = r.get("row_crc")?;
-        let columns = (id, r.get("stream_id")?, records, stored, r.get("commit_ms")?);
-        if !rowcrc::batch_row_ok(columns, row_crc, legacy_through) {
+        let row = BatchRow {
+            id,
+            stream_id: r.get("stream_id")?,
+            records,
+            crc32c: stored,
+            commit_ms: r.get("commit_ms")?,
+            seg,
+        };
+        if !row.ok(row_crc, legacy_through) {
             problem = Some(format!("batch {id}: row fails its checksum (stored {row_crc:?})"));
         }
     }
     Ok(BatchCheck { records, len, problem })
 }
 
-/// Version 3's row checksums are checked.
+/// Version 3's row checksums are checked; from version 4, batches may be in segment files.
 #[derive(Debug, Clone, Copy)]
 struct RowChecks {
     legacy_through: i64,
+    segments: bool,
+}
+
+/// The segment files of the checked spool, and a buffer for one batch.
+struct Files {
+    segments: SegmentFiles,
+    buf: Vec<u8>,
 }
 
 /// Membership by schema version: a chunk's batches, and the open batches.
@@ -233,6 +275,13 @@ const V3_MEMBERSHIP: Membership = Membership {
     chunk_columns: "c.stream_id, c.first_batch, c.last_batch",
     chunk_batches: "SELECT id, stream_id, data, records, crc32c, commit_ms, row_crc FROM batches
                     WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 ORDER BY id",
+    open_filter: "s.id IS NULL OR b.id > s.sealed_through",
+};
+
+const V4_MEMBERSHIP: Membership = Membership {
+    chunk_columns: "c.stream_id, c.first_batch, c.last_batch",
+    chunk_batches: "SELECT id, stream_id, data, records, crc32c, commit_ms, row_crc, segment, seg_offset, seg_len
+                    FROM batches WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 ORDER BY id",
     open_filter: "s.id IS NULL OR b.id > s.sealed_through",
 };
 
@@ -270,14 +319,19 @@ fn check_fixed_rows(conn: &Connection, report: &mut CheckReport) -> Result<i64, 
     Ok(legacy)
 }
 
-fn walk(conn: &Connection, version: i64, report: &mut CheckReport) -> Result<(), SpoolError> {
+fn walk(conn: &Connection, path: &Path, version: i64, report: &mut CheckReport) -> Result<(), SpoolError> {
     let m = match version {
         1 => &V1_MEMBERSHIP,
         2 => &V2_MEMBERSHIP,
-        _ => &V3_MEMBERSHIP,
+        3 => &V3_MEMBERSHIP,
+        _ => &V4_MEMBERSHIP,
     };
-    let rows_checked =
-        if version >= 3 { Some(RowChecks { legacy_through: check_fixed_rows(conn, report)? }) } else { None };
+    let rows_checked = if version >= 3 {
+        Some(RowChecks { legacy_through: check_fixed_rows(conn, report)?, segments: version >= 4 })
+    } else {
+        None
+    };
+    let mut files = Files { segments: SegmentFiles::new(path), buf: Vec::new() };
     let chunk_crc_columns = if version >= 3 {
         ", c.id, c.stream_id, c.seq, c.records, c.bytes, c.first_ms, c.sealed_ms, c.first_batch, c.last_batch, c.row_crc"
     } else {
@@ -329,7 +383,7 @@ fn walk(conn: &Connection, version: i64, report: &mut CheckReport) -> Result<(),
                     break;
                 }
             };
-            match check_batch(row, rows_checked) {
+            match check_batch(row, rows_checked, &mut files) {
                 Ok(v) => {
                     n += 1;
                     records = records.saturating_add(v.records);
@@ -375,13 +429,19 @@ fn walk(conn: &Connection, version: i64, report: &mut CheckReport) -> Result<(),
             "SELECT b.id, coalesce(s.name, '?') AS stream, b.data, b.records, b.crc32c{}
              FROM batches b LEFT JOIN streams s ON s.id = b.stream_id
              WHERE {} ORDER BY b.id",
-            if rows_checked.is_some() { ", b.stream_id, b.commit_ms, b.row_crc" } else { "" },
+            match rows_checked {
+                Some(RowChecks { segments: true, .. }) => {
+                    ", b.stream_id, b.commit_ms, b.row_crc, b.segment, b.seg_offset, b.seg_len"
+                }
+                Some(_) => ", b.stream_id, b.commit_ms, b.row_crc",
+                None => "",
+            },
             m.open_filter
         ))
         .map_err(ctx("reading open batches"))?;
     let mut rows = open.query([]).map_err(ctx("reading open batches"))?;
     while let Some(r) = rows.next().map_err(ctx("reading open batches"))? {
-        let v = check_batch(r, rows_checked).map_err(ctx("reading open batches"))?;
+        let v = check_batch(r, rows_checked, &mut files).map_err(ctx("reading open batches"))?;
         report.batches += 1;
         report.bytes += v.len;
         if let Some(detail) = v.problem {

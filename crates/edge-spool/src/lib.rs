@@ -1,5 +1,6 @@
-//! edge-spool: the agent's durable queue, a SQLite (WAL) database holding producer batches
-//! until the ingest server has acknowledged them.
+//! edge-spool: the agent's durable queue, producer batches held until the ingest server has
+//! acknowledged them: their bytes in append-only payload segment files, the index in a SQLite
+//! (WAL) database.
 //!
 //! Producers hand the agent [`Batch`]es (already framed records, opaque bytes). [`Spool::append`]
 //! stores them, one transaction per call (group commit). Open batches of a stream are *sealed*
@@ -11,9 +12,10 @@
 //! The API is synchronous; the agent runs it on a blocking thread. There is one writer
 //! ([`Spool`]) per file and any number of readers ([`SpoolReader`]).
 //!
-//! # On-disk format (`PRAGMA user_version = 3`)
+//! # On-disk format (`PRAGMA user_version = 4`)
 //!
-//! One SQLite database file in WAL mode (`<path>`, `<path>-wal`, `<path>-shm`).
+//! One SQLite database file in WAL mode (`<path>`, `<path>-wal`, `<path>-shm`), and payload
+//! segment files `<path>-seg-<id>` (ten digits) in the same directory (see `segment.rs`).
 //!
 //! * `meta(key TEXT PRIMARY KEY, value NOT NULL) WITHOUT ROWID`
 //!   * `spool_id`: 16 random bytes (BLOB), written once, in the transaction that creates the
@@ -44,11 +46,15 @@
 //!   is quarantined. The chunk's batches are the batches *of its stream* with `first_batch <= id
 //!   <= last_batch` (batch ids are shared by all streams, so a range always goes with
 //!   `stream_id`).
-//! * `batches(id INTEGER PRIMARY KEY, stream_id, records, crc32c, commit_ms, data BLOB)`: one
-//!   row per stream per writer transaction, holding the producer batches that transaction
-//!   appended to the stream back to back (cut where the stream is sealed), in append order,
-//!   **never updated**: inserted by `append`/`commit`, deleted with its chunk. `crc32c` is the CRC-32C of `data`, computed at append and checked on every
-//!   read. A chunk's payload is the concatenation of its batches' `data` in `id` order. The
+//! * `batches(id INTEGER PRIMARY KEY, stream_id, records, crc32c, commit_ms, row_crc, segment,
+//!   seg_offset, seg_len, data BLOB)`: one row per stream per writer transaction, standing for
+//!   the producer batches that transaction appended to the stream back to back (cut where the
+//!   stream is sealed), in append order, **never updated**: inserted by `append`/`commit`,
+//!   deleted with its chunk. Its bytes are `seg_len` bytes at `seg_offset` of segment file
+//!   `segment`, and `data` is empty; rows written before version 4 have the three columns NULL
+//!   and their bytes in `data`. `crc32c` is the CRC-32C of the bytes, computed at append and
+//!   checked on every read. A chunk's payload is the concatenation of its batches' bytes in `id`
+//!   order. The row checksum of a row with a segment also covers the three location columns. The
 //!   writer chooses each id: greater than every batch id in the file and every
 //!   `streams.sealed_through` (SQLite's own choice, largest id + 1, would reuse the ids of acked
 //!   batches and put a new batch inside a sealed range). Files migrated from version 1 keep
@@ -59,7 +65,8 @@
 //! * Migration: a version-1 file (membership in `batches.chunk_id`) is converted in place at
 //!   [`Spool::open`], in one transaction that writes only `chunks`, `streams` and the indexes;
 //!   a version-2 file gets its `row_crc` columns in one transaction that computes them for
-//!   `streams`, `chunks` and `meta` and leaves batch rows as they are.
+//!   `streams`, `chunks` and `meta` and leaves batch rows as they are; a version-3 file gets the
+//!   three location columns, and its batches keep their bytes inline.
 //!
 //! Times (`commit_ms`, `first_ms`, `sealed_ms`) are the `now_ms` values the caller passed in
 //! (unix milliseconds); the spool reads no clock for them.
@@ -67,7 +74,14 @@
 //! # Commit sequence
 //!
 //! Every write call (`commit`, and `append`, `seal_*`, `ack`, which are `commit`s with one kind
-//! of work; `quarantine`, `purge_quarantined`) is one `BEGIN IMMEDIATE` ... `COMMIT`.
+//! of work; `quarantine`, `purge_quarantined`) is one `BEGIN IMMEDIATE` ... `COMMIT`. A call
+//! with appends first writes their bytes, back to back, at the committed end of the active
+//! segment (one `pwrite`) and `fdatasync`s it, under either durability, so a committed row
+//! never points at bytes that were not durable; a new segment (when the active one holds
+//! [`SpoolOptions::segment_target_bytes`]) is created and the directory fsynced first. Bytes of
+//! a call that fails are cut off again (and by the next open). After `COMMIT`, segments no row
+//! points into any more are deleted (the active one too once it is all dead and a quarter
+//! full); a crash before that leaves files the next open deletes.
 //! [`Spool::commit`] puts a writer iteration's acks, appends and seals (in that order) into one
 //! transaction, so the agent pays one fsync per iteration; a call with nothing to do opens no
 //! transaction. At `COMMIT` SQLite appends the changed pages to `-wal` with a
@@ -108,7 +122,7 @@
 //!   check, is a SQLite database that is not a spool, has no valid spool id, has stream rows or
 //!   meta values that fail their row checksums, or whose header forbids writing (SQLite opens
 //!   it read-only although the file may be written), is moved aside
-//!   (with its `-wal`/`-shm`) as `<path>.corrupt-<unix-seconds>` and replaced by a fresh spool
+//!   (with its `-wal`/`-shm` and payload segments) as `<path>.corrupt-<unix-seconds>` and replaced by a fresh spool
 //!   with a new id, reported in [`OpenReport::quarantined`]. We prefer that over refusing to
 //!   start: an agent wedged on a bad file loses *all* data from then on, while the quarantined
 //!   file stays available for offline recovery. A file from a newer schema version is *not*
@@ -119,8 +133,10 @@
 //!   sealing must not wedge on it, yet in WAL mode they need WAL space and a checkpoint that may
 //!   grow the main file: a ballast file `<path>-reserve` ([`SpoolOptions::disk_reserve_bytes`])
 //!   is deleted for them, the WAL checkpointed and truncated, and the call retried once. Appends
-//!   are refused while the ballast cannot be written back, unless free pages inside the file
-//!   cover its size (see `reserve.rs`).
+//!   are refused while the ballast cannot be written back (see `reserve.rs`). A segment write
+//!   that fails with `ENOSPC` is [`SpoolError::DiskFull`] too; the segment is then retired
+//!   (no longer written to), so it is deleted, and its space returned, once its chunks are
+//!   acked.
 //! * Every batch carries a CRC-32C; [`SpoolReader::read`] fails with [`SpoolError::Corrupt`] on a
 //!   mismatch instead of serving bad bytes. [`SpoolReader::read_payload`] also returns the
 //!   payload's CRC-32C, computed while the verified batches are concatenated. The caller then
@@ -146,8 +162,10 @@
 //!
 //! * `lib.rs`: this contract and the public value types.
 //! * `error.rs`: [`SpoolError`].
-//! * `schema.rs`: DDL, pragmas, `user_version` migrations (versions 1 to 2 to 3).
-//! * `rowcrc.rs`: the row checksums of version 3.
+//! * `schema.rs`: DDL, pragmas, `user_version` migrations (versions 1 to 2 to 3 to 4).
+//! * `rowcrc.rs`: the row checksums of version 3 (and the location columns of version 4).
+//! * `segment.rs`: payload segment files: the writer's active segment, deletion, the sweep at
+//!   open, reading.
 //! * `recovery.rs`: opening a file, quick check, quarantine of a bad file.
 //! * `check.rs`: [`check`], the read-only audit behind `edge-uploader spool check`.
 //! * `reserve.rs`: the disk reserve that keeps acks working on a full file system.
@@ -176,6 +194,7 @@ mod recovery;
 mod reserve;
 mod rowcrc;
 mod schema;
+mod segment;
 mod spool;
 mod state;
 
@@ -251,12 +270,18 @@ pub struct SpoolOptions {
     /// is full, so acks and seals (which need WAL space too) can still commit and free space.
     /// Appends are refused while it cannot be written back. 0 disables it.
     pub disk_reserve_bytes: u64,
+    /// Payload segment files (`<path>-seg-<id>`) are started anew once the active one holds
+    /// this many bytes; a segment is deleted when no chunk in it is left. Smaller segments give
+    /// disk space back sooner when streams drain at different speeds; larger ones mean fewer
+    /// files.
+    pub segment_target_bytes: u64,
 }
 
 impl SpoolOptions {
     /// Defaults: [`Durability::Full`], 1 GiB, [`FullPolicy::Reject`], 1 MiB chunks, 50 ms linger,
     /// 8 MiB disk reserve (a checkpoint may have to copy a whole WAL, about 4 MiB between
-    /// automatic checkpoints plus the last group commit, into a growing main file).
+    /// automatic checkpoints plus the last group commit, into a growing main file), 16 MiB
+    /// payload segments.
     pub fn new(path: impl Into<PathBuf>) -> Self {
         SpoolOptions {
             path: path.into(),
@@ -266,6 +291,7 @@ impl SpoolOptions {
             chunk_target_bytes: 1 << 20,
             linger: Duration::from_millis(50),
             disk_reserve_bytes: 8 << 20,
+            segment_target_bytes: 16 << 20,
         }
     }
 }

@@ -6,8 +6,9 @@ use std::path::Path;
 use rusqlite::{Connection, OptionalExtension};
 
 use crate::error::ctx;
-use crate::rowcrc::{self, ChunkRow};
+use crate::rowcrc::{self, BatchRow, ChunkRow, SegRef};
 use crate::schema;
+use crate::segment::SegmentFiles;
 use crate::{ChunkId, ChunkMeta, ChunkPayload, QuarantinedChunk, SpoolError};
 
 /// A read-only connection to a spool file, made by [`Spool::reader`](crate::Spool::reader).
@@ -17,13 +18,14 @@ pub struct SpoolReader {
     conn: Connection,
     /// `meta.legacy_batches_through`: batch rows up to this id may have no row checksum.
     legacy_batches_through: i64,
+    segments: SegmentFiles,
 }
 
 const META_COLUMNS: &str = "c.id, s.name, c.seq, c.records, c.bytes, c.first_ms, c.sealed_ms";
 
 impl SpoolReader {
     pub(crate) fn open(path: &Path, legacy_batches_through: i64) -> Result<SpoolReader, SpoolError> {
-        Ok(SpoolReader { conn: schema::open_reader(path)?, legacy_batches_through })
+        Ok(SpoolReader { conn: schema::open_reader(path)?, legacy_batches_through, segments: SegmentFiles::new(path) })
     }
 
     /// Up to `limit` sealed, not quarantined chunks with an id greater than `after` (all if
@@ -62,6 +64,15 @@ impl SpoolReader {
     /// # Errors
     /// As [`SpoolReader::read`].
     pub fn read_payload(&mut self, meta: &ChunkMeta) -> Result<ChunkPayload, SpoolError> {
+        let result = self.read_payload_inner(meta);
+        // A segment deleted after its chunks were acked gives its disk space back only once
+        // every descriptor is closed: keeping one open across reads could hold the space a
+        // full disk waits for.
+        self.segments.close_all();
+        result
+    }
+
+    fn read_payload_inner(&mut self, meta: &ChunkMeta) -> Result<ChunkPayload, SpoolError> {
         let id = meta.id;
         let tx = self.conn.transaction().map_err(ctx("beginning a read transaction"))?;
         let corrupt = |detail: String| SpoolError::Corrupt { chunk: id, detail };
@@ -112,10 +123,11 @@ impl SpoolReader {
         let mut records = 0u64;
         let mut crc = 0u32;
         let mut batches = 0u64;
+        let mut missing_segment = None;
         {
             let mut stmt = tx
                 .prepare_cached(
-                    "SELECT id, data, records, crc32c, commit_ms, row_crc FROM batches
+                    "SELECT id, records, crc32c, commit_ms, row_crc, segment, seg_offset, seg_len, data FROM batches
                      WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 ORDER BY id",
                 )
                 .map_err(ctx("reading a chunk's batches"))?;
@@ -123,28 +135,54 @@ impl SpoolReader {
                 stmt.query((stream_id, first_batch, last_batch)).map_err(ctx("reading a chunk's batches"))?;
             while let Some(r) = rows.next().map_err(ctx("reading a chunk's batches"))? {
                 let batch: i64 = r.get(0).map_err(ctx("reading a chunk's batches"))?;
-                let data = r
-                    .get_ref(1)
-                    .map_err(ctx("reading a chunk's batches"))?
-                    .as_blob()
-                    .map_err(|e| corrupt(format!("batch {batch}: data is not a blob: {e}")))?;
-                let stored: u32 = r.get(3).map_err(|e| corrupt(format!("batch {batch}: bad crc32c column: {e}")))?;
-                let computed = crc32c::crc32c(data);
+                let bad = |what: &str, e: rusqlite::Error| corrupt(format!("batch {batch}: bad {what} column: {e}"));
+                let n: u32 = r.get(1).map_err(|e| bad("records", e))?;
+                let stored: u32 = r.get(2).map_err(|e| bad("crc32c", e))?;
+                let commit_ms: i64 = r.get(3).map_err(|e| bad("commit_ms", e))?;
+                let row_crc: Option<i64> = r.get(4).map_err(|e| bad("row_crc", e))?;
+                let seg_cols = (
+                    r.get(5).map_err(|e| bad("segment", e))?,
+                    r.get(6).map_err(|e| bad("seg_offset", e))?,
+                    r.get(7).map_err(|e| bad("seg_len", e))?,
+                );
+                let seg = SegRef::from_columns(seg_cols).map_err(|e| corrupt(format!("batch {batch}: {e}")))?;
+                let row =
+                    BatchRow { id: batch, stream_id, records: i64::from(n), crc32c: i64::from(stored), commit_ms, seg };
+                if !row.ok(row_crc, self.legacy_batches_through) {
+                    return Err(corrupt(format!("batch {batch}: row fails its checksum (stored {row_crc:?})")));
+                }
+                let start = out.len();
+                match seg {
+                    None => {
+                        let data = r
+                            .get_ref(8)
+                            .map_err(ctx("reading a chunk's batches"))?
+                            .as_blob()
+                            .map_err(|e| corrupt(format!("batch {batch}: data is not a blob: {e}")))?;
+                        out.extend_from_slice(data);
+                    }
+                    Some(s) => {
+                        // Both are non-negative: `SegRef::from_columns` checked.
+                        let (offset, len) = (s.offset as u64, s.len as u64);
+                        match self.segments.read_into(s.segment, offset, len, &mut out) {
+                            Ok(()) => {}
+                            Err(None) => {
+                                missing_segment = Some(s.segment);
+                                break;
+                            }
+                            Err(Some(detail)) => return Err(corrupt(format!("batch {batch}: {detail}"))),
+                        }
+                    }
+                }
+                let computed = crc32c::crc32c(&out[start..]);
+                let data = &out[start..];
                 if stored != computed {
                     return Err(corrupt(format!(
                         "batch {batch}: crc32c stored {stored:08x}, computed {computed:08x} \
-                         over {len} bytes",
-                        len = data.len()
+                         over {len} bytes{place}",
+                        len = data.len(),
+                        place = seg.map(|s| format!(" (segment {} at {})", s.segment, s.offset)).unwrap_or_default()
                     )));
-                }
-                let n: u32 = r.get(2).map_err(|e| corrupt(format!("batch {batch}: bad records column: {e}")))?;
-                let commit_ms: i64 =
-                    r.get(4).map_err(|e| corrupt(format!("batch {batch}: bad commit_ms column: {e}")))?;
-                let row_crc: Option<i64> =
-                    r.get(5).map_err(|e| corrupt(format!("batch {batch}: bad row_crc column: {e}")))?;
-                let columns = (batch, stream_id, i64::from(n), i64::from(stored), commit_ms);
-                if !rowcrc::batch_row_ok(columns, row_crc, self.legacy_batches_through) {
-                    return Err(corrupt(format!("batch {batch}: row fails its checksum (stored {row_crc:?})")));
                 }
                 records += u64::from(n);
                 batches += 1;
@@ -152,10 +190,21 @@ impl SpoolReader {
                 // costs far less than `crc32c_combine`, whose GF(2) matrix products took a tenth
                 // of the agent's CPU in a live profile with 10 KiB batches.
                 crc = crc32c::crc32c_append(crc, data);
-                out.extend_from_slice(data);
             }
         }
         tx.finish().map_err(ctx("ending a read transaction"))?;
+        if let Some(segment) = missing_segment {
+            self.segments.forget(segment);
+            // Acked (and its segment deleted) after this read began, or a file that is gone.
+            let still_there: bool = self
+                .conn
+                .query_row("SELECT EXISTS (SELECT 1 FROM chunks WHERE id = ?1)", [id.0], |r| r.get(0))
+                .map_err(ctx("looking up a chunk"))?;
+            if !still_there {
+                return Err(SpoolError::ChunkGone(id));
+            }
+            return Err(corrupt(format!("payload segment file {segment} is missing")));
+        }
         if batches == 0 {
             return Err(corrupt("chunk has no batches".into()));
         }

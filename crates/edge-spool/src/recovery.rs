@@ -6,7 +6,7 @@
 //! spool id, a header that makes SQLite open a writable file read-only). Lock, permission and
 //! I/O errors are returned to the caller instead: they say nothing about the file's contents.
 //!
-//! Sidecars (`-wal`, `-shm`, `-journal`) are renamed *before* the main file. A crash between
+//! Sidecars (`-wal`, `-shm`, `-journal`) and payload segments are renamed *before* the main file. A crash between
 //! the renames then leaves either the old database without its WAL (checked again at the next
 //! open) or no database at all, never a fresh database next to a stale WAL.
 
@@ -19,6 +19,7 @@ use rusqlite::{Connection, OptionalExtension};
 
 use crate::error::ctx;
 use crate::schema::{self, META_SPOOL_ID, Migrated};
+use crate::segment;
 use crate::state::State;
 use crate::{SpoolError, SpoolId, SpoolOptions};
 
@@ -199,6 +200,11 @@ fn move_aside(path: &Path) -> Result<PathBuf, SpoolError> {
         if from.exists() {
             rename(&from, &with_suffix(&target, sidecar))?;
         }
+    }
+    // The payload segments go with their index, under the same names (`spool check` on the
+    // moved file finds them there).
+    for (id, from) in segment::list(path)? {
+        rename(&from, &segment::path(&target, id))?;
     }
     if path.exists() {
         rename(path, &target)?;

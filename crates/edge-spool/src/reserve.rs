@@ -12,13 +12,12 @@
 //! Appends never use the headroom: while the ballast is missing, an append first tries to write
 //! it again ([`Reserve::try_restore`], at most once per [`RESTORE_EVERY_MS`], and only when the
 //! file system has room for it plus [`WAL_MARGIN`], so the restored ballast does not take the
-//! WAL's last blocks) and is refused with
-//! `DiskFull` when that fails, unless the database file holds at least as many bytes of free
-//! pages (acked chunks leave those behind; the file never shrinks) that new rows can reuse
-//! without growing the file. So producer data never eats the space that acks need, and a spool
-//! whose file has room inside is not refused forever because the file system has none. For the
-//! same reason, an append that fails with the ballast in place releases it and tries once more
-//! when the file holds at least twice its size in free pages (a drained spool on a full disk).
+//! WAL's last blocks) and is refused with `DiskFull` when that fails. So producer data never
+//! eats the space that acks need. Acks give space back by deleting payload segment files (see
+//! `segment.rs`), so a drained spool on a file system that someone else filled gets its
+//! ballast back as soon as the file system has room for it. (Up to version 3, payload bytes
+//! lived in the database and acks left free pages inside it; appends could reuse those. Since
+//! version 4 new payload needs the file system's space, and free pages are no excuse.)
 //!
 //! The ballast is written with real bytes (not `set_len`), because a sparse file reserves
 //! nothing. A size of 0 disables the mechanism.

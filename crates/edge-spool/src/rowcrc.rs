@@ -89,22 +89,65 @@ impl ChunkRow {
     }
 }
 
-/// `batches.row_crc`: every column but `data`, which `crc32c` covers (and `crc32c` is covered
-/// here, so a flip there is told apart from damaged data only by the check's wording).
-pub(crate) fn batch(id: i64, stream_id: i64, records: i64, crc32c: i64, commit_ms: i64) -> i64 {
-    RowCrc::new("batches").int(id).int(stream_id).int(records).int(crc32c).int(commit_ms).finish()
+/// Where a batch's bytes are, from schema version 4: `len` bytes at `offset` of segment file
+/// `segment` (see `segment.rs`). A row without one holds its bytes in `data`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SegRef {
+    pub segment: i64,
+    pub offset: i64,
+    pub len: i64,
 }
 
-/// Whether a batch row's stored `row_crc` matches its columns. Batches up to
-/// `legacy_batches_through` were written before version 3 and may have none.
-pub(crate) fn batch_row_ok(
-    (id, stream_id, records, crc32c, commit_ms): (i64, i64, i64, i64, i64),
-    stored: Option<i64>,
-    legacy_batches_through: i64,
-) -> bool {
-    match stored {
-        Some(crc) => crc == batch(id, stream_id, records, crc32c, commit_ms),
-        None => id <= legacy_batches_through,
+impl SegRef {
+    /// The three columns `segment`, `seg_offset`, `seg_len` as read: all NULL is `Ok(None)`
+    /// (data in the row), all set is a reference, anything else is damage.
+    pub(crate) fn from_columns(cols: (Option<i64>, Option<i64>, Option<i64>)) -> Result<Option<SegRef>, String> {
+        match cols {
+            (None, None, None) => Ok(None),
+            (Some(segment), Some(offset), Some(len)) if segment > 0 && offset >= 0 && len >= 0 => {
+                Ok(Some(SegRef { segment, offset, len }))
+            }
+            other => Err(format!("segment columns (segment, seg_offset, seg_len) = {other:?} are not a location")),
+        }
+    }
+}
+
+/// The columns of a `batches` row that `batches.row_crc` covers: every column but `data`,
+/// which `crc32c` covers (and `crc32c` is covered here, so a flip there is told apart from
+/// damaged data only by the check's wording).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BatchRow {
+    pub id: i64,
+    pub stream_id: i64,
+    pub records: i64,
+    pub crc32c: i64,
+    pub commit_ms: i64,
+    pub seg: Option<SegRef>,
+}
+
+impl BatchRow {
+    /// `batches.row_crc`. A row with its data in the row is summed as in version 3, so rows
+    /// written before version 4 keep their checksums.
+    pub(crate) fn crc(&self) -> i64 {
+        let c = RowCrc::new("batches")
+            .int(self.id)
+            .int(self.stream_id)
+            .int(self.records)
+            .int(self.crc32c)
+            .int(self.commit_ms);
+        match self.seg {
+            None => c.finish(),
+            Some(s) => c.int(s.segment).int(s.offset).int(s.len).finish(),
+        }
+    }
+
+    /// Whether the stored `row_crc` matches. Batches up to `legacy_batches_through` were
+    /// written before version 3 and may have none.
+    pub(crate) fn ok(&self, stored: Option<i64>, legacy_batches_through: i64) -> bool {
+        match stored {
+            Some(crc) => crc == self.crc(),
+            None => self.id <= legacy_batches_through && self.seg.is_none(),
+        }
     }
 }
 
@@ -172,7 +215,23 @@ mod tests {
             *f(&mut flipped) ^= 1 << 40;
             assert_ne!(flipped.crc(), c.crc(), "{flipped:?}");
         }
-        assert_ne!(batch(1, 2, 3, 4, 5), batch(1, 2, 3, 4, 4));
+        let b = BatchRow { id: 1, stream_id: 2, records: 3, crc32c: 4, commit_ms: 5, seg: None };
+        assert_ne!(b.crc(), BatchRow { commit_ms: 4, ..b }.crc());
+        // Version 3's formula for a row with its data inline.
+        assert_eq!(b.crc(), RowCrc::new("batches").int(1).int(2).int(3).int(4).int(5).finish());
+        let s = BatchRow { seg: Some(SegRef { segment: 1, offset: 0, len: 10 }), ..b };
+        assert_ne!(s.crc(), b.crc());
+        for other in [
+            SegRef { segment: 2, offset: 0, len: 10 },
+            SegRef { segment: 1, offset: 1, len: 10 },
+            SegRef { segment: 1, offset: 0, len: 11 },
+        ] {
+            assert_ne!(BatchRow { seg: Some(other), ..b }.crc(), s.crc());
+        }
+        // A legacy row may lack a checksum; a segment row never may.
+        assert!(b.ok(None, 1));
+        assert!(!s.ok(None, 1));
+        assert!(!b.ok(None, 0));
         // The same numbers in another table do not pass.
         assert_ne!(RowCrc::new("streams").int(1).finish(), RowCrc::new("batches").int(1).finish());
         let m = MetaValues { spool_id: vec![7; 16], ..MetaValues::default() };

@@ -10,10 +10,14 @@
 //! holds, on gateways that are often short of it). So a migrated file keeps v1's
 //! `batches.chunk_id` column and its column order; version 2 never reads or writes that column.
 //!
-//! Version 3 (the current one) adds a `row_crc` to every `streams`, `chunks` and `batches` row
+//! Version 3 adds a `row_crc` to every `streams`, `chunks` and `batches` row
 //! and a `row_crc` over the `meta` values (see `rowcrc.rs`). Its migration ([`migrate_2_to_3`])
 //! computes them for `streams`, `chunks` and `meta`, and for the same reason leaves existing
 //! batch rows without one: `meta.legacy_batches_through` marks them.
+//!
+//! Version 4 (the current one) keeps new batches' bytes in append-only segment files (see
+//! `segment.rs`): `batches.segment`, `seg_offset`, `seg_len` say where, and `data` is empty. Its
+//! migration ([`V3_TO_V4`]) only adds the three columns; existing rows keep their bytes inline.
 
 use std::time::Duration;
 
@@ -24,7 +28,11 @@ use crate::rowcrc::{self, ChunkRow, MetaValues};
 use crate::{Durability, SpoolError, SpoolId};
 
 /// The newest schema version this build writes and understands.
-pub(crate) const SCHEMA_VERSION: i64 = 3;
+pub(crate) const SCHEMA_VERSION: i64 = 4;
+
+/// A batch row's payload length in SQL: its segment bytes, or its inline `data` (rows written
+/// before version 4).
+pub(crate) const BATCH_LEN: &str = "CASE WHEN segment IS NULL THEN length(data) ELSE seg_len END";
 
 /// How long a connection waits for a lock held by another connection.
 pub(crate) const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -32,10 +40,61 @@ pub(crate) const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Upper bound SQLite keeps the WAL at after a checkpoint (bytes).
 const JOURNAL_SIZE_LIMIT: i64 = 64 << 20;
 
-/// Version 3, as created for a new file: the tables described in the crate docs. `data` is the
-/// last column of `batches`, so reading the other columns never follows a blob's overflow pages.
-/// `meta` gets its `spool_id` and `row_crc` rows from [`migrate`].
-const V3: &str = "
+/// Version 4, as created for a new file: the tables described in the crate docs. `data` is the
+/// last column of `batches`, so reading the other columns never follows a blob's overflow pages
+/// (from version 4 it is an empty blob: the bytes are in segment files). `meta` gets its
+/// `spool_id` and `row_crc` rows from [`migrate`].
+const V4: &str = "
+CREATE TABLE meta (
+    key   TEXT PRIMARY KEY,
+    value NOT NULL
+) WITHOUT ROWID;
+
+CREATE TABLE streams (
+    id             INTEGER PRIMARY KEY,
+    name           TEXT NOT NULL UNIQUE,
+    next_seq       INTEGER NOT NULL CHECK (next_seq >= 1),
+    sealed_through INTEGER NOT NULL DEFAULT 0,
+    row_crc        INTEGER
+);
+
+CREATE TABLE chunks (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    stream_id   INTEGER NOT NULL,
+    seq         INTEGER NOT NULL,
+    records     INTEGER NOT NULL,
+    bytes       INTEGER NOT NULL,
+    first_ms    INTEGER NOT NULL,
+    sealed_ms   INTEGER NOT NULL,
+    quarantine  TEXT,
+    first_batch INTEGER NOT NULL,
+    last_batch  INTEGER NOT NULL,
+    row_crc     INTEGER,
+    UNIQUE (stream_id, seq)
+);
+CREATE INDEX chunks_live_first ON chunks (stream_id, first_ms) WHERE quarantine IS NULL;
+
+CREATE TABLE batches (
+    id        INTEGER PRIMARY KEY,
+    stream_id INTEGER NOT NULL,
+    records   INTEGER NOT NULL,
+    crc32c    INTEGER NOT NULL,
+    commit_ms INTEGER NOT NULL,
+    row_crc   INTEGER,
+    segment    INTEGER,
+    seg_offset INTEGER,
+    seg_len    INTEGER,
+    data      BLOB NOT NULL
+);
+CREATE INDEX batches_stream ON batches (stream_id, id);
+
+INSERT INTO meta (key, value) VALUES ('dropped_chunks', 0), ('dropped_records', 0), ('legacy_batches_through', 0);
+";
+
+/// Version 3, as version 3 of this crate created it: kept to build version-3 files in the
+/// migration tests.
+#[cfg(test)]
+pub(crate) const V3: &str = "
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value NOT NULL
@@ -281,7 +340,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<Migrated, SpoolError> {
                 if tables > 0 {
                     return Ok(Migrated::Foreign);
                 }
-                tx.execute_batch(V3).map_err(ctx("creating schema version 3"))?;
+                tx.execute_batch(V4).map_err(ctx("creating schema version 4"))?;
                 let meta = MetaValues { spool_id: SpoolId::random().0.to_vec(), ..MetaValues::default() };
                 tx.execute(
                     "INSERT INTO meta (key, value) VALUES (?1, ?2), (?3, ?4)",
@@ -289,7 +348,7 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<Migrated, SpoolError> {
                 )
                 .map_err(ctx("writing the spool id"))?;
                 tx.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(ctx("setting user_version"))?;
-                tx.commit().map_err(ctx("committing schema version 3"))?;
+                tx.commit().map_err(ctx("committing schema version 4"))?;
                 created = true;
             }
             1 => {
@@ -310,7 +369,16 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<Migrated, SpoolError> {
                 tx.commit().map_err(ctx("committing the migration from version 2"))?;
                 tracing::info!("spool schema migrated from version 2 to 3 (row checksums)");
             }
-            // Future migrations go here: `3 => { ...; user_version = 4 }`.
+            3 => {
+                let tx = conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)
+                    .map_err(ctx("starting the migration from version 3"))?;
+                tx.execute_batch(V3_TO_V4).map_err(ctx("migrating schema version 3 to 4"))?;
+                tx.pragma_update(None, "user_version", 4).map_err(ctx("setting user_version"))?;
+                tx.commit().map_err(ctx("committing the migration from version 3"))?;
+                tracing::info!("spool schema migrated from version 3 to 4 (payload segment files)");
+            }
+            // Future migrations go here: `4 => { ...; user_version = 5 }`.
             v => {
                 return Err(SpoolError::Unrecoverable {
                     path: conn.path().unwrap_or_default().into(),
@@ -320,6 +388,15 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<Migrated, SpoolError> {
         }
     }
 }
+
+/// Version 3 to 4, in place: the location columns of a batch in a segment file. Existing rows
+/// keep their bytes in `data` (all three columns NULL) and their checksums (a row with its data
+/// inline is summed as in version 3), so nothing is rewritten.
+const V3_TO_V4: &str = "
+ALTER TABLE batches ADD COLUMN segment INTEGER;
+ALTER TABLE batches ADD COLUMN seg_offset INTEGER;
+ALTER TABLE batches ADD COLUMN seg_len INTEGER;
+";
 
 /// Version 2 to 3, in place: a `row_crc` column in `streams`, `chunks` and `batches`, computed
 /// for every stream and chunk row; batch rows keep a NULL one (see the module docs), and
@@ -602,7 +679,7 @@ mod tests {
         assert!(!report.created && report.quarantined.is_none(), "{report:?}");
         assert_eq!(spool.id(), SpoolId([9u8; 16]));
         let version: i64 = spool.conn().pragma_query_value(None, "user_version", |r| r.get(0)).expect("version");
-        assert_eq!(version, 3);
+        assert_eq!(version, SCHEMA_VERSION);
         let legacy: i64 = spool
             .conn()
             .query_row("SELECT value FROM meta WHERE key = ?1", [META_LEGACY_BATCHES], |r| r.get(0))
@@ -626,5 +703,84 @@ mod tests {
         drop(spool);
         let (_spool, report) = Spool::open(opts).expect("reopen");
         assert!(report.quarantined.is_none(), "{report:?}");
+    }
+
+    #[test]
+    fn a_version_3_file_keeps_its_inline_batches_and_new_ones_go_to_segments() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("spool.db");
+        {
+            // As version 3 wrote them: a sealed chunk of two batches and an open one, checksummed.
+            let conn = Connection::open(&path).expect("open");
+            conn.pragma_update(None, "journal_mode", "WAL").expect("wal");
+            conn.execute_batch(V3).expect("v3 schema");
+            let meta = MetaValues { spool_id: vec![5; 16], ..MetaValues::default() };
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES (?1, ?2), (?3, ?4)",
+                (META_SPOOL_ID, &meta.spool_id, META_ROW_CRC, meta.crc()),
+            )
+            .expect("meta");
+            conn.execute(
+                "INSERT INTO streams (id, name, next_seq, sealed_through, row_crc) VALUES (1, 'a', 2, 2, ?1)",
+                [rowcrc::stream(1, "a", 2, 2)],
+            )
+            .expect("stream");
+            for (id, data, ms) in [(1, &b"a1"[..], 10), (2, b"a2", 11), (3, b"a3", 12)] {
+                let crc = i64::from(crc32c::crc32c(data));
+                let row = rowcrc::BatchRow { id, stream_id: 1, records: 1, crc32c: crc, commit_ms: ms, seg: None };
+                conn.execute(
+                    "INSERT INTO batches (id, stream_id, records, crc32c, commit_ms, row_crc, data)
+                     VALUES (?1, 1, 1, ?2, ?3, ?4, ?5)",
+                    (id, crc, ms, row.crc(), data),
+                )
+                .expect("batch");
+            }
+            let c = ChunkRow {
+                id: 1,
+                stream_id: 1,
+                seq: 1,
+                records: 2,
+                bytes: 4,
+                first_ms: 10,
+                sealed_ms: 11,
+                first_batch: 1,
+                last_batch: 2,
+            };
+            conn.execute(
+                "INSERT INTO chunks (id, stream_id, seq, records, bytes, first_ms, sealed_ms, first_batch, last_batch, row_crc)
+                 VALUES (1, 1, 1, 2, 4, 10, 11, 1, 2, ?1)",
+                [c.crc()],
+            )
+            .expect("chunk");
+            conn.pragma_update(None, "user_version", 3).expect("user_version");
+        }
+        let mut opts = SpoolOptions::new(&path);
+        opts.segment_target_bytes = 2;
+        let (mut spool, report) = Spool::open(opts.clone()).expect("open migrates");
+        assert!(!report.created && report.quarantined.is_none(), "{report:?}");
+        assert_eq!(spool.id(), SpoolId([5u8; 16]));
+        let version: i64 = spool.conn().pragma_query_value(None, "user_version", |r| r.get(0)).expect("version");
+        assert_eq!(version, 4);
+        assert!(crate::segment::list(&path).expect("list").is_empty(), "migration writes no segment");
+        let mut reader = spool.reader().expect("reader");
+        assert_eq!(reader.read(&meta(&spool, 1)).expect("migrated chunk reads"), b"a1a2");
+        // The open inline batch seals with two new ones (in segment files) into one chunk.
+        spool.append(&[one("a", b"a4")], 20).expect("append");
+        spool.append(&[one("a", b"a5a5")], 21).expect("append");
+        assert_eq!(spool.seal_all(22).expect("seal"), 1);
+        let segments = crate::segment::list(&path).expect("list");
+        assert_eq!(segments.len(), 2, "2-byte segments: a new one after the first commit filled it");
+        let new = reader.sealed_after(Some(ChunkId(1)), 1).expect("list").remove(0);
+        assert_eq!((new.seq, reader.read(&new).expect("read")), (2, b"a3a4a5a5".to_vec()));
+        let audit = crate::check(&path).expect("check");
+        assert!(!audit.has_damage() && audit.chunks == 2 && audit.batches == 5 && audit.bytes == 12, "{audit:?}");
+        // Acking the mixed chunk deletes both segments (the active one is all dead).
+        spool.ack(&[ChunkId(1), new.id]).expect("ack");
+        assert!(crate::segment::list(&path).expect("list").is_empty());
+        drop(reader);
+        drop(spool);
+        let (spool, report) = Spool::open(opts).expect("reopen");
+        assert!(report.quarantined.is_none(), "{report:?}");
+        assert_eq!(spool.stats().total_bytes, 0);
     }
 }

@@ -13,8 +13,9 @@ use crate::error::ctx;
 use crate::reader::SpoolReader;
 use crate::recovery;
 use crate::reserve::Reserve;
-use crate::rowcrc::{self, ChunkRow};
-use crate::schema::{META_DROPPED_CHUNKS, META_DROPPED_RECORDS, META_ROW_CRC};
+use crate::rowcrc::{self, BatchRow, ChunkRow, SegRef};
+use crate::schema::{BATCH_LEN, META_DROPPED_CHUNKS, META_DROPPED_RECORDS, META_ROW_CRC};
+use crate::segment::SegmentWriter;
 use crate::state::{State, StreamState, min_opt};
 use crate::{
     AckReport, AppendOutcome, AppendRequest, Batch, ChunkId, CommitReport, FullPolicy, OpenReport, SealWhat,
@@ -30,6 +31,9 @@ pub struct Spool {
     opts: SpoolOptions,
     state: State,
     reserve: Reserve,
+    segments: SegmentWriter,
+    /// The payload bytes of the commit being built, kept between commits for its capacity.
+    buf: Vec<u8>,
 }
 
 impl Spool {
@@ -62,7 +66,10 @@ impl Spool {
             "spool opened"
         );
         let reserve = Reserve::open(recovery::with_suffix(&opts.path, "-reserve"), opts.disk_reserve_bytes);
-        let spool = Spool { conn: opened.conn, id: opened.id, opts, state: opened.state, reserve };
+        let segments =
+            SegmentWriter::open(&opts.path, opts.segment_target_bytes, &opened.state.segments, opened.created)?;
+        let spool =
+            Spool { conn: opened.conn, id: opened.id, opts, state: opened.state, reserve, segments, buf: Vec::new() };
         Ok((spool, report))
     }
 
@@ -100,16 +107,13 @@ impl Spool {
         seal: SealWhat,
         now_ms: u64,
     ) -> Result<CommitReport, SpoolError> {
-        let mut together = if appends.is_empty() {
+        let together = if appends.is_empty() {
             // Acks and seals alone must work on a full disk too: data stuck in open batches is
             // never uploaded, and only acks free space.
             self.with_headroom(|s| s.commit_once(&[], acks, seal, now_ms))
         } else {
             self.append_gate(now_ms).and_then(|()| self.commit_once(appends, acks, seal, now_ms))
         };
-        if !appends.is_empty() && matches!(together, Err(SpoolError::DiskFull)) && self.release_reserve_for_appends() {
-            together = self.commit_once(appends, acks, seal, now_ms);
-        }
         let err = match together {
             Ok((outcomes, acks, sealed)) => return Ok(CommitReport { appends: Ok(outcomes), acks, sealed }),
             Err(e) if appends.is_empty() => return Err(e),
@@ -165,36 +169,18 @@ impl Spool {
         Ok(self.commit(&[], chunks, SealWhat::Nothing, 0)?.acks)
     }
 
-    /// Refuses appends while the disk reserve is in use and cannot be written back (unless free
-    /// pages inside the file cover it): producer data must not take the acks' headroom.
+    /// Refuses appends while the disk reserve is in use and cannot be written back: producer
+    /// data must not take the acks' headroom. (Free pages inside the database file are no
+    /// excuse since version 4: payload goes to segment files, which need the file system's
+    /// space.)
     fn append_gate(&mut self, now_ms: u64) -> Result<(), SpoolError> {
         if !self.reserve.is_present() {
             self.checkpoint_truncate();
-            if !self.reserve.try_restore(now_ms) && self.free_bytes_in_file() < self.opts.disk_reserve_bytes {
+            if !self.reserve.try_restore(now_ms) {
                 return Err(SpoolError::DiskFull);
             }
         }
         Ok(())
-    }
-
-    /// After an append failed for want of disk space with the ballast in place: when the file
-    /// holds at least twice the reserve in free pages (acked chunks leave them behind; the file
-    /// never shrinks), the rows fit inside it and only the WAL lacks disk blocks, which the
-    /// ballast holds. Releases it (and truncates the WAL) so the append can be tried once more.
-    /// Without this, a drained spool on a full file system refuses every append forever. The
-    /// gate still keeps the last `disk_reserve_bytes` of free pages for acks, and the ballast
-    /// comes back once the file system has room for it and a WAL.
-    fn release_reserve_for_appends(&mut self) -> bool {
-        // The free-page count is the committed state's; no checkpoint is needed to read it, and
-        // `commit` truncates the WAL after a failed append anyway.
-        if self.reserve.is_present()
-            && self.free_bytes_in_file() >= self.opts.disk_reserve_bytes.saturating_mul(2)
-            && self.reserve.release()
-        {
-            self.checkpoint_truncate();
-            return true;
-        }
-        false
     }
 
     /// One transaction: acks, appends, seals. Does nothing (no transaction) when there is
@@ -210,7 +196,45 @@ impl Spool {
         if reqs.is_empty() && acks.is_empty() && seal_names(&self.state, seal, linger_ms, now_ms).is_empty() {
             return Ok((Vec::new(), AckReport::default(), 0));
         }
+        let target = if reqs.is_empty() { None } else { Some(self.segments.prepare()?) };
+        let mut data = std::mem::take(&mut self.buf);
+        data.clear();
+        let result = self.commit_tx(reqs, acks, seal, now_ms, target, &mut data);
+        if data.capacity() <= MAX_KEPT_BUFFER {
+            self.buf = data;
+        }
+        let (st, done) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                self.segments.abandon();
+                // A segment retired by the failure may hold no rows.
+                self.segments.collect(std::iter::empty(), &self.state.segments);
+                return Err(e);
+            }
+        };
+        self.segments.committed();
+        // Segments whose last row this commit deleted.
+        self.segments.collect(self.state.segments.keys(), &st.segments);
+        self.state = st;
+        Ok(done)
+    }
+
+    /// The transaction of [`Spool::commit_once`]: returns the counters to swap in. The
+    /// appended bytes are gathered in `data` and written to segment `target` (segment, offset)
+    /// before the index rows are committed.
+    #[allow(clippy::type_complexity)]
+    fn commit_tx(
+        &mut self,
+        reqs: &[AppendRequest],
+        acks: &[ChunkId],
+        seal: SealWhat,
+        now_ms: u64,
+        target: Option<(i64, u64)>,
+        data: &mut Vec<u8>,
+    ) -> Result<(State, (Vec<AppendOutcome>, AckReport, u32)), SpoolError> {
+        let linger_ms = u64::try_from(self.opts.linger.as_millis()).unwrap_or(u64::MAX);
         let mut st = self.state.clone();
+        let segments = &mut self.segments;
         let tx = begin(&mut self.conn)?;
         let mut touched = BTreeSet::new();
         let mut report = AckReport::default();
@@ -229,7 +253,7 @@ impl Spool {
         // The batches this call appends to a stream, back to back, become one row (see
         // `PendingRow`): a row per request would cost a B-tree cell, an index entry and their
         // pages for every 10 KiB request.
-        let mut pending = PendingRow::default();
+        let mut pending = PendingRow::new(target, data);
         for req in reqs {
             if !make_room(&tx, &mut st, &self.opts, req.bytes(), &mut dropped)? {
                 outcomes.push(AppendOutcome::Full);
@@ -276,6 +300,10 @@ impl Spool {
             touched.extend(&dropped.streams);
         }
         refresh_oldest_sealed(&tx, &mut st, &touched)?;
+        settle_segments(&tx, &mut st)?;
+        if !pending.data.is_empty() {
+            segments.write(pending.data)?;
+        }
         if !reqs.is_empty() {
             crate::crash_point!("spool::append::before_commit");
         }
@@ -295,7 +323,6 @@ impl Spool {
         if sealed > 0 {
             crate::crash_point!("spool::seal::after_commit");
         }
-        self.state = st;
         if dropped.chunks > 0 {
             tracing::warn!(
                 chunks = dropped.chunks,
@@ -307,7 +334,7 @@ impl Spool {
         if report.unknown > 0 {
             tracing::debug!(acked = report.acked, unknown = report.unknown, "ack for chunks not in the spool");
         }
-        Ok((outcomes, report, sealed))
+        Ok((st, (outcomes, report, sealed)))
     }
 
     /// Takes a chunk out of circulation, keeping its rows for inspection: it is never offered
@@ -358,19 +385,23 @@ impl Spool {
     }
 
     fn purge_quarantined_once(&mut self) -> Result<u64, SpoolError> {
+        let mut st = self.state.clone();
         let tx = begin(&mut self.conn)?;
         let ranges: Vec<(i64, i64, i64)> = tx
             .prepare("SELECT stream_id, first_batch, last_batch FROM chunks WHERE quarantine IS NOT NULL")
             .and_then(|mut s| s.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?.collect())
             .map_err(ctx("listing quarantined chunks"))?;
         for range in ranges {
-            delete_batches(&tx, range)?;
+            delete_batches(&tx, &mut st, range)?;
         }
         let n = tx
             .execute("DELETE FROM chunks WHERE quarantine IS NOT NULL", [])
             .map_err(ctx("purging quarantined chunks"))?;
+        settle_segments(&tx, &mut st)?;
         tx.commit().map_err(ctx("committing a purge"))?;
-        self.state.quarantined_chunks = 0;
+        st.quarantined_chunks = 0;
+        self.segments.collect(self.state.segments.keys(), &st.segments);
+        self.state = st;
         Ok(n as u64)
     }
 
@@ -428,13 +459,6 @@ impl Spool {
         }
     }
 
-    /// Bytes of free pages inside the database file (`freelist_count * page_size`): room for
-    /// new rows that does not grow the file. 0 if SQLite cannot say.
-    fn free_bytes_in_file(&self) -> u64 {
-        let q = |p: &str| self.conn.pragma_query_value(None, p, |r| r.get::<_, u64>(0)).unwrap_or(0);
-        q("freelist_count").saturating_mul(q("page_size"))
-    }
-
     /// How many times the disk reserve was released because the file system was full.
     pub fn disk_reserve_releases(&self) -> u64 {
         self.reserve.releases
@@ -444,6 +468,13 @@ impl Spool {
     #[cfg(test)]
     pub(crate) fn conn(&self) -> &rusqlite::Connection {
         &self.conn
+    }
+
+    /// Unit tests: payload segment writes fail with `ENOSPC` (with `max_page_count` for the
+    /// index, a full disk).
+    #[cfg(test)]
+    pub(crate) fn simulate_full_segments(&mut self, full: bool) {
+        self.segments.simulate_full = full;
     }
 }
 
@@ -478,15 +509,27 @@ fn seal_names(st: &State, what: SealWhat, linger_ms: u64, now_ms: u64) -> Vec<St
 /// records summed, one CRC-32C over the row. Flushed when the next batch is for another
 /// stream, before the stream is sealed, and at the end of the appends, so batch ids stay in
 /// append order per stream and a seal always sees every open byte in rows.
-#[derive(Debug, Default)]
-struct PendingRow {
+///
+/// The rows of one commit lie back to back in `data`, which goes to segment `target` at its
+/// offset before the rows are committed.
+#[derive(Debug)]
+struct PendingRow<'a> {
     stream: Option<String>,
-    data: Vec<u8>,
+    /// `(segment, offset of data[0])`: where the commit's bytes go. `None` for a commit without
+    /// appends.
+    target: Option<(i64, u64)>,
+    data: &'a mut Vec<u8>,
+    /// Where the current row starts in `data`.
+    row_start: usize,
     records: u64,
     crc: u32,
 }
 
-impl PendingRow {
+impl<'a> PendingRow<'a> {
+    fn new(target: Option<(i64, u64)>, data: &'a mut Vec<u8>) -> Self {
+        PendingRow { stream: None, target, data, row_start: 0, records: 0, crc: 0 }
+    }
+
     fn push(&mut self, batch: &Batch) {
         if self.stream.is_none() {
             self.stream = Some(batch.stream.clone());
@@ -496,28 +539,58 @@ impl PendingRow {
         self.crc = crc32c::crc32c_append(self.crc, &batch.data);
     }
 
-    /// Inserts the row, if any, and counts it as one open batch of its stream. Keeps the buffer
-    /// for the next row.
+    /// Inserts the row, if any, and counts it as one open batch of its stream and as live bytes
+    /// of its segment.
     fn flush(&mut self, tx: &Transaction<'_>, st: &mut State, now_ms: u64) -> Result<(), SpoolError> {
         let Some(name) = self.stream.take() else { return Ok(()) };
+        let Some((segment, base)) = self.target else {
+            return Err(SpoolError::Inconsistent("appending without a payload segment".into()));
+        };
         let batch_id = st.next_batch_id;
         let stream = stream_entry(tx, st, &name)?;
-        let records = sql_u64(self.records);
-        let row_crc = rowcrc::batch(batch_id, stream.id, records, i64::from(self.crc), sql_u64(now_ms));
+        let len = crate::len_u64(&self.data[self.row_start..]);
+        let seg = SegRef { segment, offset: sql_u64(base + self.row_start as u64), len: sql_u64(len) };
+        let row = BatchRow {
+            id: batch_id,
+            stream_id: stream.id,
+            records: sql_u64(self.records),
+            crc32c: i64::from(self.crc),
+            commit_ms: sql_u64(now_ms),
+            seg: Some(seg),
+        };
         tx.prepare_cached(
-            "INSERT INTO batches (id, stream_id, records, crc32c, commit_ms, row_crc, data)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            "INSERT INTO batches (id, stream_id, records, crc32c, commit_ms, row_crc, segment, seg_offset, seg_len, data)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, X'')",
         )
-        .and_then(|mut s| s.execute((batch_id, stream.id, records, self.crc, sql_u64(now_ms), row_crc, &self.data)))
+        .and_then(|mut s| {
+            s.execute((
+                row.id,
+                row.stream_id,
+                row.records,
+                row.crc32c,
+                row.commit_ms,
+                row.crc(),
+                seg.segment,
+                seg.offset,
+                seg.len,
+            ))
+        })
         .map_err(ctx("inserting a batch"))?;
         stream.open_batches += 1;
         st.next_batch_id = batch_id.saturating_add(1);
-        self.data.clear();
+        let used = st.segments.entry(segment).or_default();
+        used.rows += 1;
+        used.live_bytes += len;
+        used.end = used.end.max(base + self.data.len() as u64);
+        self.row_start = self.data.len();
         self.records = 0;
         self.crc = 0;
         Ok(())
     }
 }
+
+/// A commit's payload buffer is kept for the next one up to this capacity.
+const MAX_KEPT_BUFFER: usize = 8 << 20;
 
 fn begin(conn: &mut rusqlite::Connection) -> Result<Transaction<'_>, SpoolError> {
     conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(ctx("beginning a write transaction"))
@@ -589,20 +662,28 @@ fn reindex_damaged_rows(tx: &Transaction<'_>, chunk: ChunkId, legacy_batches_thr
     // Every batch in the id range, of any stream: a changed stream_id is found by its checksum.
     let mut stmt = tx
         .prepare_cached(
-            "SELECT id, stream_id, records, crc32c, commit_ms, row_crc FROM batches WHERE id BETWEEN ?1 AND ?2",
+            "SELECT id, stream_id, records, crc32c, commit_ms, row_crc, segment, seg_offset, seg_len
+             FROM batches WHERE id BETWEEN ?1 AND ?2",
         )
         .map_err(ctx("checking batch rows before quarantine"))?;
     let mut rows = stmt.query((c.first_batch, c.last_batch)).map_err(ctx("checking batch rows before quarantine"))?;
     let mut damaged = false;
     while let Some(r) = rows.next().map_err(ctx("checking batch rows before quarantine"))? {
-        let get = |i| r.get::<_, i64>(i);
-        let (Ok(id), Ok(stream_id), Ok(records), Ok(crc32c), Ok(commit_ms)) = (get(0), get(1), get(2), get(3), get(4))
-        else {
-            damaged = true;
-            break;
-        };
-        let stored: Option<i64> = r.get(5).unwrap_or(Some(-1));
-        if !rowcrc::batch_row_ok((id, stream_id, records, crc32c, commit_ms), stored, legacy_batches_through) {
+        let ok = (|| -> Option<bool> {
+            let get = |i| r.get::<_, i64>(i).ok();
+            let opt = |i| r.get::<_, Option<i64>>(i).ok();
+            let seg = SegRef::from_columns((opt(6)?, opt(7)?, opt(8)?)).ok()?;
+            let row = BatchRow {
+                id: get(0)?,
+                stream_id: get(1)?,
+                records: get(2)?,
+                crc32c: get(3)?,
+                commit_ms: get(4)?,
+                seg,
+            };
+            Some(row.ok(opt(5)?, legacy_batches_through))
+        })();
+        if ok != Some(true) {
             damaged = true;
             break;
         }
@@ -630,7 +711,7 @@ fn delete_chunk(tx: &Transaction<'_>, st: &mut State, id: ChunkId) -> Result<Opt
     let Some((stream_id, records, bytes, first_batch, last_batch)) = row else {
         return Ok(None);
     };
-    delete_batches(tx, (stream_id, first_batch, last_batch))?;
+    delete_batches(tx, st, (stream_id, first_batch, last_batch))?;
     tx.prepare_cached("DELETE FROM chunks WHERE id = ?1")
         .and_then(|mut s| s.execute([id.0]))
         .map_err(ctx("deleting a chunk"))?;
@@ -640,11 +721,53 @@ fn delete_chunk(tx: &Transaction<'_>, st: &mut State, id: ChunkId) -> Result<Opt
     Ok(Some(DeletedChunk { stream_id, records }))
 }
 
-/// Deletes the batches of a chunk: those of stream `.0` with ids in `.1..=.2`.
-fn delete_batches(tx: &Transaction<'_>, (stream_id, first, last): (i64, i64, i64)) -> Result<(), SpoolError> {
-    tx.prepare_cached("DELETE FROM batches WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3")
-        .and_then(|mut s| s.execute((stream_id, first, last)))
+/// Deletes the batches of a chunk: those of stream `.0` with ids in `.1..=.2`, and takes their
+/// bytes off their segments' live counts (see [`settle_segments`]).
+fn delete_batches(
+    tx: &Transaction<'_>,
+    st: &mut State,
+    (stream_id, first, last): (i64, i64, i64),
+) -> Result<(), SpoolError> {
+    let mut stmt = tx
+        .prepare_cached("DELETE FROM batches WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 RETURNING segment, seg_len")
         .map_err(ctx("deleting a chunk's batches"))?;
+    let mut rows = stmt.query((stream_id, first, last)).map_err(ctx("deleting a chunk's batches"))?;
+    while let Some(r) = rows.next().map_err(ctx("deleting a chunk's batches"))? {
+        // Damaged values only make the count wrong; `settle_segments` asks the rows anyway.
+        let (Ok(Some(segment)), Ok(len)) = (r.get::<_, Option<i64>>(0), r.get::<_, Option<i64>>(1)) else {
+            continue;
+        };
+        if let Some(used) = st.segments.get_mut(&segment) {
+            used.rows = used.rows.saturating_sub(1);
+            used.live_bytes = used.live_bytes.saturating_sub(len.and_then(|l| u64::try_from(l).ok()).unwrap_or(0));
+        }
+    }
+    Ok(())
+}
+
+/// Takes segments no row points into out of the map, once the rows confirm it; they are
+/// deleted after the commit. The count alone could be wrong after damage to a row (a changed
+/// `segment`), and deleting a segment a row still points into would lose its data.
+fn settle_segments(tx: &Transaction<'_>, st: &mut State) -> Result<(), SpoolError> {
+    let empty: Vec<i64> = st.segments.iter().filter(|(_, u)| u.rows == 0).map(|(id, _)| *id).collect();
+    for id in empty {
+        let rows: u64 = tx
+            .prepare_cached("SELECT count(*) FROM batches WHERE segment = ?1")
+            .and_then(|mut s| s.query_row([id], |r| r.get(0)))
+            .map_err(ctx("asking whether a payload segment is still used"))?;
+        if rows == 0 {
+            st.segments.remove(&id);
+        } else {
+            tracing::warn!(
+                segment = id,
+                rows,
+                "payload segment counted empty but rows still point into it; keeping it"
+            );
+            if let Some(used) = st.segments.get_mut(&id) {
+                used.rows = rows;
+            }
+        }
+    }
     Ok(())
 }
 
@@ -691,11 +814,11 @@ fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) ->
     };
     type Open = (u64, u64, u64, Option<u64>, Option<i64>, Option<i64>);
     let (batches, records, bytes, first_ms, first_batch, last_batch): Open = tx
-        .prepare_cached(
-            "SELECT count(*), coalesce(sum(records), 0), coalesce(sum(length(data)), 0),
-                    min(commit_ms), min(id), max(id)
-             FROM batches WHERE stream_id = ?1 AND id > ?2",
-        )
+        .prepare_cached(&format!(
+            "SELECT count(*), coalesce(sum(records), 0), coalesce(sum({BATCH_LEN}), 0),
+                        min(commit_ms), min(id), max(id)
+                 FROM batches WHERE stream_id = ?1 AND id > ?2"
+        ))
         .and_then(|mut s| {
             s.query_row((stream.id, stream.sealed_through), |r| {
                 Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?))
@@ -1020,6 +1143,7 @@ mod tests {
         let acked = all_sealed(&spool)[0].id;
         let pages = count(&spool, "PRAGMA page_count");
         spool.conn().pragma_update(None, "max_page_count", pages).expect("cap pages");
+        spool.simulate_full_segments(true);
         let big = [req(vec![batch("c", &[3; 100_000])])];
         let r = spool.commit(&big, &[acked], SealWhat::All, 3).expect("acks and seals still commit");
         assert!(matches!(r.appends, Err(SpoolError::DiskFull)), "{:?}", r.appends);
@@ -1029,6 +1153,7 @@ mod tests {
         let stats = spool.stats();
         assert_eq!((stats.total_bytes, stats.open_bytes), (50, 0), "nothing of the appends was stored");
         spool.conn().pragma_update(None, "max_page_count", 1_000_000).expect("uncap");
+        spool.simulate_full_segments(false);
         drop(spool);
         assert_eq!(open(&opts).0.stats(), stats);
     }
@@ -1245,11 +1370,13 @@ mod tests {
         let before = spool.stats();
         let pages = count(&spool, "PRAGMA page_count");
         spool.conn().pragma_update(None, "max_page_count", pages).expect("cap pages");
+        spool.simulate_full_segments(true);
         let err = spool.append(&[req(vec![batch("a", &[2; 600]), batch("b", &[3; 50_000])])], 2).expect_err("no room");
         assert!(matches!(err, SpoolError::DiskFull), "{err:?}");
         assert_eq!(spool.stats(), before);
         assert!(spool.conn().is_autocommit(), "transaction rolled back");
         spool.conn().pragma_update(None, "max_page_count", 1_000_000).expect("uncap");
+        spool.simulate_full_segments(false);
         spool.append(&[req(vec![batch("a", &[2; 600])])], 3).expect("append after space returned");
         let chunks = all_sealed(&spool);
         assert_eq!((chunks.len(), chunks[0].bytes, chunks[0].seq), (1, 1_200, 1));
@@ -1349,5 +1476,137 @@ mod tests {
         assert_send::<Spool>();
         assert_send::<SpoolReader>();
         assert_send::<SpoolError>();
+    }
+
+    fn segment_files(opts: &SpoolOptions) -> Vec<i64> {
+        crate::segment::list(&opts.path).expect("list segments").into_iter().map(|(id, _)| id).collect()
+    }
+
+    #[test]
+    fn segments_roll_over_and_are_deleted_once_their_chunks_are_acked() {
+        let (_dir, mut opts) = setup();
+        opts.segment_target_bytes = 1_000;
+        opts.chunk_target_bytes = 600;
+        let (mut spool, _) = open(&opts);
+        for i in 0..10u8 {
+            spool.append(&[req(vec![batch("a", &[i; 300])])], u64::from(i)).expect("append");
+        }
+        // 300-byte commits into 1,000-byte segments: four commits each (the fourth crosses).
+        assert_eq!(segment_files(&opts), vec![1, 2, 3]);
+        let chunks = all_sealed(&spool);
+        assert_eq!(chunks.len(), 5);
+        let mut reader = spool.reader().expect("reader");
+        for (i, c) in chunks.iter().enumerate() {
+            let mut want = vec![2 * i as u8; 300];
+            want.extend_from_slice(&[2 * i as u8 + 1; 300]);
+            assert_eq!(reader.read(c).expect("read"), want);
+        }
+        // Segment 1 holds the first two chunks: acking one keeps it, acking both deletes it.
+        spool.ack(&[chunks[0].id]).expect("ack");
+        assert_eq!(segment_files(&opts), vec![1, 2, 3]);
+        spool.ack(&[chunks[1].id]).expect("ack");
+        assert_eq!(segment_files(&opts), vec![2, 3]);
+        // The active segment, all dead and over a quarter full, goes too; the next commit
+        // starts a new one.
+        spool.ack(&[chunks[2].id, chunks[3].id, chunks[4].id]).expect("ack");
+        assert_eq!(segment_files(&opts), Vec::<i64>::new());
+        spool.append(&[req(vec![batch("a", &[7; 10])])], 20).expect("append");
+        assert_eq!(segment_files(&opts), vec![4]);
+        // A small dead active segment is kept and written on.
+        spool.seal_all(21).expect("seal");
+        let last = all_sealed(&spool).remove(0);
+        spool.ack(&[last.id]).expect("ack");
+        spool.append(&[req(vec![batch("a", &[8; 10])])], 22).expect("append");
+        assert_eq!(segment_files(&opts), vec![4]);
+        assert_eq!(std::fs::metadata(crate::segment::path(&opts.path, 4)).expect("segment").len(), 20);
+        drop(reader);
+        let stats = spool.stats();
+        drop(spool);
+        assert_eq!(open(&opts).0.stats(), stats);
+    }
+
+    #[test]
+    fn open_cuts_an_unfinished_commit_and_deletes_unreferenced_segments() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"kept")])], 1).expect("append");
+        drop(spool);
+        // A commit that wrote its bytes and died before the index commit, and a segment created
+        // for a commit that never happened.
+        let seg1 = crate::segment::path(&opts.path, 1);
+        let mut bytes = std::fs::read(&seg1).expect("segment 1");
+        assert_eq!(bytes, b"kept");
+        bytes.extend_from_slice(b"torn tail");
+        std::fs::write(&seg1, &bytes).expect("tail");
+        std::fs::write(crate::segment::path(&opts.path, 9), b"never committed").expect("stray segment");
+        let (mut spool, report) = open(&opts);
+        assert!(report.quarantined.is_none());
+        assert_eq!(std::fs::read(&seg1).expect("segment 1"), b"kept");
+        assert_eq!(segment_files(&opts), vec![1]);
+        // New bytes continue where the committed ones end.
+        spool.append(&[req(vec![batch("a", b"+more")])], 2).expect("append");
+        spool.seal_all(3).expect("seal");
+        assert_eq!(read(&spool, &all_sealed(&spool)[0]).expect("read"), b"kept+more");
+        assert_eq!(std::fs::read(&seg1).expect("segment 1"), b"kept+more");
+    }
+
+    #[test]
+    fn a_failed_segment_write_stores_nothing_and_the_next_commit_overwrites_its_bytes() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"one")])], 1).expect("append");
+        spool.simulate_full_segments(true);
+        let err = spool.append(&[req(vec![batch("a", b"lost")])], 2).expect_err("disk full");
+        assert!(matches!(err, SpoolError::DiskFull), "{err:?}");
+        spool.simulate_full_segments(false);
+        spool.append(&[req(vec![batch("a", b"two")])], 3).expect("append");
+        spool.seal_all(4).expect("seal");
+        assert_eq!(read(&spool, &all_sealed(&spool)[0]).expect("read"), b"onetwo");
+        assert_eq!(std::fs::read(crate::segment::path(&opts.path, 1)).expect("segment"), b"onetwo");
+    }
+
+    #[test]
+    fn segments_without_their_database_are_moved_aside_not_deleted() {
+        let (dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"orphaned bytes")])], 1).expect("append");
+        drop(spool);
+        std::fs::remove_file(&opts.path).expect("remove database");
+        let _ = std::fs::remove_file(crate::recovery::with_suffix(&opts.path, "-wal"));
+        let (_spool, report) = open(&opts);
+        assert!(report.created);
+        assert!(segment_files(&opts).is_empty());
+        let kept: Vec<_> = std::fs::read_dir(dir.path())
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".orphan-"))
+            .collect();
+        assert_eq!(kept.len(), 1, "{kept:?}");
+        assert_eq!(std::fs::read(dir.path().join(&kept[0])).expect("orphan"), b"orphaned bytes");
+    }
+
+    #[test]
+    fn a_missing_segment_makes_its_chunks_corrupt_and_the_rest_still_flows() {
+        let (_dir, mut opts) = setup();
+        opts.segment_target_bytes = 1;
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"first")])], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        spool.append(&[req(vec![batch("a", b"second")])], 2).expect("append");
+        spool.seal_all(2).expect("seal");
+        drop(spool);
+        std::fs::remove_file(crate::segment::path(&opts.path, 1)).expect("lose segment 1");
+        let (mut spool, report) = open(&opts);
+        assert!(report.quarantined.is_none());
+        let chunks = all_sealed(&spool);
+        let err = read(&spool, &chunks[0]).expect_err("missing");
+        assert!(matches!(&err, SpoolError::Corrupt { detail, .. } if detail.contains("missing")), "{err:?}");
+        assert_eq!(read(&spool, &chunks[1]).expect("read"), b"second");
+        let audit = crate::check(&opts.path).expect("check");
+        assert_eq!(audit.damaged_chunks.len(), 1, "{audit:?}");
+        spool.quarantine(chunks[0].id, "missing segment").expect("quarantine");
+        spool.ack(&[chunks[1].id]).expect("ack");
+        assert_eq!(spool.purge_quarantined().expect("purge"), 1);
+        assert_eq!(spool.stats().total_bytes, 0);
     }
 }

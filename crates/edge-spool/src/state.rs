@@ -10,7 +10,8 @@ use rusqlite::{Connection, OptionalExtension};
 
 use crate::error::ctx;
 use crate::rowcrc::{self, MetaValues};
-use crate::schema;
+use crate::schema::{self, BATCH_LEN};
+use crate::segment::SegmentUse;
 use crate::{SpoolError, SpoolStats, StreamStats};
 
 /// Counters of one stream.
@@ -60,6 +61,9 @@ pub(crate) struct State {
     pub next_stream_id: i64,
     /// The `meta` values as on disk (their checksum is rewritten with every change).
     pub meta: MetaValues,
+    /// Payload segments that rows point into, by id: bytes still referenced and the end of the
+    /// last row. A segment leaves the map when its last row is deleted.
+    pub segments: BTreeMap<i64, SegmentUse>,
 }
 
 impl State {
@@ -98,10 +102,10 @@ impl State {
         {
             // Open batches, stream by stream, over the (stream_id, id) index.
             let mut stmt = conn
-                .prepare(
-                    "SELECT count(*), coalesce(sum(records), 0), coalesce(sum(length(data)), 0), min(commit_ms)
-                     FROM batches WHERE stream_id = ?1 AND id > ?2",
-                )
+                .prepare(&format!(
+                    "SELECT count(*), coalesce(sum(records), 0), coalesce(sum({BATCH_LEN}), 0), min(commit_ms)
+                         FROM batches WHERE stream_id = ?1 AND id > ?2"
+                ))
                 .map_err(ctx("loading open batch counters"))?;
             for s in st.streams.values_mut() {
                 let (batches, records, bytes, oldest) = stmt
@@ -158,6 +162,26 @@ impl State {
         st.quarantined_chunks = conn
             .query_row("SELECT count(*) FROM chunks WHERE quarantine IS NOT NULL", [], |r| r.get(0))
             .map_err(ctx("counting quarantined chunks"))?;
+        {
+            let mut stmt = conn
+                .prepare(
+                    "SELECT segment, count(*), sum(seg_len), max(seg_offset + seg_len) FROM batches
+                     WHERE segment IS NOT NULL GROUP BY segment",
+                )
+                .map_err(ctx("loading payload segment use"))?;
+            let rows = stmt
+                .query_map([], |r| {
+                    Ok((r.get::<_, i64>(0)?, r.get::<_, u64>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?))
+                })
+                .map_err(ctx("loading payload segment use"))?;
+            for row in rows {
+                // A damaged row is found by its checksum when its chunk is read; here it only
+                // must not stop the spool from opening.
+                let (id, rows, live_bytes, end) = row.map_err(ctx("loading payload segment use"))?;
+                let (live_bytes, end) = (u64::try_from(live_bytes).unwrap_or(0), u64::try_from(end).unwrap_or(0));
+                st.segments.insert(id, SegmentUse { rows, live_bytes, end });
+            }
+        }
         let meta = schema::read_verified_meta(conn)?;
         st.meta = meta;
         Ok(st)

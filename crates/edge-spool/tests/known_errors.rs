@@ -44,7 +44,7 @@ fn quarantined_files(dir: &Path) -> Vec<PathBuf> {
         .map(|e| e.expect("dir entry").path())
         .filter(|p| {
             let name = p.to_string_lossy();
-            name.contains(".corrupt-") && !name.ends_with("-wal") && !name.ends_with("-shm")
+            name.contains(".corrupt-") && !name.ends_with("-wal") && !name.ends_with("-shm") && !name.contains("-seg-")
         })
         .collect();
     out.sort();
@@ -119,21 +119,27 @@ fn flipped_byte_in_a_batch_is_reported_as_corrupt_by_read_and_can_be_quarantined
     spool.seal_all(5).expect("seal");
     let chunks = sealed(&spool);
 
-    // Flip one bit of the second batch of the first chunk, behind the spool's back.
+    // Flip one bit of the second batch of the first chunk in its segment file, behind the
+    // spool's back.
     let raw = Connection::open(&opts.path).expect("raw connection");
-    let (batch_id, mut data): (i64, Vec<u8>) = raw
+    let (segment, offset): (i64, u64) = raw
         .query_row(
-            "SELECT b.id, b.data FROM batches b JOIN chunks c
+            "SELECT b.segment, b.seg_offset FROM batches b JOIN chunks c
              ON b.stream_id = c.stream_id AND b.id BETWEEN c.first_batch AND c.last_batch
              WHERE c.id = ?1 ORDER BY b.id LIMIT 1 OFFSET 1",
             [chunks[0].id.0],
             |r| Ok((r.get(0)?, r.get(1)?)),
         )
         .expect("batch row");
-    data[123] ^= 0x10;
-    raw.execute("UPDATE batches SET data = ?1 WHERE id = ?2", (&data, batch_id)).expect("flip");
     drop(raw);
+    let seg_path = PathBuf::from(format!("{}-seg-{segment:010}", opts.path.display()));
+    let mut bytes = fs::read(&seg_path).expect("segment file");
+    bytes[usize::try_from(offset).expect("offset") + 123] ^= 0x10;
+    fs::write(&seg_path, &bytes).expect("flip");
 
+    let report = edge_spool::check(&opts.path).expect("check");
+    assert_eq!(report.damaged_chunks.len(), 1, "{report:?}");
+    assert!(report.damaged_chunks[0].detail.contains("crc32c"), "{report:?}");
     let mut reader = spool.reader().expect("reader");
     match reader.read(&chunks[0]) {
         Err(SpoolError::Corrupt { chunk, detail }) => {
@@ -218,7 +224,7 @@ fn newer_schema_version_is_refused_and_the_file_left_in_place() {
     raw.pragma_update(None, "user_version", 99).expect("bump version");
     drop(raw);
     match Spool::open(opts.clone()) {
-        Err(SpoolError::UnsupportedSchema { found: 99, supported: 3 }) => {}
+        Err(SpoolError::UnsupportedSchema { found: 99, supported: 4 }) => {}
         other => panic!("expected UnsupportedSchema, got {:?}", other.map(|(_, r)| r)),
     }
     assert!(opts.path.exists());

@@ -1,0 +1,397 @@
+//! Payload segment files (schema version 4): append-only files next to the database that hold
+//! the batches' bytes, SQLite keeping only the index (`batches.segment`, `seg_offset`,
+//! `seg_len`).
+//!
+//! A segment is `<path>-seg-<id>` (ten digits), in the database's directory. The writer appends
+//! a commit's bytes to the *active* segment at its committed end, `fdatasync`s it, and only then
+//! commits the index rows that point at them; so a committed row never points at bytes that
+//! were not durable, whichever the durability of the index commit. A commit that fails leaves
+//! its bytes past the committed end, where the next commit overwrites them and the next open
+//! cuts them off. Bytes below the committed end are never written again while a row points at
+//! them.
+//!
+//! A segment is deleted once no row points into it and it is not the active one, after the
+//! commit that deleted its last rows. A crash in between leaves a file that no row references:
+//! [`SegmentWriter::open`] deletes it, and cuts each referenced segment back to the end of its
+//! last row (the bytes of a commit that did not finish).
+//!
+//! Segments pin disk space until every chunk in them is acked: a quarantined chunk keeps its
+//! segment until it is purged. `max_bytes` counts live payload bytes, not segment files.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use crate::SpoolError;
+use crate::recovery::with_suffix;
+
+/// What the index says about one segment: the rows and bytes that still point into it, and the
+/// end of its last row.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SegmentUse {
+    pub rows: u64,
+    pub live_bytes: u64,
+    pub end: u64,
+}
+
+/// The path of segment `id` of the spool at `db`.
+pub(crate) fn path(db: &Path, id: i64) -> PathBuf {
+    with_suffix(db, &format!("-seg-{id:010}"))
+}
+
+/// The segment files of the spool at `db`: `(id, path)`, by id.
+pub(crate) fn list(db: &Path) -> Result<Vec<(i64, PathBuf)>, SpoolError> {
+    let dir = match db.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(d) => d.to_owned(),
+        None => PathBuf::from("."),
+    };
+    let Some(name) = db.file_name().and_then(|n| n.to_str()) else { return Ok(Vec::new()) };
+    let prefix = format!("{name}-seg-");
+    let entries = match fs::read_dir(&dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => return Err(SpoolError::Io { path: dir, source }),
+    };
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|source| SpoolError::Io { path: dir.clone(), source })?;
+        let file_name = entry.file_name();
+        let Some(id) = file_name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .filter(|digits| !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|digits| digits.parse::<i64>().ok())
+        else {
+            continue;
+        };
+        out.push((id, entry.path()));
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// `fsync` of the directory holding `db`, so a created, renamed or deleted name is durable.
+pub(crate) fn sync_dir(db: &Path) -> Result<(), SpoolError> {
+    let dir = db.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|source| SpoolError::Io { path: dir.to_owned(), source })
+}
+
+/// An I/O error from a segment file; `ENOSPC` and `EDQUOT` are [`SpoolError::DiskFull`].
+pub(crate) fn io_error(path: &Path, source: io::Error) -> SpoolError {
+    match source.raw_os_error() {
+        Some(code) if code == rustix::io::Errno::NOSPC.raw_os_error() => SpoolError::DiskFull,
+        Some(code) if code == rustix::io::Errno::DQUOT.raw_os_error() => SpoolError::DiskFull,
+        _ => SpoolError::Io { path: path.to_owned(), source },
+    }
+}
+
+/// The segment being appended to.
+#[derive(Debug)]
+struct Active {
+    id: i64,
+    file: File,
+    /// Bytes committed: the end of the last row that points into this segment.
+    end: u64,
+}
+
+/// The writer's side: the active segment and the next id.
+#[derive(Debug)]
+pub(crate) struct SegmentWriter {
+    db: PathBuf,
+    /// A new segment is started when the active one holds at least this many bytes.
+    target: u64,
+    active: Option<Active>,
+    next_id: i64,
+    /// Bytes written past `active.end` by a commit not yet known to have committed.
+    pending: u64,
+    /// Segments no longer written to; each is deleted once no row points into it.
+    retired: BTreeSet<i64>,
+    /// Unit tests: every write fails as on a full file system.
+    #[cfg(test)]
+    pub(crate) simulate_full: bool,
+}
+
+impl SegmentWriter {
+    /// Deletes segment files no row references (`used`, from the index), cuts referenced ones
+    /// back to the end of their last row, and continues the newest one if it has room.
+    ///
+    /// For a spool file that was just `created`, segment files are not deleted but moved aside
+    /// as `<path>.orphan-<unix-seconds>-seg-<id>`: they belong to a database that is gone, and
+    /// their bytes are all that is left of it.
+    pub(crate) fn open(
+        db: &Path,
+        target: u64,
+        used: &BTreeMap<i64, SegmentUse>,
+        created: bool,
+    ) -> Result<SegmentWriter, SpoolError> {
+        let files = list(db)?;
+        let mut next_id = used.keys().max().copied().unwrap_or(0);
+        let mut changed_names = false;
+        let mut present = BTreeMap::new();
+        for (id, file) in files {
+            next_id = next_id.max(id);
+            if used.contains_key(&id) {
+                present.insert(id, file);
+                continue;
+            }
+            if created {
+                let secs =
+                    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+                let to = with_suffix(db, &format!(".orphan-{secs}-seg-{id:010}"));
+                tracing::error!(
+                    segment = %file.display(),
+                    moved_to = %to.display(),
+                    "a payload segment file without its spool database; moved it aside"
+                );
+                fs::rename(&file, &to).map_err(|source| SpoolError::Io { path: file.clone(), source })?;
+            } else {
+                tracing::info!(segment = %file.display(), "removing a payload segment no row references");
+                fs::remove_file(&file).map_err(|source| SpoolError::Io { path: file.clone(), source })?;
+            }
+            changed_names = true;
+        }
+        if changed_names {
+            sync_dir(db)?;
+        }
+        for (id, u) in used {
+            let Some(file) = present.get(id) else {
+                tracing::error!(
+                    segment = %path(db, *id).display(),
+                    live_bytes = u.live_bytes,
+                    "a payload segment file is missing; its chunks will be quarantined when read"
+                );
+                continue;
+            };
+            let f = OpenOptions::new().write(true).open(file).map_err(|e| io_error(file, e))?;
+            let len = f.metadata().map_err(|e| io_error(file, e))?.len();
+            if len > u.end {
+                // The bytes of a commit that did not finish.
+                f.set_len(u.end).map_err(|e| io_error(file, e))?;
+                f.sync_data().map_err(|e| io_error(file, e))?;
+            } else if len < u.end {
+                tracing::error!(
+                    segment = %file.display(),
+                    len,
+                    expected = u.end,
+                    "a payload segment file is shorter than its rows say; its chunks will be quarantined when read"
+                );
+            }
+        }
+        let mut w = SegmentWriter {
+            db: db.to_owned(),
+            target,
+            active: None,
+            next_id: next_id.saturating_add(1),
+            pending: 0,
+            retired: BTreeSet::new(),
+            #[cfg(test)]
+            simulate_full: false,
+        };
+        if let Some((&id, u)) = used.iter().next_back()
+            && u.end < target
+            && let Some(file) = present.get(&id)
+        {
+            let f = OpenOptions::new().write(true).open(file).map_err(|e| io_error(file, e))?;
+            let len = f.metadata().map_err(|e| io_error(file, e))?.len();
+            // A short file is not continued: new bytes must land exactly at `end`.
+            if len == u.end {
+                w.active = Some(Active { id, file: f, end: u.end });
+            }
+        }
+        Ok(w)
+    }
+
+    /// The segment and offset the next commit's bytes go to, starting a new segment (created,
+    /// its name made durable) when there is none or the active one is full.
+    pub(crate) fn prepare(&mut self) -> Result<(i64, u64), SpoolError> {
+        if let Some(a) = &self.active
+            && a.end < self.target
+        {
+            return Ok((a.id, a.end));
+        }
+        let id = self.next_id;
+        let p = path(&self.db, id);
+        // An id above every referenced one: a file by that name is a leftover (an unlink or a
+        // failed commit's creation), never data.
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&p)
+            .map_err(|e| io_error(&p, e))?;
+        sync_dir(&self.db)?;
+        self.next_id = id.saturating_add(1);
+        if let Some(old) = self.active.replace(Active { id, file, end: 0 }) {
+            self.retired.insert(old.id);
+        }
+        Ok((id, 0))
+    }
+
+    /// Writes `data` at the active segment's committed end and `fdatasync`s it. The bytes
+    /// count only after [`SegmentWriter::committed`]; until then the next write or open
+    /// overwrites or cuts them.
+    pub(crate) fn write(&mut self, data: &[u8]) -> Result<(), SpoolError> {
+        let Some(a) = &mut self.active else {
+            return Err(SpoolError::Inconsistent("segment write without an active segment".into()));
+        };
+        let p = path(&self.db, a.id);
+        self.pending = crate::len_u64(data);
+        #[cfg(test)]
+        if self.simulate_full {
+            return Err(io_error(&p, io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error())));
+        }
+        let result = a.file.write_all_at(data, a.end).and_then(|()| {
+            crate::crash_point!("spool::segment::written");
+            a.file.sync_data()
+        });
+        let Err(e) = result else { return Ok(()) };
+        let err = io_error(&p, e);
+        self.abandon();
+        if matches!(err, SpoolError::DiskFull)
+            && let Some(a) = self.active.take_if(|a| a.end > 0)
+        {
+            // Its dead bytes would stay until it filled up, which a full disk never lets it do:
+            // retired, it is deleted once its chunks are acked, and the next commit starts a
+            // new segment.
+            self.retired.insert(a.id);
+        }
+        Err(err)
+    }
+
+    /// The index commit that points at the last written bytes succeeded.
+    pub(crate) fn committed(&mut self) {
+        if let Some(a) = &mut self.active {
+            a.end += self.pending;
+        }
+        self.pending = 0;
+    }
+
+    /// The commit failed: gives back the disk blocks of its bytes (best effort; the next write
+    /// overwrites them anyway, and the next open cuts them).
+    pub(crate) fn abandon(&mut self) {
+        if self.pending == 0 {
+            return;
+        }
+        self.pending = 0;
+        if let Some(a) = &self.active
+            && let Err(e) = a.file.set_len(a.end)
+        {
+            tracing::debug!(segment = a.id, error = %e, "could not cut back a failed commit's bytes");
+        }
+    }
+
+    /// After a commit: deletes the segments that were `used` before it (or retired) and that no
+    /// row points into now (`used_now`). The active segment is retired first when no row points
+    /// into it and it holds at least a quarter of the target: its bytes are all dead, and
+    /// keeping them until it fills would hold that much disk for nothing (a spool that drains
+    /// as fast as it fills would never give it back).
+    pub(crate) fn collect<'a>(
+        &mut self,
+        used_before: impl Iterator<Item = &'a i64>,
+        used_now: &BTreeMap<i64, SegmentUse>,
+    ) {
+        if let Some(a) = self.active.take_if(|a| !used_now.contains_key(&a.id) && a.end >= self.target / 4) {
+            self.retired.insert(a.id);
+        }
+        let active = self.active_id();
+        let dead: BTreeSet<i64> = used_before
+            .copied()
+            .chain(self.retired.iter().copied())
+            .filter(|id| !used_now.contains_key(id) && Some(*id) != active)
+            .collect();
+        if dead.is_empty() {
+            return;
+        }
+        self.retired.retain(|id| !dead.contains(id));
+        self.remove(dead);
+    }
+
+    /// The id of the active segment, if any.
+    fn active_id(&self) -> Option<i64> {
+        self.active.as_ref().map(|a| a.id)
+    }
+
+    /// Deletes segment files no row references any more. Best effort: a failure is logged, and
+    /// the next open deletes what is left. The directory is not fsynced: a name that comes back
+    /// after a power cut is unreferenced, and the next open deletes it.
+    fn remove(&self, ids: BTreeSet<i64>) {
+        for id in ids {
+            let p = path(&self.db, id);
+            match fs::remove_file(&p) {
+                Ok(()) => tracing::debug!(segment = id, "payload segment emptied and deleted"),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(segment = %p.display(), error = %e, "could not delete an empty payload segment")
+                }
+            }
+        }
+    }
+}
+
+/// Read side: open segment files by id, kept open while one chunk is read (each segment is
+/// opened once per chunk, not once per batch) and closed after it (see
+/// [`SpoolReader::read_payload`](crate::SpoolReader::read_payload)).
+#[derive(Debug)]
+pub(crate) struct SegmentFiles {
+    db: PathBuf,
+    open: BTreeMap<i64, File>,
+}
+
+/// Segment handles a reader keeps open at most.
+const OPEN_SEGMENTS: usize = 16;
+
+impl SegmentFiles {
+    pub(crate) fn new(db: &Path) -> SegmentFiles {
+        SegmentFiles { db: db.to_owned(), open: BTreeMap::new() }
+    }
+
+    /// Appends `len` bytes at `offset` of segment `id` to `out`. On error `out` is unchanged.
+    /// The error says what went wrong, for a [`SpoolError::Corrupt`] detail; `Err(None)` means
+    /// the file does not exist.
+    pub(crate) fn read_into(
+        &mut self,
+        id: i64,
+        offset: u64,
+        len: u64,
+        out: &mut Vec<u8>,
+    ) -> Result<(), Option<String>> {
+        let p = path(&self.db, id);
+        if !self.open.contains_key(&id) {
+            let f = match File::open(&p) {
+                Ok(f) => f,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(None),
+                Err(e) => return Err(Some(format!("segment {}: {e}", p.display()))),
+            };
+            if self.open.len() >= OPEN_SEGMENTS {
+                // The oldest segments are the first to be emptied and deleted.
+                self.open.pop_first();
+            }
+            self.open.insert(id, f);
+        }
+        let Some(f) = self.open.get(&id) else { return Err(Some("segment handle vanished".into())) };
+        let len = usize::try_from(len).map_err(|_| Some(format!("segment {id}: length {len} too large")))?;
+        let start = out.len();
+        out.resize(start + len, 0);
+        match f.read_exact_at(&mut out[start..], offset) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                out.truncate(start);
+                let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+                Err(Some(format!("segment {id}: reading {len} bytes at {offset} (file has {size}): {e}")))
+            }
+        }
+    }
+
+    /// Forgets the handle of segment `id` (it was found missing or deleted).
+    pub(crate) fn forget(&mut self, id: i64) {
+        self.open.remove(&id);
+    }
+
+    /// Closes every handle.
+    pub(crate) fn close_all(&mut self) {
+        self.open.clear();
+    }
+}
