@@ -24,8 +24,8 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::SpoolError;
 use crate::recovery::with_suffix;
+use crate::{Durability, SpoolError};
 
 /// What the index says about one segment: the rows and bytes that still point into it, and the
 /// end of its last row.
@@ -108,6 +108,9 @@ pub(crate) struct SegmentWriter {
     pending: u64,
     /// Segments no longer written to; each is deleted once no row points into it.
     retired: BTreeSet<i64>,
+    /// `synchronous=NORMAL`: a commit is not durable when it returns, so the WAL is fsynced
+    /// before segments are deleted, lest a power cut bring back rows that point into them.
+    sync_wal_before_delete: bool,
     /// Unit tests: every write fails as on a full file system.
     #[cfg(test)]
     pub(crate) simulate_full: bool,
@@ -125,6 +128,7 @@ impl SegmentWriter {
         target: u64,
         used: &BTreeMap<i64, SegmentUse>,
         created: bool,
+        durability: Durability,
     ) -> Result<SegmentWriter, SpoolError> {
         let files = list(db)?;
         let mut next_id = used.keys().max().copied().unwrap_or(0);
@@ -186,6 +190,7 @@ impl SegmentWriter {
             next_id: next_id.saturating_add(1),
             pending: 0,
             retired: BTreeSet::new(),
+            sync_wal_before_delete: durability == Durability::Normal,
             #[cfg(test)]
             simulate_full: false,
         };
@@ -304,6 +309,16 @@ impl SegmentWriter {
             .collect();
         if dead.is_empty() {
             return;
+        }
+        if self.sync_wal_before_delete {
+            let wal = with_suffix(&self.db, "-wal");
+            if let Err(e) = File::open(&wal).and_then(|f| f.sync_data())
+                && e.kind() != io::ErrorKind::NotFound
+            {
+                tracing::warn!(wal = %wal.display(), error = %e, "could not fsync the WAL; payload segments kept for now");
+                self.retired.extend(dead);
+                return;
+            }
         }
         self.retired.retain(|id| !dead.contains(id));
         self.remove(dead);

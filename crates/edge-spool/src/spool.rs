@@ -66,8 +66,13 @@ impl Spool {
             "spool opened"
         );
         let reserve = Reserve::open(recovery::with_suffix(&opts.path, "-reserve"), opts.disk_reserve_bytes);
-        let segments =
-            SegmentWriter::open(&opts.path, opts.segment_target_bytes, &opened.state.segments, opened.created)?;
+        let segments = SegmentWriter::open(
+            &opts.path,
+            opts.segment_target_bytes,
+            &opened.state.segments,
+            opened.created,
+            opts.durability,
+        )?;
         let spool =
             Spool { conn: opened.conn, id: opened.id, opts, state: opened.state, reserve, segments, buf: Vec::new() };
         Ok((spool, report))
