@@ -106,6 +106,8 @@ pub(crate) struct SegmentWriter {
     next_id: i64,
     /// Bytes written past `active.end` by a commit not yet known to have committed.
     pending: u64,
+    /// Those bytes were written and fdatasynced (only the index commit is outstanding).
+    pending_durable: bool,
     /// Segments no longer written to; each is deleted once no row points into it.
     retired: BTreeSet<i64>,
     /// `synchronous=NORMAL`: a commit is not durable when it returns, so the WAL is fsynced
@@ -189,6 +191,7 @@ impl SegmentWriter {
             active: None,
             next_id: next_id.saturating_add(1),
             pending: 0,
+            pending_durable: false,
             retired: BTreeSet::new(),
             sync_wal_before_delete: durability == Durability::Normal,
             #[cfg(test)]
@@ -244,15 +247,24 @@ impl SegmentWriter {
         };
         let p = path(&self.db, a.id);
         self.pending = crate::len_u64(data);
+        self.pending_durable = false;
         #[cfg(test)]
-        if self.simulate_full {
-            return Err(io_error(&p, io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error())));
-        }
-        let result = a.file.write_all_at(data, a.end).and_then(|()| {
+        let full = self.simulate_full;
+        #[cfg(not(test))]
+        let full = false;
+        let result = if full {
+            Err(io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error()))
+        } else {
+            a.file.write_all_at(data, a.end)
+        };
+        let result = result.and_then(|()| {
             crate::crash_point!("spool::segment::written");
             a.file.sync_data()
         });
-        let Err(e) = result else { return Ok(()) };
+        let Err(e) = result else {
+            self.pending_durable = true;
+            return Ok(());
+        };
         let err = io_error(&p, e);
         self.abandon();
         if matches!(err, SpoolError::DiskFull)
@@ -272,18 +284,24 @@ impl SegmentWriter {
             a.end += self.pending;
         }
         self.pending = 0;
+        self.pending_durable = false;
     }
 
-    /// The commit failed: gives back the disk blocks of its bytes (best effort; the next write
-    /// overwrites them anyway, and the next open cuts them).
+    /// The commit failed. When its bytes never became durable, gives back their disk blocks
+    /// (best effort; the next write overwrites them anyway, and the next open cuts them). When
+    /// only the index commit failed, they are stepped over instead, never overwritten: after an
+    /// I/O error during `COMMIT`, SQLite cannot tell whether the transaction is in the WAL, and
+    /// if it is, its rows point at these bytes after a restart. (If it is not, the next open
+    /// cuts them when they are the segment's tail; otherwise they stay as dead bytes.)
     pub(crate) fn abandon(&mut self) {
         if self.pending == 0 {
             return;
         }
-        self.pending = 0;
-        if let Some(a) = &self.active
-            && let Err(e) = a.file.set_len(a.end)
-        {
+        let pending = std::mem::take(&mut self.pending);
+        let Some(a) = &mut self.active else { return };
+        if std::mem::take(&mut self.pending_durable) {
+            a.end += pending;
+        } else if let Err(e) = a.file.set_len(a.end) {
             tracing::debug!(segment = a.id, error = %e, "could not cut back a failed commit's bytes");
         }
     }

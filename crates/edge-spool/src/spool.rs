@@ -1556,18 +1556,27 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_segment_write_stores_nothing_and_the_next_commit_overwrites_its_bytes() {
+    fn a_disk_full_segment_write_stores_nothing_and_retires_the_segment() {
         let (_dir, opts) = setup();
         let (mut spool, _) = open(&opts);
         spool.append(&[req(vec![batch("a", b"one")])], 1).expect("append");
         spool.simulate_full_segments(true);
         let err = spool.append(&[req(vec![batch("a", b"lost")])], 2).expect_err("disk full");
         assert!(matches!(err, SpoolError::DiskFull), "{err:?}");
+        // Retired: it takes no more bytes, so acking its chunks will delete it and give its
+        // space back on a disk that stays full.
+        let err = spool.append(&[req(vec![batch("a", b"lost")])], 2).expect_err("disk full");
+        assert!(matches!(err, SpoolError::DiskFull), "{err:?}");
+        assert_eq!(segment_files(&opts), vec![1, 2]);
+        assert_eq!(std::fs::read(crate::segment::path(&opts.path, 1)).expect("segment"), b"one");
         spool.simulate_full_segments(false);
         spool.append(&[req(vec![batch("a", b"two")])], 3).expect("append");
         spool.seal_all(4).expect("seal");
-        assert_eq!(read(&spool, &all_sealed(&spool)[0]).expect("read"), b"onetwo");
-        assert_eq!(std::fs::read(crate::segment::path(&opts.path, 1)).expect("segment"), b"onetwo");
+        let chunk = all_sealed(&spool).remove(0);
+        assert_eq!(read(&spool, &chunk).expect("read"), b"onetwo");
+        assert_eq!(std::fs::read(crate::segment::path(&opts.path, 2)).expect("segment"), b"two");
+        spool.ack(&[chunk.id]).expect("ack");
+        assert_eq!(segment_files(&opts), vec![2], "the retired segment went with its last chunk");
     }
 
     #[test]

@@ -102,7 +102,8 @@ fn enospc_under_the_spool_fails_appends_cleanly_and_acks_still_free_space() {
     let first = append_until_full(&mut spool, &mut seed);
     assert!(first > 10, "only {first} requests fit");
     // Each refusal cuts the WAL back (a checkpoint), and payload segments may take the space
-    // it gave back; the space the WAL regrows into shrinks every time, until none is left.
+    // it gave back; the space the WAL regrows into shrinks (measured: 80, 29, 10, 4, 1, 1
+    // requests), until none is left.
     let mut after_checkpoint = 0;
     let mut last = first;
     for round in 0.. {
@@ -110,7 +111,7 @@ fn enospc_under_the_spool_fails_appends_cleanly_and_acks_still_free_space() {
         if n == 0 {
             break;
         }
-        assert!(n < last && round < 20, "round {round}: {n} more requests after {last}: the disk does not fill up");
+        assert!(n <= last && round < 20, "round {round}: {n} more requests after {last}: the disk does not fill up");
         after_checkpoint += n;
         last = n;
     }
