@@ -79,7 +79,9 @@
 //! segment (one `pwrite`) and `fdatasync`s it, under either durability, so a committed row
 //! never points at bytes that were not durable; a new segment (when the active one holds
 //! [`SpoolOptions::segment_target_bytes`]) is created and the directory fsynced first. Bytes of
-//! a call that fails are cut off again (and by the next open). After `COMMIT`, segments no row
+//! a call that fails are cut off again (and by the next open), unless only its index `COMMIT`
+//! failed: SQLite cannot say whether such a transaction reached the WAL, so its bytes are
+//! stepped over, never overwritten. After `COMMIT`, segments no row
 //! points into any more are deleted (the active one too once it is all dead and a quarter
 //! full); a crash before that leaves files the next open deletes.
 //! [`Spool::commit`] puts a writer iteration's acks, appends and seals (in that order) into one
