@@ -85,7 +85,8 @@
 //! points into any more are deleted (the active one too once it is all dead and a quarter
 //! full); a crash before that leaves files the next open deletes.
 //! [`Spool::commit`] puts a writer iteration's acks, appends and seals (in that order) into one
-//! transaction, so the agent pays one fsync per iteration; a call with nothing to do opens no
+//! transaction, so the agent pays one index fsync per iteration (and one `fdatasync` of the
+//! segment when it appends); a call with nothing to do opens no
 //! transaction. At `COMMIT` SQLite appends the changed pages to `-wal` with a
 //! commit frame; under `synchronous=FULL` it then fsyncs `-wal` before `COMMIT` returns, under
 //! `NORMAL` it does not. Checkpoints (automatic, every ~1000 WAL pages, and when the last
@@ -123,9 +124,12 @@
 //! * [`Spool::open`] runs `PRAGMA quick_check`. A file that is not a SQLite database, fails the
 //!   check, is a SQLite database that is not a spool, has no valid spool id, has stream rows or
 //!   meta values that fail their row checksums, or whose header forbids writing (SQLite opens
-//!   it read-only although the file may be written), is moved aside
-//!   (with its `-wal`/`-shm` and payload segments) as `<path>.corrupt-<unix-seconds>` and replaced by a fresh spool
-//!   with a new id, reported in [`OpenReport::quarantined`]. We prefer that over refusing to
+//!   it read-only although the file may be written), is moved aside (with its `-wal`/`-shm`
+//!   and payload segments) as `<path>.corrupt-<unix-seconds>` and replaced by a fresh spool
+//!   with a new id, reported in [`OpenReport::quarantined`]. Then `integrity_check` of
+//!   `streams`, `chunks` and `batches` compares their indexes with their rows (`quick_check`
+//!   does not), and an index that disagrees is rebuilt (`REINDEX`). A batch row of no stream
+//!   (a damaged `stream_id`) is logged and left in place: nothing can reach it. We prefer that over refusing to
 //!   start: an agent wedged on a bad file loses *all* data from then on, while the quarantined
 //!   file stays available for offline recovery. A file from a newer schema version is *not*
 //!   moved; `open` fails with [`SpoolError::UnsupportedSchema`] (a downgrade must not destroy
