@@ -194,7 +194,6 @@ impl SpoolReader {
         }
         tx.finish().map_err(ctx("ending a read transaction"))?;
         if let Some(segment) = missing_segment {
-            self.segments.forget(segment);
             // Acked (and its segment deleted) after this read began, or a file that is gone.
             let still_there: bool = self
                 .conn

@@ -211,12 +211,10 @@ fn move_aside(path: &Path) -> Result<PathBuf, SpoolError> {
     if path.exists() {
         rename(path, &target)?;
     }
-    if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        // Best effort: if the renames are lost in a power cut, the next open finds the same bad
-        // file and moves it again.
-        if let Err(e) = fs::File::open(dir).and_then(|d| d.sync_all()) {
-            tracing::warn!(dir = %dir.display(), error = %e, "could not fsync the spool directory");
-        }
+    // Best effort: if the renames are lost in a power cut, the next open finds the same bad
+    // file and moves it again.
+    if let Err(e) = segment::sync_dir(path) {
+        tracing::warn!(error = %e, "could not fsync the spool directory");
     }
     Ok(target)
 }

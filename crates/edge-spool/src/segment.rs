@@ -27,12 +27,11 @@ use std::path::{Path, PathBuf};
 use crate::recovery::with_suffix;
 use crate::{Durability, SpoolError};
 
-/// What the index says about one segment: the rows and bytes that still point into it, and the
-/// end of its last row.
+/// What the index says about one segment: the rows that still point into it, and the end of
+/// its last row.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct SegmentUse {
     pub rows: u64,
-    pub live_bytes: u64,
     pub end: u64,
 }
 
@@ -41,12 +40,14 @@ pub(crate) fn path(db: &Path, id: i64) -> PathBuf {
     with_suffix(db, &format!("-seg-{id:010}"))
 }
 
+/// The directory holding the spool at `db` (its segments, sidecars and reserve).
+pub(crate) fn dir_of(db: &Path) -> &Path {
+    db.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
+}
+
 /// The segment files of the spool at `db`: `(id, path)`, by id.
 pub(crate) fn list(db: &Path) -> Result<Vec<(i64, PathBuf)>, SpoolError> {
-    let dir = match db.parent().filter(|p| !p.as_os_str().is_empty()) {
-        Some(d) => d.to_owned(),
-        None => PathBuf::from("."),
-    };
+    let dir = dir_of(db).to_owned();
     let Some(name) = db.file_name().and_then(|n| n.to_str()) else { return Ok(Vec::new()) };
     let prefix = format!("{name}-seg-");
     let entries = match fs::read_dir(&dir) {
@@ -74,7 +75,7 @@ pub(crate) fn list(db: &Path) -> Result<Vec<(i64, PathBuf)>, SpoolError> {
 
 /// `fsync` of the directory holding `db`, so a created, renamed or deleted name is durable.
 pub(crate) fn sync_dir(db: &Path) -> Result<(), SpoolError> {
-    let dir = db.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = dir_of(db);
     File::open(dir).and_then(|d| d.sync_all()).map_err(|source| SpoolError::Io { path: dir.to_owned(), source })
 }
 
@@ -161,34 +162,46 @@ impl SegmentWriter {
         if changed_names {
             sync_dir(db)?;
         }
+        let last = used.keys().next_back().copied();
+        let mut active = None;
         for (id, u) in used {
             let Some(file) = present.get(id) else {
                 tracing::error!(
                     segment = %path(db, *id).display(),
-                    live_bytes = u.live_bytes,
+                    rows = u.rows,
                     "a payload segment file is missing; its chunks will be quarantined when read"
                 );
                 continue;
             };
-            let f = OpenOptions::new().write(true).open(file).map_err(|e| io_error(file, e))?;
-            let len = f.metadata().map_err(|e| io_error(file, e))?.len();
-            if len > u.end {
-                // The bytes of a commit that did not finish.
-                f.set_len(u.end).map_err(|e| io_error(file, e))?;
-                f.sync_data().map_err(|e| io_error(file, e))?;
-            } else if len < u.end {
+            let len = fs::metadata(file).map_err(|e| io_error(file, e))?.len();
+            if len < u.end {
                 tracing::error!(
                     segment = %file.display(),
                     len,
                     expected = u.end,
                     "a payload segment file is shorter than its rows say; its chunks will be quarantined when read"
                 );
+                // Not continued either: new bytes must land exactly at `end`.
+                continue;
+            }
+            let continued = Some(*id) == last && u.end < target;
+            if len == u.end && !continued {
+                continue;
+            }
+            let f = OpenOptions::new().write(true).open(file).map_err(|e| io_error(file, e))?;
+            if len > u.end {
+                // The bytes of a commit that did not finish.
+                f.set_len(u.end).map_err(|e| io_error(file, e))?;
+                f.sync_data().map_err(|e| io_error(file, e))?;
+            }
+            if continued {
+                active = Some(Active { id: *id, file: f, end: u.end });
             }
         }
-        let mut w = SegmentWriter {
+        let w = SegmentWriter {
             db: db.to_owned(),
             target,
-            active: None,
+            active,
             next_id: next_id.saturating_add(1),
             pending: 0,
             pending_durable: false,
@@ -197,17 +210,6 @@ impl SegmentWriter {
             #[cfg(test)]
             simulate_full: false,
         };
-        if let Some((&id, u)) = used.iter().next_back()
-            && u.end < target
-            && let Some(file) = present.get(&id)
-        {
-            let f = OpenOptions::new().write(true).open(file).map_err(|e| io_error(file, e))?;
-            let len = f.metadata().map_err(|e| io_error(file, e))?.len();
-            // A short file is not continued: new bytes must land exactly at `end`.
-            if len == u.end {
-                w.active = Some(Active { id, file: f, end: u.end });
-            }
-        }
         Ok(w)
     }
 
@@ -416,11 +418,6 @@ impl SegmentFiles {
                 Err(Some(format!("segment {id}: reading {len} bytes at {offset} (file has {size}): {e}")))
             }
         }
-    }
-
-    /// Forgets the handle of segment `id` (it was found missing or deleted).
-    pub(crate) fn forget(&mut self, id: i64) {
-        self.open.remove(&id);
     }
 
     /// Closes every handle.

@@ -544,7 +544,7 @@ impl<'a> PendingRow<'a> {
         self.crc = crc32c::crc32c_append(self.crc, &batch.data);
     }
 
-    /// Inserts the row, if any, and counts it as one open batch of its stream and as live bytes
+    /// Inserts the row, if any, and counts it as one open batch of its stream and as a row
     /// of its segment.
     fn flush(&mut self, tx: &Transaction<'_>, st: &mut State, now_ms: u64) -> Result<(), SpoolError> {
         let Some(name) = self.stream.take() else { return Ok(()) };
@@ -585,7 +585,6 @@ impl<'a> PendingRow<'a> {
         st.next_batch_id = batch_id.saturating_add(1);
         let used = st.segments.entry(segment).or_default();
         used.rows += 1;
-        used.live_bytes += len;
         used.end = used.end.max(base + self.data.len() as u64);
         self.row_start = self.data.len();
         self.records = 0;
@@ -734,17 +733,14 @@ fn delete_batches(
     (stream_id, first, last): (i64, i64, i64),
 ) -> Result<(), SpoolError> {
     let mut stmt = tx
-        .prepare_cached("DELETE FROM batches WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 RETURNING segment, seg_len")
+        .prepare_cached("DELETE FROM batches WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 RETURNING segment")
         .map_err(ctx("deleting a chunk's batches"))?;
     let mut rows = stmt.query((stream_id, first, last)).map_err(ctx("deleting a chunk's batches"))?;
     while let Some(r) = rows.next().map_err(ctx("deleting a chunk's batches"))? {
-        // Damaged values only make the count wrong; `settle_segments` asks the rows anyway.
-        let (Ok(Some(segment)), Ok(len)) = (r.get::<_, Option<i64>>(0), r.get::<_, Option<i64>>(1)) else {
-            continue;
-        };
+        // A damaged value only makes the count wrong; `settle_segments` asks the rows anyway.
+        let Ok(Some(segment)) = r.get::<_, Option<i64>>(0) else { continue };
         if let Some(used) = st.segments.get_mut(&segment) {
             used.rows = used.rows.saturating_sub(1);
-            used.live_bytes = used.live_bytes.saturating_sub(len.and_then(|l| u64::try_from(l).ok()).unwrap_or(0));
         }
     }
     Ok(())

@@ -168,21 +168,18 @@ impl State {
         {
             let mut stmt = conn
                 .prepare(
-                    "SELECT segment, count(*), sum(seg_len), max(seg_offset + seg_len) FROM batches
+                    "SELECT segment, count(*), max(seg_offset + seg_len) FROM batches
                      WHERE segment IS NOT NULL GROUP BY segment",
                 )
                 .map_err(ctx("loading payload segment use"))?;
             let rows = stmt
-                .query_map([], |r| {
-                    Ok((r.get::<_, i64>(0)?, r.get::<_, u64>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?))
-                })
+                .query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, u64>(1)?, r.get::<_, i64>(2)?)))
                 .map_err(ctx("loading payload segment use"))?;
             for row in rows {
                 // A damaged row is found by its checksum when its chunk is read; here it only
                 // must not stop the spool from opening.
-                let (id, rows, live_bytes, end) = row.map_err(ctx("loading payload segment use"))?;
-                let (live_bytes, end) = (u64::try_from(live_bytes).unwrap_or(0), u64::try_from(end).unwrap_or(0));
-                st.segments.insert(id, SegmentUse { rows, live_bytes, end });
+                let (id, rows, end) = row.map_err(ctx("loading payload segment use"))?;
+                st.segments.insert(id, SegmentUse { rows, end: u64::try_from(end).unwrap_or(0) });
             }
         }
         let meta = schema::read_verified_meta(conn)?;
