@@ -2,6 +2,7 @@
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -403,6 +404,15 @@ pub async fn quick(ctx: &Ctx) -> anyhow::Result<Results> {
     Ok(res)
 }
 
+/// The agent's own throughput cases and the raw quinn baseline, `ctx.reps` times.
+pub async fn pipeline(ctx: &Ctx) -> anyhow::Result<Results> {
+    let mut res = Results::default();
+    baselines(ctx, &mut res, &[10 * KIB], 256 * MIB).await?;
+    drain(ctx, &mut res, DRAIN, 512 * MIB).await?;
+    live(ctx, &mut res, LIVE_10K, 10 * KIB, 1, Duration::from_secs(8)).await?;
+    Ok(res)
+}
+
 /// Everything, `ctx.reps` times.
 pub async fn all(ctx: &Ctx) -> anyhow::Result<Results> {
     let mut res = Results::default();
@@ -452,27 +462,72 @@ async fn baselines(ctx: &Ctx, res: &mut Results, sizes: &[usize], total: u64) ->
     Ok(())
 }
 
-/// Runs the agent under `wrapper` (a profiler) through one live phase of `bytes` (10 KiB
-/// records, `per_request` per request) followed by the drain, then stops it with SIGTERM.
-pub async fn profile(ctx: &Ctx, wrapper: Vec<String>, bytes: u64, per_request: usize) -> anyhow::Result<()> {
+/// How `edge-bench profile` runs its profiler.
+pub enum Profiler {
+    /// The agent is started under this command line (and stopped with SIGTERM at the end).
+    Wrap(Vec<String>),
+    /// This command line runs for the measured phase only, with `{agent}` and `{ingest}`
+    /// replaced by the daemons' pids, and is stopped with SIGINT.
+    Attach(Vec<String>),
+}
+
+/// Runs the agent through one measured phase of `bytes` (10 KiB records, `per_request` per
+/// request) under a profiler: a live phase (producers pushing with the ingest up, then the
+/// drain of what is left), or with `drain` a drain of a spool filled while the ingest was down.
+pub async fn profile(ctx: &Ctx, how: Profiler, drain: bool, bytes: u64, per_request: usize) -> anyhow::Result<()> {
     let mut w = World::new(&ctx.bins, &ctx.work.join("profile"), &WorldOptions::default())?;
-    w.agent_wrapper = wrapper;
-    w.start_ingest()?;
-    w.start_agent()?;
-    ctx.progress(format!("profile: pushing {} MiB, {per_request} record(s) per request", bytes / MIB));
+    if let Profiler::Wrap(wrapper) = &how {
+        w.agent_wrapper.clone_from(wrapper);
+    }
     let producers = if per_request == 1 { 32 } else { 8 };
     let load =
         Load { producers, streams: 4, record: 10 * KIB, per_request, duration: None, bytes: Some(bytes), rate: None };
-    let p = world::produce(&w.socket, &load).await?;
-    w.wait_drained(p.bytes, Duration::from_secs(1200))?;
+    if !drain {
+        w.start_ingest()?;
+    }
+    w.start_agent()?;
+    let mut accepted = 0;
+    if drain {
+        ctx.progress(format!("profile: filling the spool with {} MiB, the ingest down", bytes / MIB));
+        accepted = world::produce(&w.socket, &load).await?.bytes;
+        // As in the drain case: let the linger seal the last open batches.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        w.start_ingest()?;
+    }
+    let attached = match &how {
+        Profiler::Attach(cmd) => Some(attach(cmd, w.agent_pid()?, w.ingest_pid()?)?),
+        Profiler::Wrap(_) => None,
+    };
+    let t0 = Instant::now();
+    if !drain {
+        ctx.progress(format!("profile: pushing {} MiB, {per_request} record(s) per request", bytes / MIB));
+        accepted = world::produce(&w.socket, &load).await?.bytes;
+    }
+    w.wait_drained(accepted, Duration::from_secs(1200))?;
     ctx.progress(format!(
-        "profile: {} MiB accepted and stored in {:.1} s; stopping the agent",
-        p.bytes / MIB,
-        p.seconds
+        "profile: {} MiB {} and stored in {:.1} s",
+        accepted / MIB,
+        if drain { "drained" } else { "accepted" },
+        t0.elapsed().as_secs_f64()
     ));
+    if let Some(mut child) = attached {
+        Command::new("kill").arg("-INT").arg(child.id().to_string()).status()?;
+        child.wait()?;
+    }
     w.stop_agent_politely(Duration::from_secs(300))?;
     w.cleanup();
     Ok(())
+}
+
+/// Starts `cmd` with the daemons' pids substituted, and waits a moment for it to attach.
+fn attach(cmd: &[String], agent: u32, ingest: u32) -> anyhow::Result<std::process::Child> {
+    let args: Vec<String> =
+        cmd.iter().map(|a| a.replace("{agent}", &agent.to_string()).replace("{ingest}", &ingest.to_string())).collect();
+    let (first, rest) = args.split_first().context("empty --attach command")?;
+    let child = Command::new(first).args(rest).spawn().with_context(|| format!("starting {first}"))?;
+    // perf and strace print nothing when they are attached; give them a moment.
+    std::thread::sleep(Duration::from_millis(300));
+    Ok(child)
 }
 
 /// Configuration sweep of the knobs that need no code change: live (10 KiB, one record per

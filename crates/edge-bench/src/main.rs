@@ -56,13 +56,32 @@ enum Cmd {
     },
     /// Runs the agent under a profiler (e.g. `--wrapper "valgrind --tool=callgrind"`) through
     /// one live phase and its drain, then stops it with SIGTERM so the profiler writes out.
+    /// Or, with `--attach`, runs a command against the running daemons for the measured phase
+    /// only (`{agent}` and `{ingest}` are replaced by their pids) and stops it with SIGINT.
     Profile {
+        /// Command line the agent is started under.
+        #[arg(long, required_unless_present = "attach")]
+        wrapper: Option<String>,
+        /// Command line started when the measured phase begins, e.g.
+        /// `perf record -F 999 -g -o drain.data -p {agent}`.
+        #[arg(long, conflicts_with = "wrapper")]
+        attach: Option<String>,
+        /// Measure a drain (the spool filled with the ingest down, then the ingest started)
+        /// instead of a live phase.
         #[arg(long)]
-        wrapper: String,
+        drain: bool,
         #[arg(long, default_value_t = 32)]
         mib: u64,
         #[arg(long, default_value_t = 1)]
         per_request: usize,
+        #[arg(long)]
+        allow_stale: bool,
+    },
+    /// The agent's own cases only (drain of 512 MiB, live 10 KiB one per request, raw quinn
+    /// for the ratio), repeated: for comparing two builds of the agent.
+    Pipeline {
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
         #[arg(long)]
         allow_stale: bool,
     },
@@ -153,11 +172,24 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Profile { wrapper, mib, per_request, allow_stale } => {
+        Cmd::Pipeline { reps, allow_stale } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
+            ctx.command = format!("cargo run --release -p edge-bench -- pipeline --reps {}", ctx.reps);
+            let results = rt.block_on(cases::pipeline(&ctx))?;
+            println!("{}", results.markdown(&ctx));
+            Ok(())
+        }
+        Cmd::Profile { wrapper, attach, drain, mib, per_request, allow_stale } => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let ctx = cases::Ctx::new(allow_stale, 1, true)?;
-            let wrapper = wrapper.split_whitespace().map(str::to_owned).collect();
-            rt.block_on(cases::profile(&ctx, wrapper, mib << 20, per_request))
+            let words = |s: Option<String>| s.map(|s| s.split_whitespace().map(str::to_owned).collect::<Vec<_>>());
+            let how = match (words(wrapper), words(attach)) {
+                (Some(w), _) => cases::Profiler::Wrap(w),
+                (None, Some(a)) => cases::Profiler::Attach(a),
+                (None, None) => anyhow::bail!("give --wrapper or --attach"),
+            };
+            rt.block_on(cases::profile(&ctx, how, drain, mib << 20, per_request))
         }
         Cmd::Sweep { reps, out, allow_stale } => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
