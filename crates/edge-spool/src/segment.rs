@@ -27,12 +27,32 @@ use std::path::{Path, PathBuf};
 use crate::recovery::with_suffix;
 use crate::{Durability, SpoolError};
 
-/// What the index says about one segment: the rows that still point into it, and the end of
-/// its last row.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What the index says about one segment: the rows that still point into it, the end of its
+/// last row, and the smallest and largest batch id that ever pointed into it (since open).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct SegmentUse {
     pub rows: u64,
     pub end: u64,
+    /// Every row that points into the segment has an id in `first_batch..=last_batch`: rows
+    /// are never renumbered or moved, so the bounds only widen (empty: `first > last`). They
+    /// let the check that a segment is unused read its own rows, not the whole table.
+    pub first_batch: i64,
+    pub last_batch: i64,
+}
+
+impl Default for SegmentUse {
+    fn default() -> Self {
+        SegmentUse { rows: 0, end: 0, first_batch: i64::MAX, last_batch: i64::MIN }
+    }
+}
+
+impl SegmentUse {
+    /// Counts a new row `id` pointing into the segment.
+    pub(crate) fn add_row(&mut self, id: i64) {
+        self.rows += 1;
+        self.first_batch = self.first_batch.min(id);
+        self.last_batch = self.last_batch.max(id);
+    }
 }
 
 /// The path of segment `id` of the spool at `db`.

@@ -168,18 +168,21 @@ impl State {
         {
             let mut stmt = conn
                 .prepare(
-                    "SELECT segment, count(*), max(seg_offset + seg_len) FROM batches
+                    "SELECT segment, count(*), max(seg_offset + seg_len), min(id), max(id) FROM batches
                      WHERE segment IS NOT NULL GROUP BY segment",
                 )
                 .map_err(ctx("loading payload segment use"))?;
             let rows = stmt
-                .query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, u64>(1)?, r.get::<_, i64>(2)?)))
+                .query_map([], |r| {
+                    Ok((r.get::<_, i64>(0)?, r.get::<_, u64>(1)?, r.get::<_, i64>(2)?, r.get(3)?, r.get(4)?))
+                })
                 .map_err(ctx("loading payload segment use"))?;
             for row in rows {
                 // A damaged row is found by its checksum when its chunk is read; here it only
                 // must not stop the spool from opening.
-                let (id, rows, end) = row.map_err(ctx("loading payload segment use"))?;
-                st.segments.insert(id, SegmentUse { rows, end: u64::try_from(end).unwrap_or(0) });
+                let (id, rows, end, first_batch, last_batch) = row.map_err(ctx("loading payload segment use"))?;
+                st.segments
+                    .insert(id, SegmentUse { rows, end: u64::try_from(end).unwrap_or(0), first_batch, last_batch });
             }
         }
         let meta = schema::read_verified_meta(conn)?;
