@@ -83,7 +83,10 @@
 //! failed: SQLite cannot say whether such a transaction reached the WAL, so its bytes are
 //! stepped over, never overwritten. After `COMMIT`, segments no row
 //! points into any more are deleted (the active one too once it is all dead and a quarter
-//! full); a crash before that leaves files the next open deletes.
+//! full); a crash before that leaves files the next open deletes. Whether a segment is unused
+//! is asked of the rows, not only of a counter: `batches` is counted over the id range the
+//! segment's rows were given (kept per segment, read at open), which is a small run of the
+//! table rather than all of it.
 //! [`Spool::commit`] puts a writer iteration's acks, appends and seals (in that order) into one
 //! transaction, so the agent pays one index fsync per iteration (and one `fdatasync` of the
 //! segment when it appends); a call with nothing to do opens no

@@ -120,9 +120,11 @@ enum SpoolCommand {
     },
 }
 
-/// Caps glibc's malloc arenas at two. By default every thread that allocates under contention
-/// gets its own arena (up to 8 per core), and each keeps the pages of the request bodies and
-/// batches it freed: with large intake requests that was a quarter of the agent's peak RSS.
+/// Caps glibc's malloc arenas at two. Rust's allocations go to jemalloc (above), but the C code
+/// linked in (SQLite's page caches and statements) still allocates from glibc, where by default
+/// every thread that allocates under contention gets its own arena (up to 8 per core), each
+/// keeping the pages it freed. (When Rust allocated from glibc too, the request bodies held
+/// that way were a quarter of the agent's peak RSS with large intake requests.)
 /// Must run before any thread is started.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
