@@ -128,13 +128,20 @@ fn logical_dump(path: &Path) -> Option<Vec<String>> {
     Some(out)
 }
 
-/// The payload segment files of the spool at `db` (`<db>-seg-<id>`), by name.
+/// The payload segment files of the spool at `db` (`<db>-seg-<id>`), by name; not the spare
+/// (`<db>-seg-spare-<n>`), whose bytes are dead.
 fn segment_files(db: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let name = db.file_name().context("spool file name")?.to_string_lossy().into_owned();
     let dir = db.parent().context("spool directory")?;
+    let prefix = format!("{name}-seg-");
     let mut out: Vec<PathBuf> = std::fs::read_dir(dir)?
         .filter_map(Result::ok)
-        .filter(|e| e.file_name().to_string_lossy().starts_with(&format!("{name}-seg-")))
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .strip_prefix(&prefix)
+                .is_some_and(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()))
+        })
         .map(|e| e.path())
         .collect();
     out.sort();

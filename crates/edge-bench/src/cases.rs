@@ -327,6 +327,8 @@ const CLIENT_CPU: &str = "CPU-s/GiB client";
 const SERVER_CPU: &str = "CPU-s/GiB broker";
 const RSS: &str = "MiB agent peak RSS";
 const WEAR: &str = "bytes written per byte accepted (agent)";
+/// Everything the disk received during the run (agent, ingest, the rest of the machine).
+const DEVICE_WEAR: &str = "bytes the disk received per byte accepted (agent + ingest)";
 const P50: &str = "ms p50";
 const P99: &str = "ms p99";
 const RECS_S: &str = "records/s";
@@ -691,6 +693,7 @@ async fn live_with(
         w.start_agent()?;
         let (pid, ipid) = (w.agent_pid()?, w.ingest_pid()?);
         let (cpu0, icpu0, wb0) = (sys::cpu_seconds(pid)?, sys::cpu_seconds(ipid)?, sys::write_bytes(pid)?);
+        let dev0 = sys::device_write_bytes(&w.dir)?;
         let bench_cpu0 = sys::self_cpu_seconds()?;
         let t0 = Instant::now();
         let producers = if per_request == 1 { 32 } else { 8 };
@@ -704,11 +707,12 @@ async fn live_with(
         let cpu = sys::cpu_seconds(pid)? - cpu0;
         let icpu = sys::cpu_seconds(ipid)? - icpu0;
         let wear = (sys::write_bytes(pid)? - wb0) as f64 / p.bytes as f64;
+        let device_wear = (sys::device_write_bytes(&w.dir)? - dev0) as f64 / p.bytes as f64;
         // The producers' own cost (this process), to show they are not the bottleneck.
         let producers_cpu = sys::self_cpu_seconds()? - bench_cpu0;
         let rss = sys::peak_rss_bytes(pid)? as f64 / MIB as f64;
         ctx.progress(format!(
-            "{case} rep {}: {mb_s:.0} MB/s stored ({:.0} MB/s at intake, {} refused), agent {:.2} / ingest {:.2} CPU-s/GiB, wear {wear:.2}, RSS {rss:.1} MiB",
+            "{case} rep {}: {mb_s:.0} MB/s stored ({:.0} MB/s at intake, {} refused), agent {:.2} / ingest {:.2} CPU-s/GiB, wear {wear:.2} (disk {device_wear:.2}), RSS {rss:.1} MiB",
             rep + 1,
             p.bytes as f64 / p.seconds / 1e6,
             p.refused,
@@ -720,6 +724,7 @@ async fn live_with(
         res.add(group, case, AGENT_CPU, 2, cpu / gib);
         res.add(group, case, INGEST_CPU, 2, icpu / gib);
         res.add(group, case, WEAR, 2, wear);
+        res.add(group, case, DEVICE_WEAR, 2, device_wear);
         res.add(group, case, "CPU-s/GiB producers (bench client)", 2, producers_cpu / gib);
         res.add(group, case, RSS, 1, rss);
         medians.push(mb_s);

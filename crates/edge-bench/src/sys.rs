@@ -60,6 +60,27 @@ pub fn write_bytes(pid: u32) -> anyhow::Result<u64> {
     bail!("write_bytes not found in /proc/{pid}/io")
 }
 
+/// Bytes written to the block device holding `path`, since boot (sectors written in
+/// `/sys/dev/block/<major>:<minor>/stat`, times 512): what reached the disk, from every process.
+/// `write_bytes` of `/proc/<pid>/io` counts a whole page-cache folio each time part of it is
+/// dirtied, which overstates what a process that overwrites a file in small pieces writes.
+pub fn device_write_bytes(path: &Path) -> anyhow::Result<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(path).with_context(|| format!("stat {}", path.display()))?.dev();
+    // The Linux encoding of a dev_t (glibc's gnu_dev_major / gnu_dev_minor).
+    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
+    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+    let stat_path = format!("/sys/dev/block/{major}:{minor}/stat");
+    let stat = std::fs::read_to_string(&stat_path).with_context(|| format!("reading {stat_path}"))?;
+    let sectors: u64 = stat
+        .split_whitespace()
+        .nth(6)
+        .with_context(|| format!("{stat_path}: no sectors-written field"))?
+        .parse()
+        .with_context(|| format!("{stat_path}: sectors written"))?;
+    Ok(sectors * 512)
+}
+
 /// A UDP port that was free a moment ago on 127.0.0.1.
 pub fn free_udp_port() -> anyhow::Result<u16> {
     Ok(UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port())

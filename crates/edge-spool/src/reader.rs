@@ -124,6 +124,10 @@ impl SpoolReader {
         let mut crc = 0u32;
         let mut batches = 0u64;
         let mut missing_segment = None;
+        // A batch whose bytes do not check out. Reported as damage only if the chunk still
+        // exists once this snapshot is over: a chunk deleted meanwhile (dropped, acked as a
+        // duplicate) may have had its segment recycled, its bytes overwritten.
+        let mut bad_bytes = None;
         {
             let mut stmt = tx
                 .prepare_cached(
@@ -170,19 +174,23 @@ impl SpoolReader {
                                 missing_segment = Some(s.segment);
                                 break;
                             }
-                            Err(Some(detail)) => return Err(corrupt(format!("batch {batch}: {detail}"))),
+                            Err(Some(detail)) => {
+                                bad_bytes = Some(format!("batch {batch}: {detail}"));
+                                break;
+                            }
                         }
                     }
                 }
                 let computed = crc32c::crc32c(&out[start..]);
                 let data = &out[start..];
                 if stored != computed {
-                    return Err(corrupt(format!(
+                    bad_bytes = Some(format!(
                         "batch {batch}: crc32c stored {stored:08x}, computed {computed:08x} \
                          over {len} bytes{place}",
                         len = data.len(),
                         place = seg.map(|s| format!(" (segment {} at {})", s.segment, s.offset)).unwrap_or_default()
-                    )));
+                    ));
+                    break;
                 }
                 records += u64::from(n);
                 batches += 1;
@@ -193,8 +201,12 @@ impl SpoolReader {
             }
         }
         tx.finish().map_err(ctx("ending a read transaction"))?;
-        if let Some(segment) = missing_segment {
-            // Acked (and its segment deleted) after this read began, or a file that is gone.
+        let damage = match (missing_segment, bad_bytes) {
+            (Some(segment), _) => Some(format!("payload segment file {segment} is missing")),
+            (None, bad) => bad,
+        };
+        if let Some(detail) = damage {
+            // Deleted (and its segment deleted or recycled) after this read began, or damage.
             let still_there: bool = self
                 .conn
                 .query_row("SELECT EXISTS (SELECT 1 FROM chunks WHERE id = ?1)", [id.0], |r| r.get(0))
@@ -202,7 +214,7 @@ impl SpoolReader {
             if !still_there {
                 return Err(SpoolError::ChunkGone(id));
             }
-            return Err(corrupt(format!("payload segment file {segment} is missing")));
+            return Err(corrupt(detail));
         }
         if batches == 0 {
             return Err(corrupt("chunk has no batches".into()));

@@ -180,6 +180,7 @@ impl Spool {
     /// space.)
     fn append_gate(&mut self, now_ms: u64) -> Result<(), SpoolError> {
         if !self.reserve.is_present() {
+            self.segments.drop_spares();
             self.checkpoint_truncate();
             if !self.reserve.try_restore(now_ms) {
                 return Err(SpoolError::DiskFull);
@@ -213,13 +214,13 @@ impl Spool {
             Err(e) => {
                 self.segments.abandon();
                 // A segment retired by the failure may hold no rows.
-                self.segments.collect(std::iter::empty(), &self.state.segments);
+                self.segments.collect(std::iter::empty(), &self.state.segments, self.reserve.is_present());
                 return Err(e);
             }
         };
         self.segments.committed();
         // Segments whose last row this commit deleted.
-        self.segments.collect(self.state.segments.keys(), &st.segments);
+        self.segments.collect(self.state.segments.keys(), &st.segments, self.reserve.is_present());
         self.state = st;
         Ok(done)
     }
@@ -405,7 +406,7 @@ impl Spool {
         settle_segments(&tx, &mut st)?;
         tx.commit().map_err(ctx("committing a purge"))?;
         st.quarantined_chunks = 0;
-        self.segments.collect(self.state.segments.keys(), &st.segments);
+        self.segments.collect(self.state.segments.keys(), &st.segments, self.reserve.is_present());
         self.state = st;
         Ok(n as u64)
     }
@@ -441,6 +442,7 @@ impl Spool {
         if matches!(result, Err(SpoolError::DiskFull)) {
             // Without a reserve to release, the checkpoint alone may still free the WAL's space.
             self.reserve.release();
+            self.segments.drop_spares();
             self.checkpoint_truncate();
             result = op(self);
         }
@@ -1506,24 +1508,35 @@ mod tests {
             want.extend_from_slice(&[2 * i as u8 + 1; 300]);
             assert_eq!(reader.read(c).expect("read"), want);
         }
-        // Segment 1 holds the first two chunks: acking one keeps it, acking both deletes it.
+        // Segment 1 holds the first two chunks: acking one keeps it, acking both deletes it,
+        // or rather keeps its file as the spare.
+        let inode = |p: &std::path::Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).expect("stat"));
+        let seg1 = inode(&crate::segment::path(&opts.path, 1));
         spool.ack(&[chunks[0].id]).expect("ack");
         assert_eq!(segment_files(&opts), vec![1, 2, 3]);
         spool.ack(&[chunks[1].id]).expect("ack");
         assert_eq!(segment_files(&opts), vec![2, 3]);
-        // The active segment, all dead and over a quarter full, goes too; the next commit
-        // starts a new one.
+        let spare = crate::segment::spare_path(&opts.path, 0);
+        assert_eq!(inode(&spare), seg1);
+        // The active segment, all dead and over a quarter full, goes too (unlinked: there is
+        // a spare already); the next commit starts a new one, in the spare's file.
         spool.ack(&[chunks[2].id, chunks[3].id, chunks[4].id]).expect("ack");
         assert_eq!(segment_files(&opts), Vec::<i64>::new());
         spool.append(&[req(vec![batch("a", &[7; 10])])], 20).expect("append");
         assert_eq!(segment_files(&opts), vec![4]);
+        assert_eq!(inode(&crate::segment::path(&opts.path, 4)), seg1);
+        assert!(!spare.exists());
         // A small dead active segment is kept and written on.
         spool.seal_all(21).expect("seal");
         let last = all_sealed(&spool).remove(0);
+        assert_eq!(reader.read(&last).expect("read over old bytes"), vec![7; 10]);
         spool.ack(&[last.id]).expect("ack");
         spool.append(&[req(vec![batch("a", &[8; 10])])], 22).expect("append");
         assert_eq!(segment_files(&opts), vec![4]);
-        assert_eq!(std::fs::metadata(crate::segment::path(&opts.path, 4)).expect("segment").len(), 20);
+        assert_eq!(spool.segments.active_end(), Some((4, 20)));
+        spool.seal_all(23).expect("seal");
+        let last = all_sealed(&spool).remove(0);
+        assert_eq!(reader.read(&last).expect("read"), vec![8; 10]);
         drop(reader);
         let stats = spool.stats();
         drop(spool);
@@ -1606,6 +1619,28 @@ mod tests {
         assert_eq!(std::fs::read(crate::segment::path(&opts.path, 2)).expect("segment"), b"two");
         spool.ack(&[chunk.id]).expect("ack");
         assert_eq!(segment_files(&opts), vec![2], "the retired segment went with its last chunk");
+    }
+
+    #[test]
+    fn a_full_disk_deletes_the_spare_segment_and_dead_segments_are_then_unlinked() {
+        let (_dir, mut opts) = setup();
+        opts.segment_target_bytes = 1_000;
+        let (mut spool, _) = open(&opts);
+        for i in 0..4u8 {
+            spool.append(&[req(vec![batch("a", &[i; 300])])], u64::from(i)).expect("append");
+        }
+        spool.seal_all(5).expect("seal");
+        spool.append(&[req(vec![batch("b", b"x")])], 6).expect("append");
+        let first = all_sealed(&spool).remove(0);
+        spool.ack(&[first.id]).expect("ack");
+        let spare = crate::segment::spare_path(&opts.path, 0);
+        assert!(spare.exists(), "segment 1 kept as the spare");
+        // A full disk: the spare's space is given back at once.
+        spool.simulate_full_segments(true);
+        let err = spool.append(&[req(vec![batch("a", b"lost")])], 7).expect_err("disk full");
+        assert!(matches!(err, SpoolError::DiskFull), "{err:?}");
+        assert!(!spare.exists(), "the spare is deleted when the disk is full");
+        spool.simulate_full_segments(false);
     }
 
     #[test]
