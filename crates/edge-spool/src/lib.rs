@@ -15,7 +15,10 @@
 //! # On-disk format (`PRAGMA user_version = 4`)
 //!
 //! One SQLite database file in WAL mode (`<path>`, `<path>-wal`, `<path>-shm`), and payload
-//! segment files `<path>-seg-<id>` (ten digits) in the same directory (see `segment.rs`).
+//! segment files `<path>-seg-<id>` (ten digits) in the same directory (see `segment.rs`), and
+//! at most one spare `<path>-seg-spare-0`: an emptied segment's file, dead bytes only, kept for
+//! the next segment to be renamed from (an `fdatasync` after overwriting allocated blocks skips
+//! the file system's journal).
 //!
 //! * `meta(key TEXT PRIMARY KEY, value NOT NULL) WITHOUT ROWID`
 //!   * `spool_id`: 16 random bytes (BLOB), written once, in the transaction that creates the
