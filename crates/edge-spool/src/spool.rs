@@ -793,7 +793,24 @@ fn refresh_oldest_sealed(tx: &Transaction<'_>, st: &mut State, stream_ids: &BTre
 /// The counters of stream `name`, inserting its `streams` row on first use.
 fn stream_entry<'s>(tx: &Transaction<'_>, st: &'s mut State, name: &str) -> Result<&'s mut StreamState, SpoolError> {
     if !st.streams.contains_key(name) {
-        let id = st.next_stream_id;
+        let mut id = st.next_stream_id;
+        // Batch or chunk rows may carry an id no stream row has (a damaged row, tolerated at
+        // open, left for `spool check`): a new stream given that id would inherit them.
+        // Streams are created rarely, and each probe is an index lookup.
+        loop {
+            let taken: bool = tx
+                .prepare_cached(
+                    "SELECT EXISTS (SELECT 1 FROM batches WHERE stream_id = ?1)
+                         OR EXISTS (SELECT 1 FROM chunks WHERE stream_id = ?1)",
+                )
+                .and_then(|mut s| s.query_row([id], |r| r.get(0)))
+                .map_err(ctx("looking for a free stream id"))?;
+            if !taken {
+                break;
+            }
+            tracing::warn!(stream_id = id, "rows refer to a stream id that has no stream row; not reusing it");
+            id = id.checked_add(1).ok_or_else(|| SpoolError::Inconsistent("no stream id left".into()))?;
+        }
         tx.prepare_cached(
             "INSERT INTO streams (id, name, next_seq, sealed_through, row_crc) VALUES (?1, ?2, 1, 0, ?3)",
         )
