@@ -1681,6 +1681,56 @@ mod tests {
     }
 
     #[test]
+    fn the_spare_survives_a_restart_and_is_reused_but_a_new_database_deletes_it() {
+        let (_dir, mut opts) = setup();
+        opts.segment_target_bytes = 1_000;
+        let (mut spool, _) = open(&opts);
+        for i in 0..4u8 {
+            spool.append(&[req(vec![batch("a", &[i; 300])])], u64::from(i)).expect("append");
+        }
+        spool.seal_all(5).expect("seal");
+        spool.append(&[req(vec![batch("b", b"x")])], 6).expect("append");
+        let first = all_sealed(&spool).remove(0);
+        spool.ack(&[first.id]).expect("ack");
+        let spare = crate::segment::spare_path(&opts.path, 0);
+        assert!(spare.exists());
+        // A crash (no clean close): the spare is still there and still the spare.
+        std::mem::forget(spool);
+        let (mut spool, _) = open(&opts);
+        assert!(spare.exists());
+        assert_eq!(segment_files(&opts), vec![2]);
+        // Segment 2 is small and continued; fill it so the next commit needs a new segment.
+        spool.append(&[req(vec![batch("b", &[9; 1_000])])], 7).expect("append");
+        spool.append(&[req(vec![batch("b", b"y")])], 8).expect("append");
+        assert!(!spare.exists(), "the new segment was renamed from the spare");
+        assert_eq!(segment_files(&opts), vec![2, 3]);
+        spool.seal_all(9).expect("seal");
+        let mut want = b"x".to_vec();
+        want.extend_from_slice(&[9; 1_000]);
+        want.extend_from_slice(b"y");
+        let chunk = all_sealed(&spool).remove(0);
+        assert_eq!(read(&spool, &chunk).expect("read over the spare's old bytes"), want);
+        // Segment 2 emptied becomes the spare; after a restart the next segment takes it.
+        spool.ack(&[chunk.id]).expect("ack");
+        assert!(spare.exists());
+        drop(spool);
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("c", b"z")])], 10).expect("append");
+        assert!(!spare.exists());
+        spool.seal_all(11).expect("seal");
+        let chunk = all_sealed(&spool).remove(0);
+        assert_eq!(read(&spool, &chunk).expect("read"), b"z");
+        drop(spool);
+        // A database created anew has no use for a spare: it holds acked bytes only.
+        std::fs::write(&spare, b"dead bytes").expect("plant a spare");
+        std::fs::remove_file(&opts.path).expect("remove database");
+        let _ = std::fs::remove_file(crate::recovery::with_suffix(&opts.path, "-wal"));
+        let (_spool, report) = open(&opts);
+        assert!(report.created);
+        assert!(!spare.exists(), "a new database deletes the spare");
+    }
+
+    #[test]
     fn a_missing_segment_makes_its_chunks_corrupt_and_the_rest_still_flows() {
         let (_dir, mut opts) = setup();
         opts.segment_target_bytes = 1;
