@@ -217,6 +217,7 @@ use std::time::Duration;
 pub use check::{CheckReport, DamagedBatch, DamagedChunk, check};
 pub use error::SpoolError;
 pub use reader::SpoolReader;
+pub use segment::disk_usage;
 pub use spool::Spool;
 
 /// The identity of one spool file, 16 random bytes drawn when the file is created.

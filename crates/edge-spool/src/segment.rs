@@ -113,6 +113,39 @@ pub(crate) fn list(db: &Path) -> Result<Vec<(i64, PathBuf)>, SpoolError> {
     Ok(out)
 }
 
+/// Disk space the files of the spool at `db` take: the database with its `-wal` and `-shm`,
+/// its payload segments and the spare, from their allocated blocks. Not counted: the disk
+/// reserve (a fixed ballast) and files moved aside (`.corrupt-…`, `.orphan-…`).
+///
+/// # Errors
+/// The directory cannot be read.
+pub fn disk_usage(db: &Path) -> Result<u64, SpoolError> {
+    use std::os::unix::fs::MetadataExt;
+    let dir = dir_of(db).to_owned();
+    let Some(name) = db.file_name().and_then(|n| n.to_str()) else { return Ok(0) };
+    let entries = match fs::read_dir(&dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+        Err(source) => return Err(SpoolError::Io { path: dir, source }),
+    };
+    let seg_prefix = format!("{name}-seg-");
+    let mut total = 0u64;
+    for entry in entries {
+        let entry = entry.map_err(|source| SpoolError::Io { path: dir.clone(), source })?;
+        let file_name = entry.file_name();
+        let Some(n) = file_name.to_str() else { continue };
+        let ours = n == name || n == format!("{name}-wal") || n == format!("{name}-shm") || n.starts_with(&seg_prefix);
+        if !ours {
+            continue;
+        }
+        // A file deleted between the listing and the stat (a segment emptied meanwhile) counts 0.
+        if let Ok(m) = entry.metadata() {
+            total = total.saturating_add(m.blocks().saturating_mul(512));
+        }
+    }
+    Ok(total)
+}
+
 /// `fsync` of the directory holding `db`, so a created, renamed or deleted name is durable.
 pub(crate) fn sync_dir(db: &Path) -> Result<(), SpoolError> {
     let dir = dir_of(db);

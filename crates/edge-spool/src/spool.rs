@@ -1731,6 +1731,32 @@ mod tests {
     }
 
     #[test]
+    fn disk_usage_counts_the_database_and_segments_but_not_the_reserve_or_moved_aside_files() {
+        let (dir, mut opts) = setup();
+        opts.segment_target_bytes = 64 << 10;
+        let (mut spool, _) = open(&opts);
+        let empty = crate::disk_usage(&opts.path).expect("usage");
+        assert!(empty > 0, "the database takes blocks");
+        for i in 0..4u8 {
+            spool.append(&[req(vec![batch("a", &[i; 40 << 10])])], u64::from(i)).expect("append");
+        }
+        let full = crate::disk_usage(&opts.path).expect("usage");
+        assert!(full >= empty + (160 << 10), "segments counted: {empty} then {full}");
+        // Files that are not the spool's own are not counted.
+        std::fs::write(dir.path().join("spool.db.corrupt-1"), vec![1u8; 100 << 10]).expect("moved-aside file");
+        std::fs::write(dir.path().join("other.db"), vec![1u8; 100 << 10]).expect("another file");
+        let reserve = crate::recovery::with_suffix(&opts.path, "-reserve");
+        assert!(reserve.exists(), "the reserve is there and not counted");
+        assert_eq!(crate::disk_usage(&opts.path).expect("usage"), full);
+        // Acked, the segments go (but for the spare and the active one), and so does their space.
+        spool.seal_all(5).expect("seal");
+        let ids: Vec<ChunkId> = all_sealed(&spool).iter().map(|c| c.id).collect();
+        spool.ack(&ids).expect("ack");
+        let after = crate::disk_usage(&opts.path).expect("usage");
+        assert!(after < full, "{after} < {full}");
+    }
+
+    #[test]
     fn a_missing_segment_makes_its_chunks_corrupt_and_the_rest_still_flows() {
         let (_dir, mut opts) = setup();
         opts.segment_target_bytes = 1;

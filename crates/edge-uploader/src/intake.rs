@@ -211,6 +211,7 @@ pub fn status_json(intake: &Intake) -> serde_json::Value {
             "open_bytes": s.open_bytes,
             "open_records": s.open_records,
             "total_bytes": s.total_bytes,
+            "disk_bytes": intake.spool.disk_bytes(),
             "oldest_ms": s.oldest_ms,
             "dropped_records": s.dropped_records,
             "dropped_chunks": s.dropped_chunks,

@@ -57,6 +57,8 @@ pub struct SpoolHandle {
     /// send (see [`SpoolHandle::set_uploader_idle`]).
     uploader_idle: Arc<AtomicBool>,
     id: SpoolId,
+    /// The spool database's path, for [`SpoolHandle::disk_bytes`].
+    path: Arc<std::path::Path>,
 }
 
 /// Joins the spool thread when the last handle is gone.
@@ -84,8 +86,15 @@ impl SpoolHandle {
         let sealed = Arc::new(Notify::new());
         let id = spool.id();
         let uploader_idle = Arc::new(AtomicBool::new(false));
-        let handle =
-            SpoolHandle { tx, stats: stats.clone(), sealed: sealed.clone(), uploader_idle: uploader_idle.clone(), id };
+        let path: Arc<std::path::Path> = Arc::from(spool.options().path.as_path());
+        let handle = SpoolHandle {
+            tx,
+            stats: stats.clone(),
+            sealed: sealed.clone(),
+            uploader_idle: uploader_idle.clone(),
+            id,
+            path,
+        };
         let join = std::thread::Builder::new()
             .name("edge-spool".into())
             .spawn(move || writer_loop(spool, rx, stats, sealed, uploader_idle))?;
@@ -138,7 +147,13 @@ impl SpoolHandle {
     /// A read-only view of the statistics for observers (the metrics collector). Unlike a
     /// handle it does not keep the spool thread running, so shutdown is not held up by it.
     pub fn stats_view(&self) -> SpoolStatsView {
-        SpoolStatsView(self.stats.clone())
+        SpoolStatsView { stats: self.stats.clone(), path: self.path.clone() }
+    }
+
+    /// Disk space the spool's files take now (see [`edge_spool::disk_usage`]); `None` when the
+    /// directory cannot be read.
+    pub fn disk_bytes(&self) -> Option<u64> {
+        disk_bytes(&self.path)
     }
 
     /// Resolves when new chunks were sealed since the last call.
@@ -163,12 +178,32 @@ impl SpoolHandle {
 
 /// See [`SpoolHandle::stats_view`].
 #[derive(Debug, Clone)]
-pub struct SpoolStatsView(Arc<Mutex<SpoolStats>>);
+pub struct SpoolStatsView {
+    stats: Arc<Mutex<SpoolStats>>,
+    path: Arc<std::path::Path>,
+}
 
 impl SpoolStatsView {
     /// The latest statistics snapshot, as [`SpoolHandle::stats`].
     pub fn get(&self) -> SpoolStats {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+        self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// As [`SpoolHandle::disk_bytes`].
+    pub fn disk_bytes(&self) -> Option<u64> {
+        disk_bytes(&self.path)
+    }
+}
+
+/// A directory listing and a `stat` per spool file: cheap enough for a scrape or a status
+/// request, too dear for every commit, so it is not part of [`SpoolStats`].
+fn disk_bytes(path: &std::path::Path) -> Option<u64> {
+    match edge_spool::disk_usage(path) {
+        Ok(n) => Some(n),
+        Err(e) => {
+            warn!(error = %e, "could not measure the spool's disk use");
+            None
+        }
     }
 }
 
