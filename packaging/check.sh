@@ -106,7 +106,7 @@ step "dashboard (packaging/grafana)"
 # with Grafana's variables replaced, go into a scratch rule file for promtool.
 python3 - packaging/grafana/edge-uploader.json "$OUT/dashboard-queries.rules.yml" <<'PY' ||
 import json, re, sys
-AGENT = """intake_records_total intake_bytes_total spool_bytes spool_chunks
+AGENT = """intake_records_total intake_bytes_total spool_bytes spool_disk_bytes spool_chunks
 spool_oldest_unacked_age_seconds upload_bytes_total upload_chunks_total
 chunk_upload_latency_seconds_bucket end_to_end_latency_seconds_bucket chunks_in_flight connected
 reconnects_total dropped_records_total""".split()
