@@ -253,43 +253,34 @@ impl World {
             // The agent's metrics are scraped only once the ingest has everything (or for an
             // error message): every scrape costs the measured agent CPU (it reads /proc and
             // formats every family), and a real Prometheus scrapes every 15 s, not every 5 ms.
-            let i = self.ingest_scrape()?;
-            let stored = i.sum("edge_ingest_bytes_total");
+            let stored = self.ingest_scrape()?.sum("edge_ingest_bytes_total");
             let stalled = stored == last_progress.0 && last_progress.1.elapsed() > Duration::from_secs(20);
             let late = Instant::now() > deadline;
-            if stored < stored_bytes as f64 && !stalled && !late {
-                if stored != last_progress.0 {
-                    last_progress = (stored, Instant::now());
-                }
-                if let Some(d) = self.agent.as_mut() {
-                    d.check_alive()?;
-                }
-                if let Some(d) = self.ingest.as_mut() {
-                    d.check_alive()?;
-                }
-                std::thread::sleep(Duration::from_millis(5));
-                continue;
-            }
-            let a = self.agent_scrape()?;
-            let (spool_bytes, spool_chunks) = (a.sum("edge_uploader_spool_bytes"), a.sum("edge_uploader_spool_chunks"));
-            if spool_bytes == 0.0 && spool_chunks == 0.0 && stored >= stored_bytes as f64 {
-                return Ok(Instant::now());
-            }
             if stored != last_progress.0 {
                 last_progress = (stored, Instant::now());
-            } else if stalled {
-                bail!(
-                    "upload stalled: no progress for 20 s with {spool_chunks} sealed chunks ({spool_bytes} bytes) in \
-                     the spool, {} chunks in flight, connected = {}; ingest stored {stored} of {stored_bytes} bytes",
-                    a.sum("edge_uploader_chunks_in_flight"),
-                    a.sum("edge_uploader_connected"),
-                );
             }
-            if late {
-                bail!(
-                    "not drained after {timeout:?}: spool {spool_bytes} bytes, {spool_chunks} chunks; ingest stored \
-                     {stored} of {stored_bytes} bytes"
-                );
+            if stored >= stored_bytes as f64 || stalled || late {
+                let a = self.agent_scrape()?;
+                let (spool_bytes, spool_chunks) =
+                    (a.sum("edge_uploader_spool_bytes"), a.sum("edge_uploader_spool_chunks"));
+                if spool_bytes == 0.0 && spool_chunks == 0.0 && stored >= stored_bytes as f64 {
+                    return Ok(Instant::now());
+                }
+                if stalled {
+                    bail!(
+                        "upload stalled: no progress for 20 s with {spool_chunks} sealed chunks ({spool_bytes} bytes) \
+                         in the spool, {} chunks in flight, connected = {}; ingest stored {stored} of {stored_bytes} \
+                         bytes",
+                        a.sum("edge_uploader_chunks_in_flight"),
+                        a.sum("edge_uploader_connected"),
+                    );
+                }
+                if late {
+                    bail!(
+                        "not drained after {timeout:?}: spool {spool_bytes} bytes, {spool_chunks} chunks; ingest \
+                         stored {stored} of {stored_bytes} bytes"
+                    );
+                }
             }
             if let Some(d) = self.agent.as_mut() {
                 d.check_alive()?;

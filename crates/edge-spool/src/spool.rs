@@ -1638,9 +1638,10 @@ mod tests {
         assert_eq!(segment_files(&opts), vec![2], "the retired segment went with its last chunk");
     }
 
-    #[test]
-    fn a_full_disk_deletes_the_spare_segment_and_dead_segments_are_then_unlinked() {
-        let (_dir, mut opts) = setup();
+    /// A spool with 1,000-byte segments whose first segment, emptied by an ack, is now the
+    /// spare: stream "a" acked (1,200 bytes in segment 1), stream "b" open with "x" (segment 2).
+    fn spool_with_a_spare() -> (TempDir, SpoolOptions, Spool, std::path::PathBuf) {
+        let (dir, mut opts) = setup();
         opts.segment_target_bytes = 1_000;
         let (mut spool, _) = open(&opts);
         for i in 0..4u8 {
@@ -1651,6 +1652,12 @@ mod tests {
         let first = all_sealed(&spool).remove(0);
         spool.ack(&[first.id]).expect("ack");
         let spare = crate::segment::spare_path(&opts.path, 0);
+        (dir, opts, spool, spare)
+    }
+
+    #[test]
+    fn a_full_disk_deletes_the_spare_segment_and_dead_segments_are_then_unlinked() {
+        let (_dir, _opts, mut spool, spare) = spool_with_a_spare();
         assert!(spare.exists(), "segment 1 kept as the spare");
         // A full disk: the spare's space is given back at once.
         spool.simulate_full_segments(true);
@@ -1682,17 +1689,7 @@ mod tests {
 
     #[test]
     fn the_spare_survives_a_restart_and_is_reused_but_a_new_database_deletes_it() {
-        let (_dir, mut opts) = setup();
-        opts.segment_target_bytes = 1_000;
-        let (mut spool, _) = open(&opts);
-        for i in 0..4u8 {
-            spool.append(&[req(vec![batch("a", &[i; 300])])], u64::from(i)).expect("append");
-        }
-        spool.seal_all(5).expect("seal");
-        spool.append(&[req(vec![batch("b", b"x")])], 6).expect("append");
-        let first = all_sealed(&spool).remove(0);
-        spool.ack(&[first.id]).expect("ack");
-        let spare = crate::segment::spare_path(&opts.path, 0);
+        let (_dir, opts, spool, spare) = spool_with_a_spare();
         assert!(spare.exists());
         // A crash (no clean close): the spare is still there and still the spare.
         std::mem::forget(spool);
