@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use edge_spool::{
     AppendOutcome, AppendRequest, ChunkId, ChunkPayload, FullPolicy, SealWhat, Spool, SpoolError, SpoolId, SpoolReader,
@@ -21,6 +21,15 @@ use tracing::{error, warn};
 
 /// Largest amount of request bytes put in one transaction.
 const MAX_GROUP_BYTES: u64 = 64 << 20;
+
+/// How long acks alone wait for company before they get a commit (and an fsync) of their own.
+/// An ack is not a promise to anyone: a crash before its commit only means the chunk is sent
+/// again and the server answers Duplicate. Draining at full speed, a commit per ack was a
+/// sixth of the agent's CPU.
+const ACK_LINGER: Duration = Duration::from_millis(10);
+
+/// Acks that get a commit at once, however young.
+const ACK_GROUP: usize = 64;
 
 /// Why an append did not go through.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -224,6 +233,8 @@ fn writer_loop(
     let tick = (spool.options().linger / 2).clamp(Duration::from_millis(1), Duration::from_millis(50));
     let mut appends: Vec<(AppendRequest, oneshot::Sender<Result<(), AppendFailure>>)> = Vec::new();
     let mut acks: Vec<ChunkId> = Vec::new();
+    // When the oldest ack in `acks` arrived.
+    let mut acks_since: Option<Instant> = None;
     let mut seal_waiters: Vec<oneshot::Sender<()>> = Vec::new();
     let mut open = true;
     if spool.stats().sealed_chunks > 0 {
@@ -245,7 +256,8 @@ fn writer_loop(
             Cmd::SetLimits { max_bytes, policy } => spool.set_limits(max_bytes, policy),
             Cmd::SealAll { reply } => seal_waiters.push(reply),
         };
-        match rx.recv_timeout(tick) {
+        let wait = acks_since.map_or(tick, |t| tick.min(ACK_LINGER.saturating_sub(t.elapsed())));
+        match rx.recv_timeout(wait) {
             Ok(cmd) => take(cmd, &mut spool, &mut group_bytes),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => open = false,
@@ -259,6 +271,18 @@ fn writer_loop(
                     break;
                 }
             }
+        }
+        if acks.is_empty() {
+            acks_since = None;
+        } else {
+            let since = *acks_since.get_or_insert_with(Instant::now);
+            // Acks alone, few and young: wait for more, or for appends to ride with. (Seals
+            // that fall due meanwhile wait at most `ACK_LINGER` too.)
+            let alone = appends.is_empty() && seal_waiters.is_empty();
+            if open && alone && acks.len() < ACK_GROUP && since.elapsed() < ACK_LINGER {
+                continue;
+            }
+            acks_since = None;
         }
         let now = now_ms();
         let (reqs, replies): (Vec<_>, Vec<_>) = std::mem::take(&mut appends).into_iter().unzip();
