@@ -200,6 +200,7 @@ macro_rules! crash_point {
 pub(crate) use crash_point;
 
 mod check;
+mod crc;
 mod error;
 mod reader;
 mod recovery;
