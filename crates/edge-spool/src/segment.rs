@@ -554,12 +554,9 @@ impl SegmentFiles {
         }
         let Some(f) = self.open.get(&id) else { return Err(Some("segment handle vanished".into())) };
         let len = usize::try_from(len).map_err(|_| Some(format!("segment {id}: length {len} too large")))?;
-        let start = out.len();
-        out.resize(start + len, 0);
-        match f.read_exact_at(&mut out[start..], offset) {
+        match append_at(f, offset, len, out) {
             Ok(()) => Ok(()),
             Err(e) => {
-                out.truncate(start);
                 let size = f.metadata().map(|m| m.len()).unwrap_or(0);
                 Err(Some(format!("segment {id}: reading {len} bytes at {offset} (file has {size}): {e}")))
             }
@@ -569,5 +566,62 @@ impl SegmentFiles {
     /// Closes every handle.
     pub(crate) fn close_all(&mut self) {
         self.open.clear();
+    }
+}
+
+/// Appends the `len` bytes of `f` at `offset` to `out`, or nothing on error. The bytes are read
+/// straight into `out`'s spare capacity: zero-filling it first (`resize`, then `read_exact_at`)
+/// was an eighth of the reader's time in a drain profile.
+#[allow(unsafe_code)]
+fn append_at(f: &File, offset: u64, len: usize, out: &mut Vec<u8>) -> io::Result<()> {
+    let start = out.len();
+    let end = start.checked_add(len).ok_or_else(|| io::Error::other("length overflows"))?;
+    out.reserve(len);
+    while out.len() < end {
+        let at = offset + crate::len_u64(&out[start..]);
+        let room = end - out.len();
+        let n = match rustix::io::pread(f, &mut out.spare_capacity_mut()[..room], at) {
+            Ok((read, _)) => read.len(),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => {
+                out.truncate(start);
+                return Err(e.into());
+            }
+        };
+        if n == 0 {
+            out.truncate(start);
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        // SAFETY: `pread` initialised the first `n` bytes of the spare capacity, and
+        // `n <= room`, so the new length stays within what `reserve` made room for.
+        unsafe { out.set_len(out.len() + n) };
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn append_at_appends_exactly_the_range_or_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("seg");
+        let bytes: Vec<u8> = (0..=255).collect();
+        std::fs::write(&p, &bytes).expect("write");
+        let f = File::open(&p).expect("open");
+
+        let mut out = vec![7, 7];
+        append_at(&f, 3, 5, &mut out).expect("in range");
+        assert_eq!(out, [7, 7, 3, 4, 5, 6, 7]);
+        append_at(&f, 250, 6, &mut out).expect("up to the end");
+        assert_eq!(out[7..], [250, 251, 252, 253, 254, 255]);
+
+        let before = out.clone();
+        let e = append_at(&f, 250, 7, &mut out).expect_err("one byte past the end");
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+        assert_eq!(out, before, "a failed read leaves nothing behind");
+        append_at(&f, 0, 0, &mut out).expect("nothing to read");
+        assert_eq!(out, before);
     }
 }
