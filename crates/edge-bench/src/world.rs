@@ -86,6 +86,7 @@ pub struct WorldOptions {
     pub spool_max_bytes: u64,
     pub chunk_target: String,
     pub max_in_flight: u32,
+    pub max_in_flight_bytes: String,
     pub durability: &'static str,
     /// Name of a sweep variant; empty for the default configuration.
     pub label: String,
@@ -97,6 +98,7 @@ impl Default for WorldOptions {
             spool_max_bytes: 8 << 30,
             chunk_target: "512KiB".into(),
             max_in_flight: 32,
+            max_in_flight_bytes: "4MiB".into(),
             durability: "full",
             label: String::new(),
         }
@@ -146,7 +148,7 @@ impl World {
         let agent_toml = format!(
             "[intake]\nsocket = {}\n\n[spool]\npath = {}\nmax_bytes = {}\ndurability = \"{}\"\nchunk_target = \"{}\"\n\n\
              [upload]\nserver = \"127.0.0.1:{port}\"\nserver_name = \"localhost\"\nca = {}\ncert = {}\nkey = {}\n\
-             max_in_flight = {}\nbackoff_min = \"20ms\"\nbackoff_max = \"100ms\"\n\n\
+             max_in_flight = {}\nmax_in_flight_bytes = \"{}\"\nbackoff_min = \"20ms\"\nbackoff_max = \"100ms\"\n\n\
              [metrics]\nlisten = \"127.0.0.1:{agent_metrics}\"\n\n[log]\nlevel = \"warn\"\n",
             q(&socket),
             q(&dir.join("agent/spool.db")),
@@ -157,6 +159,7 @@ impl World {
             q(&device.cert),
             q(&device.key),
             opts.max_in_flight,
+            opts.max_in_flight_bytes,
         );
         let agent_config = dir.join("agent.toml");
         let ingest_config = dir.join("ingest.toml");
