@@ -3,8 +3,9 @@
 //! Intake requests and upload acks arrive on a channel. The thread takes everything queued at
 //! that moment and commits it in one transaction (group commit), so a thousand small concurrent
 //! producer requests cost one fsync, not a thousand. The same transaction records the acks and
-//! seals the chunks whose linger expired (`Spool::commit`): one fsync per iteration. The thread
-//! wakes the uploader whenever a commit sealed at least one chunk.
+//! seals the chunks whose linger expired (`Spool::commit`): one fsync per iteration. Acks with
+//! nothing else to commit wait up to `ACK_LINGER` for company. The thread wakes the uploader
+//! whenever a commit sealed at least one chunk.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
