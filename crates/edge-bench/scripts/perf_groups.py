@@ -25,6 +25,7 @@ STAGES = [
 # Otherwise, by the leaf-most frame that names one of these.
 LIBRARIES = [
     ("QUIC and TLS", re.compile(r"quinn|rustls|ring::|ring_core|aes_gcm|aes_hw|gcm_|ChaCha|udp")),
+    ("HTTP (hyper, axum)", re.compile(r"hyper::|hyper_util::|axum::|http_body")),
     ("tokio", re.compile(r"tokio::")),
     ("SQLite", re.compile(r"sqlite3")),
     ("allocator", re.compile(r"jemalloc|_rjem_|malloc|free")),

@@ -427,4 +427,30 @@ mod tests {
         drop(handle);
         thread.join();
     }
+
+    #[tokio::test]
+    async fn an_ack_with_nothing_else_to_commit_is_committed_after_its_linger() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut opts = SpoolOptions::new(dir.path().join("spool.db"));
+        opts.linger = Duration::from_secs(3600);
+        let (spool, _) = Spool::open(opts).expect("open spool");
+        let mut reader = spool.reader().expect("reader");
+        let (handle, thread) = SpoolHandle::spawn(spool).expect("spawn spool thread");
+        handle.append(request()).await.expect("append");
+        handle.seal_all().await;
+        let chunks = reader.sealed_after(None, usize::MAX).expect("list");
+        assert_eq!((chunks.len(), handle.stats().sealed_chunks), (1, 1));
+
+        // No appends, seals or further acks follow: the held ack must still reach the spool.
+        handle.ack(vec![chunks[0].id]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while handle.stats().sealed_chunks != 0 {
+            assert!(std::time::Instant::now() < deadline, "ack never committed: {:?}", handle.stats());
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(reader.sealed_after(None, usize::MAX).expect("list").is_empty());
+
+        drop(handle);
+        thread.join();
+    }
 }
