@@ -300,11 +300,11 @@ impl Assembly {
         files: &mut SegmentFiles,
     ) -> Result<(), Damage> {
         self.claim(&part, len)?;
+        // `run.len + len` cannot overflow: both are within `want`, claimed above.
         if let Some(run) = &mut self.run
             && run.segment == segment
             && run.offset.checked_add(run.len) == Some(offset)
             && run.len + len <= MAX_RUN
-        // no overflow: both are within `want`
         {
             run.len += len;
             run.parts.push((part, len));
