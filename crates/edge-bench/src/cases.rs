@@ -476,14 +476,22 @@ pub enum Profiler {
 /// Runs the agent through one measured phase of `bytes` (10 KiB records, `per_request` per
 /// request) under a profiler: a live phase (producers pushing with the ingest up, then the
 /// drain of what is left), or with `drain` a drain of a spool filled while the ingest was down.
-pub async fn profile(ctx: &Ctx, how: Profiler, drain: bool, bytes: u64, per_request: usize) -> anyhow::Result<()> {
+pub async fn profile(
+    ctx: &Ctx,
+    how: Profiler,
+    drain: bool,
+    bytes: u64,
+    per_request: Option<usize>,
+) -> anyhow::Result<()> {
     let mut w = World::new(&ctx.bins, &ctx.work.join("profile"), &WorldOptions::default())?;
     if let Profiler::Wrap(wrapper) = &how {
         w.agent_wrapper.clone_from(wrapper);
     }
-    let producers = if per_request == 1 { 32 } else { 8 };
-    let load =
-        Load { producers, streams: 4, record: 10 * KIB, per_request, duration: None, bytes: Some(bytes), rate: None };
+    let load = match (drain, per_request) {
+        (true, None) => drain_prefill(bytes),
+        (_, per_request) => live_load(10 * KIB, per_request.unwrap_or(1), None, Some(bytes)),
+    };
+    let per_request = load.per_request;
     if !drain {
         w.start_ingest()?;
     }
@@ -608,6 +616,26 @@ async fn drain(ctx: &Ctx, res: &mut Results, case: &str, prefill: u64) -> anyhow
     Ok(())
 }
 
+/// How the drain cases fill the spool: 4 producers, each on its own stream, 100 records of
+/// 10 KiB per NDJSON request, so a chunk's rows lie back to back in a segment.
+fn drain_prefill(bytes: u64) -> Load {
+    Load {
+        producers: 4,
+        streams: 4,
+        record: 10 * KIB,
+        per_request: 100,
+        duration: None,
+        bytes: Some(bytes),
+        rate: None,
+    }
+}
+
+/// The live cases' producers for `per_request` records per request, until `bytes` or `duration`.
+fn live_load(record: usize, per_request: usize, duration: Option<Duration>, bytes: Option<u64>) -> Load {
+    let producers = if per_request == 1 { 32 } else { 8 };
+    Load { producers, streams: 4, record, per_request, duration, bytes, rate: None }
+}
+
 /// Prefills the spool with the ingest down, starts the ingest, times from the agent's
 /// connection until the spool is empty and the ingest has stored everything.
 async fn drain_once(ctx: &Ctx, res: &mut Results, case: &str, prefill: u64, opts: &WorldOptions) -> anyhow::Result<()> {
@@ -618,16 +646,7 @@ async fn drain_once(ctx: &Ctx, res: &mut Results, case: &str, prefill: u64, opts
     let pid = w.agent_pid()?;
     let wb0 = sys::write_bytes(pid)?;
     ctx.progress(format!("{case}: prefilling {} MiB with the ingest down", prefill / MIB));
-    let load = Load {
-        producers: 4,
-        streams: 4,
-        record: 10 * KIB,
-        per_request: 100,
-        duration: None,
-        bytes: Some(prefill),
-        rate: None,
-    };
-    let p = world::produce(&w.socket, &load).await?;
+    let p = world::produce(&w.socket, &drain_prefill(prefill)).await?;
     // Let the linger seal the last open batches.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let wb_prefill = sys::write_bytes(pid)? - wb0;
@@ -712,9 +731,7 @@ async fn live_with(
         let dev0 = sys::device_write_bytes(&w.dir)?;
         let bench_cpu0 = sys::self_cpu_seconds()?;
         let t0 = Instant::now();
-        let producers = if per_request == 1 { 32 } else { 8 };
-        let load =
-            Load { producers, streams: 4, record, per_request, duration: Some(duration), bytes: None, rate: None };
+        let load = live_load(record, per_request, Some(duration), None);
         let p = world::produce(&w.socket, &load).await?;
         let t1 = w.wait_drained(p.bytes, Duration::from_secs(600))?;
         let secs = t1.duration_since(t0).as_secs_f64();

@@ -72,8 +72,12 @@ enum Cmd {
         drain: bool,
         #[arg(long, default_value_t = 32)]
         mib: u64,
-        #[arg(long, default_value_t = 1)]
-        per_request: usize,
+        /// 10 KiB records per request. Default: the measured case's own load, so the spool's
+        /// layout is the one the case reads: with `--drain` the drain case's prefill (4
+        /// producers, one stream each, 100 records per request), otherwise the live case's (32
+        /// producers on 4 streams, one record per request).
+        #[arg(long)]
+        per_request: Option<usize>,
         #[arg(long)]
         allow_stale: bool,
     },
