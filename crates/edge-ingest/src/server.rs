@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use bytes::{BufMut as _, Bytes, BytesMut};
+use bytes::{BufMut as _, BytesMut};
 use edge_proto::server::{ServerEvent, ServerSession};
 use edge_proto::{
     AckStatus, ChunkHeader, ErrorCode, Limits, ProtoError, RejectReason, RetryReason, STOP_ANSWERED, StreamName,
@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
 
-use crate::store::{ChunkKey, IncomingChunk, PersistOutcome, StoreFailure, StoreHandle, StoreStatsView};
+use crate::store::{ChunkKey, IncomingChunk, Payload, PersistOutcome, StoreFailure, StoreHandle, StoreStatsView};
 
 /// What the server needs to run; built from the validated config or by tests.
 #[derive(Debug, Clone)]
@@ -1079,11 +1079,12 @@ async fn process_chunk(
             }
         }
     }
-    let payload: Bytes = payload.freeze();
+    // Its CRC-32C is computed here, once, for this check and the store's.
+    let payload = Payload::new(payload.freeze());
     let received = Instant::now();
 
     // 3. Verify: exact length, checksum, record framing.
-    let status = if let Err(e) = header.verify_payload(&payload) {
+    let status = if let Err(e) = header.verify_payload_summary(payload.len(), payload.crc32c()) {
         warn!(device = %ctx.device, stream = %key_stream, seq, error = %e, "chunk failed verification");
         AckStatus::Rejected(e.reject_reason().unwrap_or(RejectReason::Malformed))
     } else if let Err(e) = check_records(&header, &payload) {

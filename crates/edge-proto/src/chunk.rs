@@ -163,10 +163,15 @@ impl ChunkHeader {
     /// Checks that `payload` (the wire bytes after the header) has the declared length and
     /// checksum. Does not decompress or split records: see [`crate::records`].
     pub fn verify_payload(&self, payload: &[u8]) -> Result<(), ProtoError> {
-        if payload.len() != self.payload_len as usize {
-            return Err(ProtoError::PayloadLength { expected: self.payload_len, found: payload.len() });
+        self.verify_payload_summary(payload.len(), crc32c::crc32c(payload))
+    }
+
+    /// As [`ChunkHeader::verify_payload`], for a caller that already has the payload's length
+    /// and CRC-32C (computed from the bytes, not taken from the peer).
+    pub fn verify_payload_summary(&self, len: usize, computed: u32) -> Result<(), ProtoError> {
+        if len != self.payload_len as usize {
+            return Err(ProtoError::PayloadLength { expected: self.payload_len, found: len });
         }
-        let computed = crc32c::crc32c(payload);
         if computed != self.checksum {
             return Err(ProtoError::ChecksumMismatch { expected: self.checksum, computed });
         }

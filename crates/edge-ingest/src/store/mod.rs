@@ -159,12 +159,61 @@ pub struct IncomingChunk {
     pub codec: Codec,
     /// Payload size once decoded.
     pub raw_len: u32,
-    /// CRC32C of `payload`; the store recomputes it and rejects the chunk if it differs.
+    /// CRC32C of `payload` as announced by the agent; the store rejects the chunk if the
+    /// payload's own ([`Payload::crc32c`]) differs.
     pub checksum: u32,
     /// When the agent created the chunk (ms since the Unix epoch, agent clock).
     pub created_ms: u64,
     /// Payload as received on the wire.
-    pub payload: Bytes,
+    pub payload: Payload,
+}
+
+/// A chunk payload and its CRC-32C, computed once, when the payload is made: whoever holds a
+/// `Payload` holds bytes and a checksum that match, so the server's verification and the
+/// store's share one pass over the bytes (two passes were 6.6 % of the server's CPU while
+/// receiving).
+#[derive(Debug, Clone)]
+pub struct Payload {
+    bytes: Bytes,
+    crc32c: u32,
+}
+
+impl Payload {
+    /// Takes the bytes and computes their CRC-32C.
+    pub fn new(bytes: Bytes) -> Self {
+        let crc32c = crc32c::crc32c(&bytes);
+        Payload { bytes, crc32c }
+    }
+
+    /// The CRC-32C of the bytes.
+    pub fn crc32c(&self) -> u32 {
+        self.crc32c
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &Bytes {
+        &self.bytes
+    }
+}
+
+impl std::ops::Deref for Payload {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl From<Bytes> for Payload {
+    fn from(bytes: Bytes) -> Self {
+        Payload::new(bytes)
+    }
+}
+
+impl From<Vec<u8>> for Payload {
+    fn from(bytes: Vec<u8>) -> Self {
+        Payload::new(bytes.into())
+    }
 }
 
 /// What happened to one chunk of a batch.

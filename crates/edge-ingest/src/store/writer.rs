@@ -485,7 +485,7 @@ fn validate(chunk: &IncomingChunk) -> Result<u32, String> {
     if u32::try_from(chunk.payload.len()).is_err() {
         return Err("payload of 4 GiB or more".into());
     }
-    let crc = crc32c::crc32c(&chunk.payload);
+    let crc = chunk.payload.crc32c();
     if crc != chunk.checksum {
         return Err(format!("payload checksum {crc:08x} differs from the announced {:08x}", chunk.checksum));
     }
