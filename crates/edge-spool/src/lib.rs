@@ -79,13 +79,13 @@
 //! Every write call (`commit`, and `append`, `seal_*`, `ack`, which are `commit`s with one kind
 //! of work; `quarantine`, `purge_quarantined`) is one `BEGIN IMMEDIATE` ... `COMMIT`. A call
 //! with appends first writes their bytes, back to back, at the committed end of the active
-//! segment (one `pwrite`) and `fdatasync`s it, under either durability, so a committed row
-//! never points at bytes that were not durable; a new segment (when the active one holds
-//! [`SpoolOptions::segment_target_bytes`]) is created and the directory fsynced first. Bytes of
-//! a call that fails are cut off again (and by the next open), unless only its index `COMMIT`
-//! failed: SQLite cannot say whether such a transaction reached the WAL, so its bytes are
-//! stepped over, never overwritten. After `COMMIT`, segments no row
-//! points into any more are deleted (the active one too once it is all dead and a quarter
+//! segment (one `pwritev` of the batches themselves) and `fdatasync`s it, under either
+//! durability, so a committed row never points at bytes that were not durable; a new segment
+//! (when the active one holds [`SpoolOptions::segment_target_bytes`]) is created and the
+//! directory fsynced first. Bytes of a call that fails are cut off again (and by the next
+//! open), unless only its index `COMMIT` failed: SQLite cannot say whether such a transaction
+//! reached the WAL, so its bytes are stepped over, never overwritten. After `COMMIT`, segments
+//! no row points into any more are deleted (the active one too once it is all dead and a quarter
 //! full); a crash before that leaves files the next open deletes. Whether a segment is unused
 //! is asked of the rows, not only of a counter: `batches` is counted over the id range the
 //! segment's rows were given (kept per segment, read at open), which is a small run of the

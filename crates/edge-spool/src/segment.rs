@@ -32,7 +32,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::recovery::with_suffix;
@@ -338,15 +337,15 @@ impl SegmentWriter {
         Ok((id, 0))
     }
 
-    /// Writes `data` at the active segment's committed end and `fdatasync`s it. The bytes
-    /// count only after [`SegmentWriter::committed`]; until then the next write or open
-    /// overwrites or cuts them.
-    pub(crate) fn write(&mut self, data: &[u8]) -> Result<(), SpoolError> {
+    /// Writes `parts`, back to back, at the active segment's committed end and `fdatasync`s
+    /// them. The bytes count only after [`SegmentWriter::committed`]; until then the next write
+    /// or open overwrites or cuts them.
+    pub(crate) fn write(&mut self, parts: &[&[u8]]) -> Result<(), SpoolError> {
         let Some(a) = &mut self.active else {
             return Err(SpoolError::Inconsistent("segment write without an active segment".into()));
         };
         let p = path(&self.db, a.id);
-        self.pending = crate::len_u64(data);
+        self.pending = parts.iter().map(|d| crate::len_u64(d)).sum();
         self.pending_durable = false;
         #[cfg(test)]
         let full = self.simulate_full;
@@ -355,7 +354,7 @@ impl SegmentWriter {
         let result = if full {
             Err(io::Error::from_raw_os_error(rustix::io::Errno::NOSPC.raw_os_error()))
         } else {
-            a.file.write_all_at(data, a.end)
+            write_all_vectored_at(&a.file, parts, a.end)
         };
         let result = result.and_then(|()| {
             crate::crash_point!("spool::segment::written");
@@ -599,6 +598,31 @@ fn append_at(f: &File, offset: u64, len: usize, out: &mut Vec<u8>) -> io::Result
     Ok(())
 }
 
+/// Most slices one `pwritev` takes (`IOV_MAX` on Linux).
+const MAX_IOVECS: usize = 1024;
+
+/// Writes every byte of `parts`, back to back, at `offset`: one `pwritev` per `MAX_IOVECS`
+/// parts, continued after a short write. The parts are the producers' batches themselves, so a
+/// commit's bytes are not first copied into one buffer.
+fn write_all_vectored_at(file: &File, parts: &[&[u8]], mut offset: u64) -> io::Result<()> {
+    let mut slices: Vec<io::IoSlice<'_>> =
+        parts.iter().filter(|p| !p.is_empty()).map(|p| io::IoSlice::new(p)).collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let n = rest.len().min(MAX_IOVECS);
+        match rustix::io::pwritev(file, &rest[..n], offset) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "segment write wrote nothing")),
+            Ok(written) => {
+                offset += written as u64;
+                io::IoSlice::advance_slices(&mut rest, written);
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -623,5 +647,22 @@ mod tests {
         assert_eq!(out, before, "a failed read leaves nothing behind");
         append_at(&f, 0, 0, &mut out).expect("nothing to read");
         assert_eq!(out, before);
+    }
+
+    #[test]
+    fn vectored_writes_put_every_part_back_to_back_past_the_iovec_limit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("seg");
+        std::fs::write(&p, [9u8; 5]).expect("write");
+        let f = OpenOptions::new().read(true).write(true).open(&p).expect("open");
+        // More parts than one pwritev takes, of uneven sizes, some empty.
+        let owned: Vec<Vec<u8>> = (0..2 * MAX_IOVECS + 7).map(|i| vec![(i % 251) as u8; i % 5]).collect();
+        let parts: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
+        write_all_vectored_at(&f, &parts, 3).expect("write");
+
+        let want: Vec<u8> = [9, 9, 9].into_iter().chain(owned.concat()).collect();
+        assert_eq!(std::fs::read(&p).expect("read"), want, "bytes before the offset kept, then every part in order");
+        write_all_vectored_at(&f, &[], 0).expect("nothing to write");
+        assert_eq!(std::fs::read(&p).expect("read"), want);
     }
 }

@@ -32,8 +32,6 @@ pub struct Spool {
     state: State,
     reserve: Reserve,
     segments: SegmentWriter,
-    /// The payload bytes of the commit being built, kept between commits for its capacity.
-    buf: Vec<u8>,
 }
 
 impl Spool {
@@ -73,8 +71,7 @@ impl Spool {
             opened.created,
             opts.durability,
         )?;
-        let spool =
-            Spool { conn: opened.conn, id: opened.id, opts, state: opened.state, reserve, segments, buf: Vec::new() };
+        let spool = Spool { conn: opened.conn, id: opened.id, opts, state: opened.state, reserve, segments };
         Ok((spool, report))
     }
 
@@ -203,12 +200,7 @@ impl Spool {
             return Ok((Vec::new(), AckReport::default(), 0));
         }
         let target = if reqs.is_empty() { None } else { Some(self.segments.prepare()?) };
-        let mut data = std::mem::take(&mut self.buf);
-        data.clear();
-        let result = self.commit_tx(reqs, acks, seal, now_ms, target, &mut data);
-        if data.capacity() <= MAX_KEPT_BUFFER {
-            self.buf = data;
-        }
+        let result = self.commit_tx(reqs, acks, seal, now_ms, target);
         let (st, done) = match result {
             Ok(r) => r,
             Err(e) => {
@@ -226,7 +218,7 @@ impl Spool {
     }
 
     /// The transaction of [`Spool::commit_once`]: returns the counters to swap in. The
-    /// appended bytes are gathered in `data` and written to segment `target` (segment, offset)
+    /// appended batches are written, back to back, to segment `target` (segment, offset)
     /// before the index rows are committed.
     #[allow(clippy::type_complexity)]
     fn commit_tx(
@@ -236,7 +228,6 @@ impl Spool {
         seal: SealWhat,
         now_ms: u64,
         target: Option<(i64, u64)>,
-        data: &mut Vec<u8>,
     ) -> Result<(State, (Vec<AppendOutcome>, AckReport, u32)), SpoolError> {
         let linger_ms = u64::try_from(self.opts.linger.as_millis()).unwrap_or(u64::MAX);
         let mut st = self.state.clone();
@@ -259,7 +250,7 @@ impl Spool {
         // The batches this call appends to a stream, back to back, become one row (see
         // `PendingRow`): a row per request would cost a B-tree cell, an index entry and their
         // pages for every 10 KiB request.
-        let mut pending = PendingRow::new(target, data);
+        let mut pending = PendingRow::new(target);
         for req in reqs {
             if !make_room(&tx, &mut st, &self.opts, req.bytes(), &mut dropped)? {
                 outcomes.push(AppendOutcome::Full);
@@ -307,8 +298,8 @@ impl Spool {
         }
         refresh_oldest_sealed(&tx, &mut st, &touched)?;
         settle_segments(&tx, &mut st)?;
-        if !pending.data.is_empty() {
-            segments.write(pending.data)?;
+        if pending.len > 0 {
+            segments.write(&pending.parts)?;
         }
         if !reqs.is_empty() {
             crate::crash_point!("spool::append::before_commit");
@@ -517,31 +508,34 @@ fn seal_names(st: &State, what: SealWhat, linger_ms: u64, now_ms: u64) -> Vec<St
 /// stream, before the stream is sealed, and at the end of the appends, so batch ids stay in
 /// append order per stream and a seal always sees every open byte in rows.
 ///
-/// The rows of one commit lie back to back in `data`, which goes to segment `target` at its
-/// offset before the rows are committed.
+/// The rows of one commit lie back to back in `parts` (the batches themselves, in order),
+/// which go to segment `target` at its offset before the rows are committed.
 #[derive(Debug)]
 struct PendingRow<'a> {
     stream: Option<String>,
-    /// `(segment, offset of data[0])`: where the commit's bytes go. `None` for a commit without
-    /// appends.
+    /// `(segment, offset of the first part)`: where the commit's bytes go. `None` for a commit
+    /// without appends.
     target: Option<(i64, u64)>,
-    data: &'a mut Vec<u8>,
-    /// Where the current row starts in `data`.
-    row_start: usize,
+    parts: Vec<&'a [u8]>,
+    /// Bytes in `parts`.
+    len: u64,
+    /// Where the current row starts, counted from the first part.
+    row_start: u64,
     records: u64,
     crc: u32,
 }
 
 impl<'a> PendingRow<'a> {
-    fn new(target: Option<(i64, u64)>, data: &'a mut Vec<u8>) -> Self {
-        PendingRow { stream: None, target, data, row_start: 0, records: 0, crc: 0 }
+    fn new(target: Option<(i64, u64)>) -> Self {
+        PendingRow { stream: None, target, parts: Vec::new(), len: 0, row_start: 0, records: 0, crc: 0 }
     }
 
-    fn push(&mut self, batch: &Batch) {
+    fn push(&mut self, batch: &'a Batch) {
         if self.stream.is_none() {
             self.stream = Some(batch.stream.clone());
         }
-        self.data.extend_from_slice(&batch.data);
+        self.parts.push(&batch.data);
+        self.len += len_u64(&batch.data);
         self.records += u64::from(batch.records);
         self.crc = crc32c::crc32c_append(self.crc, &batch.data);
     }
@@ -555,8 +549,8 @@ impl<'a> PendingRow<'a> {
         };
         let batch_id = st.next_batch_id;
         let stream = stream_entry(tx, st, &name)?;
-        let len = crate::len_u64(&self.data[self.row_start..]);
-        let seg = SegRef { segment, offset: sql_u64(base + self.row_start as u64), len: sql_u64(len) };
+        let len = self.len - self.row_start;
+        let seg = SegRef { segment, offset: sql_u64(base + self.row_start), len: sql_u64(len) };
         let row = BatchRow {
             id: batch_id,
             stream_id: stream.id,
@@ -587,16 +581,13 @@ impl<'a> PendingRow<'a> {
         st.next_batch_id = batch_id.saturating_add(1);
         let used = st.segments.entry(segment).or_default();
         used.add_row(batch_id);
-        used.end = used.end.max(base + self.data.len() as u64);
-        self.row_start = self.data.len();
+        used.end = used.end.max(base + self.len);
+        self.row_start = self.len;
         self.records = 0;
         self.crc = 0;
         Ok(())
     }
 }
-
-/// A commit's payload buffer is kept for the next one up to this capacity.
-const MAX_KEPT_BUFFER: usize = 8 << 20;
 
 fn begin(conn: &mut rusqlite::Connection) -> Result<Transaction<'_>, SpoolError> {
     conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(ctx("beginning a write transaction"))
