@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use bytes::{BufMut as _, BytesMut};
+use bytes::BytesMut;
 use edge_proto::server::{ServerEvent, ServerSession};
 use edge_proto::{
     AckStatus, ChunkHeader, ErrorCode, Limits, ProtoError, RejectReason, RetryReason, STOP_ANSWERED, StreamName,
@@ -1058,23 +1058,23 @@ async fn process_chunk(
     let mut payload = BytesMut::with_capacity(payload_len + 1);
     payload.extend_from_slice(&head[consumed..]);
     // One timer for the whole payload: a timeout per read registered and removed a timer for
-    // every packet's worth of data, 8 % of the server's CPU while receiving. Each read takes
-    // everything the stream has buffered at that moment.
+    // every packet's worth of data, 8 % of the server's CPU while receiving. (`read_chunk`
+    // rather than `read_buf`: the same one copy, and quinn's reassembly heap cost a third as
+    // much in the profiles.)
     let too_slow = tokio::time::sleep(payload_deadline(payload_len));
     tokio::pin!(too_slow);
     while payload.len() <= payload_len {
         let room = payload_len + 1 - payload.len();
-        let mut into = (&mut payload).limit(room);
         tokio::select! {
             biased;
-            read = tokio::io::AsyncReadExt::read_buf(recv, &mut into) => match read {
-                Ok(0) => break,
-                Ok(_) => {}
+            read = recv.read_chunk(room, true) => match read {
+                Ok(Some(c)) => payload.extend_from_slice(&c.bytes),
+                Ok(None) => break,
                 Err(e) => return Err(ChunkEnd::Stream(e.to_string())),
             },
             () = &mut too_slow => {
                 let _gone = recv.stop(STOP_ANSWERED.into());
-                warn!(device = %ctx.device, stream = %key_stream, seq, received = into.get_ref().len(), payload_len, "chunk payload too slow; asking the agent to retry");
+                warn!(device = %ctx.device, stream = %key_stream, seq, received = payload.len(), payload_len, "chunk payload too slow; asking the agent to retry");
                 return send_ack(ctx, &key_stream, seq, AckStatus::Retry(RetryReason::Overloaded));
             }
         }
