@@ -9,6 +9,8 @@ use edge_spool::{AppendRequest, Batch, ChunkMeta, Spool, SpoolError, SpoolOption
 use rusqlite::Connection;
 use tempfile::TempDir;
 
+mod util;
+
 fn setup() -> (TempDir, SpoolOptions) {
     let dir = tempfile::tempdir().expect("temp dir");
     let opts = SpoolOptions::new(dir.path().join("spool.db"));
@@ -121,21 +123,7 @@ fn flipped_byte_in_a_batch_is_reported_as_corrupt_by_read_and_can_be_quarantined
 
     // Flip one bit of the second batch of the first chunk in its segment file, behind the
     // spool's back.
-    let raw = Connection::open(&opts.path).expect("raw connection");
-    let (segment, offset): (i64, u64) = raw
-        .query_row(
-            "SELECT b.segment, b.seg_offset FROM batches b JOIN chunks c
-             ON b.stream_id = c.stream_id AND b.id BETWEEN c.first_batch AND c.last_batch
-             WHERE c.id = ?1 ORDER BY b.id LIMIT 1 OFFSET 1",
-            [chunks[0].id.0],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
-        .expect("batch row");
-    drop(raw);
-    let seg_path = PathBuf::from(format!("{}-seg-{segment:010}", opts.path.display()));
-    let mut bytes = fs::read(&seg_path).expect("segment file");
-    bytes[usize::try_from(offset).expect("offset") + 123] ^= 0x10;
-    fs::write(&seg_path, &bytes).expect("flip");
+    util::flip_in_batch(&opts.path, chunks[0].id, 1, 123, 0x10);
 
     let report = edge_spool::check(&opts.path).expect("check");
     assert_eq!(report.damaged_chunks.len(), 1, "{report:?}");

@@ -2,11 +2,9 @@
 //! segment (several runs of bytes, several `pread`s) reads back whole, with the CRC-32C of the
 //! whole payload, and a bad byte in any run is named by its batch.
 
-use std::fs;
-use std::path::PathBuf;
-
 use edge_spool::{AppendRequest, Batch, ChunkMeta, Spool, SpoolError, SpoolOptions, SpoolReader};
-use rusqlite::Connection;
+
+mod util;
 
 fn bytes(seed: u8, len: usize) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
@@ -69,21 +67,7 @@ fn a_bad_byte_in_a_later_run_is_named_by_its_batch() {
     let (opts, chunks) = (t.opts.clone(), t.chunks.clone());
 
     // The fourth row of stream `a`: its own run, after three others.
-    let raw = Connection::open(&opts.path).expect("raw connection");
-    let (batch, segment, offset): (i64, i64, u64) = raw
-        .query_row(
-            "SELECT b.id, b.segment, b.seg_offset FROM batches b JOIN chunks c
-             ON b.stream_id = c.stream_id AND b.id BETWEEN c.first_batch AND c.last_batch
-             WHERE c.id = ?1 ORDER BY b.id LIMIT 1 OFFSET 3",
-            [chunks[0].id.0],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-        )
-        .expect("batch row");
-    drop(raw);
-    let seg_path = PathBuf::from(format!("{}-seg-{segment:010}", opts.path.display()));
-    let mut seg = fs::read(&seg_path).expect("segment file");
-    seg[usize::try_from(offset).expect("offset") + 500] ^= 0x01;
-    fs::write(&seg_path, &seg).expect("flip");
+    let batch = util::flip_in_batch(&opts.path, chunks[0].id, 3, 500, 0x01);
 
     match t.reader.read_payload(&chunks[0]) {
         Err(SpoolError::Corrupt { chunk, detail }) => {

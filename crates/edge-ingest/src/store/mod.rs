@@ -189,11 +189,6 @@ impl Payload {
     pub fn crc32c(&self) -> u32 {
         self.crc32c
     }
-
-    /// The bytes.
-    pub fn bytes(&self) -> &Bytes {
-        &self.bytes
-    }
 }
 
 impl std::ops::Deref for Payload {
@@ -201,12 +196,6 @@ impl std::ops::Deref for Payload {
 
     fn deref(&self) -> &[u8] {
         &self.bytes
-    }
-}
-
-impl From<Bytes> for Payload {
-    fn from(bytes: Bytes) -> Self {
-        Payload::new(bytes)
     }
 }
 
