@@ -21,6 +21,7 @@ pub struct RawConfig {
     pub server: RawServer,
     pub tls: RawTls,
     pub store: RawStore,
+    pub sink: RawSink,
     pub metrics: RawMetrics,
     pub log: RawLog,
 }
@@ -89,6 +90,47 @@ impl Default for RawStore {
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
+pub struct RawSink {
+    /// `"files"` (the `[store]` directory) or `"jetstream"` (`[sink.jetstream]`).
+    pub kind: String,
+    pub jetstream: RawJetStream,
+}
+
+impl Default for RawSink {
+    fn default() -> Self {
+        Self { kind: "files".into(), jetstream: RawJetStream::default() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawJetStream {
+    pub servers: Vec<String>,
+    pub stream: String,
+    pub subject_prefix: String,
+    pub replicas: u32,
+    pub max_message_bytes: ByteSize,
+    pub ack_timeout: String,
+    pub connect_timeout: String,
+}
+
+impl Default for RawJetStream {
+    fn default() -> Self {
+        let d = crate::jetstream::JetStreamOptions::default();
+        Self {
+            servers: d.servers,
+            stream: d.stream,
+            subject_prefix: d.subject_prefix,
+            replicas: 1,
+            max_message_bytes: ByteSize::kib(1020),
+            ack_timeout: "10s".into(),
+            connect_timeout: "5s".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct RawMetrics {
     /// `host:port` of the Prometheus `/metrics` endpoint and of `/v1/status` (read by
     /// `edge-ingest status`); empty disables both.
@@ -114,12 +156,22 @@ impl Default for RawLog {
     }
 }
 
+/// Which sink the server writes to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SinkOptions {
+    /// The file store, with [`Config::store`].
+    Files,
+    /// A JetStream stream.
+    JetStream(crate::jetstream::JetStreamOptions),
+}
+
 /// The validated runtime configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
     pub server: crate::server::ServerOptions,
     pub tls: edge_transport::ServerTls,
     pub store: crate::store::StoreOptions,
+    pub sink: SinkOptions,
     pub tuning: edge_transport::Tuning,
     /// `server.allow_migration`: whether QUIC connections may move to a new client address.
     pub allow_migration: bool,
@@ -190,6 +242,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     if raw.store.segment_max_bytes.as_u64() < 1 << 20 {
         bail!("store.segment_max_bytes: expected at least 1 MiB, got {}", raw.store.segment_max_bytes);
     }
+    let sink = validate_sink(&raw.sink)?;
     let metrics_listen = match raw.metrics.listen.trim() {
         "" => None,
         s => Some(s.parse::<SocketAddr>().map_err(|_| {
@@ -233,6 +286,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
         },
         tls,
         store,
+        sink,
         tuning,
         allow_migration: raw.server.allow_migration,
         metrics_listen,
@@ -240,6 +294,64 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
         log_format,
         source,
     })
+}
+
+/// The `[sink]` section, naming the key on every error.
+fn validate_sink(raw: &RawSink) -> anyhow::Result<SinkOptions> {
+    match raw.kind.as_str() {
+        "files" => return Ok(SinkOptions::Files),
+        "jetstream" => {}
+        other => bail!("sink.kind: expected \"files\" or \"jetstream\", got {other:?}"),
+    }
+    let j = &raw.jetstream;
+    if j.servers.is_empty() {
+        bail!("sink.jetstream.servers: give at least one NATS URL, like \"nats://127.0.0.1:4222\"");
+    }
+    for s in &j.servers {
+        s.parse::<async_nats::ServerAddr>().map_err(|e| anyhow::anyhow!("sink.jetstream.servers: {s:?}: {e}"))?;
+    }
+    let forbidden = |c: char| c.is_whitespace() || matches!(c, '.' | '*' | '>' | '/' | '\\');
+    if j.stream.is_empty() || j.stream.len() > 255 || j.stream.contains(forbidden) {
+        bail!(
+            "sink.jetstream.stream: {:?} is not a JetStream stream name (1 to 255 characters, none of \
+             whitespace . * > / \\)",
+            j.stream
+        );
+    }
+    if j.subject_prefix
+        .split('.')
+        .any(|t| t.is_empty() || t.contains(|c: char| c.is_whitespace() || c == '*' || c == '>'))
+    {
+        bail!(
+            "sink.jetstream.subject_prefix: {:?} is not a subject prefix (tokens separated by '.', none empty, \
+             no whitespace or wildcards)",
+            j.subject_prefix
+        );
+    }
+    if !(1..=5).contains(&j.replicas) {
+        bail!("sink.jetstream.replicas: expected 1..=5, got {}", j.replicas);
+    }
+    let max_message_bytes = usize::try_from(j.max_message_bytes.as_u64())
+        .ok()
+        .filter(|v| (1024..=64 << 20).contains(v))
+        .ok_or_else(|| {
+            anyhow::anyhow!("sink.jetstream.max_message_bytes: expected 1 KiB..=64 MiB, got {}", j.max_message_bytes)
+        })?;
+    let duration = |key: &str, v: &str| {
+        humantime::parse_duration(v)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| anyhow::anyhow!("sink.jetstream.{key}: {v:?} is not a duration like \"10s\""))
+    };
+    Ok(SinkOptions::JetStream(crate::jetstream::JetStreamOptions {
+        servers: j.servers.clone(),
+        stream: j.stream.clone(),
+        subject_prefix: j.subject_prefix.clone(),
+        replicas: j.replicas as usize,
+        max_message_bytes,
+        ack_timeout: duration("ack_timeout", &j.ack_timeout)?,
+        connect_timeout: duration("connect_timeout", &j.connect_timeout)?,
+    }))
 }
 
 #[cfg(test)]
@@ -261,5 +373,32 @@ listen_addr = \"0.0.0.0:1\"\n",
         )
         .expect_err("unknown key");
         assert!(err.to_string().contains("listen_addr"), "{err}");
+    }
+
+    #[test]
+    fn the_jetstream_sink_is_validated_key_by_key() {
+        let sink = |kind: &str, f: &dyn Fn(&mut RawJetStream)| {
+            let mut raw = RawSink { kind: kind.into(), ..RawSink::default() };
+            f(&mut raw.jetstream);
+            validate_sink(&raw)
+        };
+        assert_eq!(sink("files", &|_| {}).expect("files"), SinkOptions::Files);
+        let SinkOptions::JetStream(opts) = sink("jetstream", &|_| {}).expect("defaults") else {
+            panic!("jetstream expected");
+        };
+        assert_eq!(opts, crate::jetstream::JetStreamOptions::default());
+        let err = |kind: &str, f: &dyn Fn(&mut RawJetStream)| format!("{:#}", sink(kind, f).expect_err("refused"));
+        assert!(err("kafka", &|_| {}).starts_with("sink.kind"));
+        assert!(err("jetstream", &|j| j.servers.clear()).starts_with("sink.jetstream.servers"));
+        assert!(err("jetstream", &|j| j.stream = "a.b".into()).starts_with("sink.jetstream.stream"));
+        assert!(
+            err("jetstream", &|j| j.subject_prefix = "edge..x".into()).starts_with("sink.jetstream.subject_prefix")
+        );
+        assert!(err("jetstream", &|j| j.replicas = 0).starts_with("sink.jetstream.replicas"));
+        assert!(
+            err("jetstream", &|j| j.max_message_bytes = ByteSize::b(10))
+                .starts_with("sink.jetstream.max_message_bytes")
+        );
+        assert!(err("jetstream", &|j| j.ack_timeout = "soon".into()).starts_with("sink.jetstream.ack_timeout"));
     }
 }

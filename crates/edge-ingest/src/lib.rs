@@ -18,8 +18,10 @@ macro_rules! crash_point {
 pub(crate) use crash_point;
 
 pub mod config;
+pub mod jetstream;
 pub mod metrics;
 pub mod server;
+pub mod sink;
 pub mod status;
 pub mod store;
 

@@ -6,7 +6,9 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
+use edge_ingest::jetstream::JetStreamSink;
 use edge_ingest::server::Server;
+use edge_ingest::sink::Sink;
 use edge_ingest::store::{ExportFilter, Store, StoreHandle};
 use edge_ingest::{EXIT_CONFIG, config};
 
@@ -183,12 +185,7 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
 
 async fn run(cfg: config::Config) -> anyhow::Result<()> {
     let metrics_listener = edge_ingest::metrics::bind(cfg.metrics_listen).await?;
-    let dir = cfg.store.data_dir.clone();
-    let (store, report) = tokio::task::spawn_blocking(move || Store::open(cfg.store))
-        .await?
-        .with_context(|| format!("opening the store in {}", dir.display()))?;
-    tracing::info!(dir = %dir.display(), ?report, "store open");
-    let store = StoreHandle::spawn(store);
+    let store = open_sink(&cfg).await?;
     let mut server_config = edge_transport::server_config(&cfg.tls, &cfg.tuning)
         .context("loading TLS files (tls.cert, tls.key, tls.client_ca)")?;
     server_config.migration(cfg.allow_migration);
@@ -228,9 +225,30 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
     tracing::info!("shutting down");
     server.shutdown().await;
     metrics.stop().await;
-    drop(store);
+    store.shutdown().await;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Opens the configured sink: the file store (recovered first) or the JetStream stream.
+async fn open_sink(cfg: &config::Config) -> anyhow::Result<Sink> {
+    match &cfg.sink {
+        config::SinkOptions::Files => {
+            let dir = cfg.store.data_dir.clone();
+            let opts = cfg.store.clone();
+            let (store, report) = tokio::task::spawn_blocking(move || Store::open(opts))
+                .await?
+                .with_context(|| format!("opening the store in {}", dir.display()))?;
+            tracing::info!(dir = %dir.display(), ?report, "store open");
+            Ok(StoreHandle::spawn(store).into())
+        }
+        config::SinkOptions::JetStream(opts) => {
+            let sink = JetStreamSink::start(opts.clone()).await.with_context(|| {
+                format!("starting the JetStream sink (stream {:?} on {})", opts.stream, opts.servers.join(", "))
+            })?;
+            Ok(sink.into())
+        }
+    }
 }
 
 fn status(config: Option<PathBuf>, addr: Option<String>, json: bool) -> ExitCode {

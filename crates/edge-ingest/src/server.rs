@@ -31,7 +31,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
 
-use crate::store::{ChunkKey, IncomingChunk, Payload, PersistOutcome, StoreFailure, StoreHandle, StoreStatsView};
+use crate::sink::Sink;
+use crate::store::{ChunkKey, IncomingChunk, Payload, PersistOutcome, StoreFailure, StoreStatsView};
 
 /// What the server needs to run; built from the validated config or by tests.
 #[derive(Debug, Clone)]
@@ -370,7 +371,8 @@ impl Server {
     /// With [`ServerOptions::revocation`], the CRLs are loaded and checked first; a set that
     /// does not load is an error (the TLS config built from the same files would refuse every
     /// device or miss revocations).
-    pub fn start(endpoint: quinn::Endpoint, store: StoreHandle, opts: ServerOptions) -> std::io::Result<Self> {
+    pub fn start(endpoint: quinn::Endpoint, sink: impl Into<Sink>, opts: ServerOptions) -> std::io::Result<Self> {
+        let store = sink.into();
         let local_addr = endpoint.local_addr()?;
         let (revoked, watch_state) = match &opts.revocation {
             Some(w) => {
@@ -452,7 +454,7 @@ async fn sample_rates(counters: Arc<ServerCounters>, store: StoreStatsView, canc
 
 #[derive(Debug)]
 struct Shared {
-    store: StoreHandle,
+    store: Sink,
     opts: ServerOptions,
     /// Payload memory budget in KiB permits.
     budget: Arc<Semaphore>,
@@ -1129,9 +1131,10 @@ async fn process_chunk(
             PersistOutcome::Failed(f) => {
                 warn!(device = %ctx.device, stream = %key_stream, seq, failure = ?f, "store could not persist chunk");
                 match f {
-                    StoreFailure::DiskFull | StoreFailure::Io(_) | StoreFailure::ReadOnly => {
-                        AckStatus::Retry(RetryReason::SinkUnavailable)
-                    }
+                    StoreFailure::DiskFull
+                    | StoreFailure::Io(_)
+                    | StoreFailure::ReadOnly
+                    | StoreFailure::Unavailable(_) => AckStatus::Retry(RetryReason::SinkUnavailable),
                     StoreFailure::Rejected(_) => AckStatus::Rejected(RejectReason::Malformed),
                 }
             }

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
+pub mod nats;
 pub mod netem;
 pub mod tier;
 pub mod workload;
@@ -83,6 +84,12 @@ impl PkiFixture {
 /// A free UDP port on 127.0.0.1 (bound and released; fine for tests on one machine).
 pub fn free_udp_port() -> anyhow::Result<u16> {
     let s = std::net::UdpSocket::bind("127.0.0.1:0")?;
+    Ok(s.local_addr()?.port())
+}
+
+/// A free TCP port on 127.0.0.1 (bound and released, as [`free_udp_port`]).
+pub fn free_tcp_port() -> anyhow::Result<u16> {
+    let s = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(s.local_addr()?.port())
 }
 

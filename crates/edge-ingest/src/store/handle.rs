@@ -149,6 +149,40 @@ impl StoreStatsView {
     }
 }
 
+/// Statistics kept by a sink that has no store thread (the JetStream sink), in the same shape,
+/// so that `/metrics` and `/v1/status` read every sink through one [`StoreStatsView`].
+#[derive(Debug, Clone)]
+pub(crate) struct StatsCell(Arc<Shared>);
+
+impl StatsCell {
+    /// Empty statistics, marked running.
+    pub(crate) fn new() -> Self {
+        let shared = Shared::default();
+        shared.running.store(true, Ordering::SeqCst);
+        StatsCell(Arc::new(shared))
+    }
+
+    /// Changes the statistics under their lock.
+    pub(crate) fn update(&self, f: impl FnOnce(&mut StoreStats)) {
+        f(&mut self.0.stats.lock().unwrap_or_else(PoisonError::into_inner));
+    }
+
+    /// Requests waiting for the sink (reported as [`StoreStats::queued`]).
+    pub(crate) fn queued(&self) -> &AtomicU64 {
+        &self.0.queued
+    }
+
+    /// Marks the sink stopped (or running again).
+    pub(crate) fn set_running(&self, running: bool) {
+        self.0.running.store(running, Ordering::SeqCst);
+    }
+
+    /// A read-only view for observers.
+    pub(crate) fn view(&self) -> StoreStatsView {
+        StoreStatsView(Arc::clone(&self.0))
+    }
+}
+
 /// Marks the thread stopped however it exits (panics included).
 struct RunningGuard<'a>(&'a Shared);
 

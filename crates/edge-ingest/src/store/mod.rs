@@ -113,6 +113,7 @@ use bytes::Bytes;
 use edge_proto::Codec;
 
 pub use export::{ExportFilter, ExportReport, ExportedChunk, export};
+pub(crate) use handle::StatsCell;
 pub use handle::{BatchLimits, StoreHandle, StoreStatsView};
 pub use writer::Store;
 
@@ -189,6 +190,11 @@ impl Payload {
     pub fn crc32c(&self) -> u32 {
         self.crc32c
     }
+
+    /// The bytes, shared (no copy).
+    pub fn to_bytes(&self) -> Bytes {
+        self.bytes.clone()
+    }
 }
 
 impl std::ops::Deref for Payload {
@@ -236,6 +242,10 @@ pub enum StoreFailure {
     /// The file system is read-only (`EROFS`).
     #[error("file system is read-only")]
     ReadOnly,
+    /// The sink is out of reach or refused the write for a reason that may pass (the JetStream
+    /// sink: NATS down, no PubAck in time, the stream full). The server answers "retry later".
+    #[error("sink unavailable: {0}")]
+    Unavailable(String),
     /// The chunk itself can never be stored: its payload does not match its checksum, a name is
     /// longer than 4096 bytes, or the payload is 4 GiB or more. Retrying the same bytes fails
     /// the same way.

@@ -1,0 +1,66 @@
+//! Where verified chunks go: the file store on this machine (the default) or a NATS JetStream
+//! stream shared by every ingest server of a tier (`[sink] kind = "jetstream"`). The server
+//! sees one interface: persist a chunk and learn whether it is durable, new or not.
+
+use crate::jetstream::JetStreamSink;
+use crate::store::{IncomingChunk, PersistOutcome, StoreHandle, StoreStatsView};
+
+/// The sink of a running server. Cheap to clone.
+#[derive(Debug, Clone)]
+pub enum Sink {
+    /// Segment files in a local data directory ([`crate::store`]).
+    Files(StoreHandle),
+    /// A JetStream stream ([`crate::jetstream`]).
+    JetStream(JetStreamSink),
+}
+
+impl Sink {
+    /// Stores `chunk` (or finds it stored) and says so only once it is durable.
+    pub async fn persist(&self, chunk: IncomingChunk) -> PersistOutcome {
+        match self {
+            Sink::Files(store) => store.persist(chunk).await,
+            Sink::JetStream(js) => js.persist(chunk).await,
+        }
+    }
+
+    /// Statistics for `/metrics` and `/v1/status`.
+    pub fn stats_view(&self) -> StoreStatsView {
+        match self {
+            Sink::Files(store) => store.stats_view(),
+            Sink::JetStream(js) => js.stats_view(),
+        }
+    }
+
+    /// The `[sink] kind` this is.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Sink::Files(_) => "files",
+            Sink::JetStream(_) => "jetstream",
+        }
+    }
+
+    /// Stops the sink once the server stopped sending it chunks: the file store finishes its
+    /// queue and releases its directory lock; the JetStream client flushes and disconnects.
+    pub async fn shutdown(self) {
+        match self {
+            Sink::Files(store) => {
+                if let Err(e) = tokio::task::spawn_blocking(move || store.shutdown()).await {
+                    tracing::error!(error = %e, "store shutdown task failed");
+                }
+            }
+            Sink::JetStream(js) => js.shutdown().await,
+        }
+    }
+}
+
+impl From<StoreHandle> for Sink {
+    fn from(store: StoreHandle) -> Self {
+        Sink::Files(store)
+    }
+}
+
+impl From<JetStreamSink> for Sink {
+    fn from(js: JetStreamSink) -> Self {
+        Sink::JetStream(js)
+    }
+}

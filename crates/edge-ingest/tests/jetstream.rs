@@ -1,0 +1,208 @@
+//! The JetStream sink against a real NATS JetStream server: the machine's (127.0.0.1:4222, or
+//! `EDGE_TEST_NATS_URL`), with a stream of each test's own that the test deletes, and a private
+//! `nats-server` where NATS must go away.
+
+use std::time::Duration;
+
+use async_nats::jetstream::stream::{Config as StreamConfig, DiscardPolicy, RetentionPolicy, StorageType};
+use edge_ingest::jetstream::{JetStreamError, JetStreamOptions, JetStreamSink};
+use edge_ingest::store::{ChunkKey, IncomingChunk, Payload, PersistOutcome, StoreFailure};
+use edge_proto::Codec;
+use edge_proto::records::encode_record;
+use edge_testkit::nats;
+
+fn opts(stream: &str, prefix: &str) -> JetStreamOptions {
+    JetStreamOptions {
+        servers: vec![nats::url()],
+        stream: stream.into(),
+        subject_prefix: prefix.into(),
+        ..JetStreamOptions::default()
+    }
+}
+
+fn chunk(device: &str, stream: &str, seq: u64, records: &[Vec<u8>]) -> IncomingChunk {
+    let mut payload = Vec::new();
+    for r in records {
+        encode_record(&mut payload, r);
+    }
+    let raw_len = u32::try_from(payload.len()).expect("small");
+    let checksum = crc32c::crc32c(&payload);
+    IncomingChunk {
+        key: ChunkKey { device: device.into(), spool: [7; 16], stream: stream.into(), seq },
+        records: u32::try_from(records.len()).expect("small"),
+        codec: Codec::None,
+        raw_len,
+        checksum,
+        created_ms: 1_700_000_000_000,
+        payload: Payload::from(payload),
+    }
+}
+
+fn records(n: usize, size: usize, tag: u8) -> Vec<Vec<u8>> {
+    (0..n).map(|i| vec![tag.wrapping_add(u8::try_from(i % 200).expect("small")); size]).collect()
+}
+
+#[tokio::test]
+async fn a_chunk_is_stored_once_whichever_ingest_server_receives_it() {
+    let (stream, prefix) = nats::unique("once");
+    let js = nats::context(&nats::url()).await.expect("NATS with JetStream at EDGE_TEST_NATS_URL or 127.0.0.1:4222");
+    // Two sinks, two connections: two ingest servers of one tier.
+    let a = JetStreamSink::start(opts(&stream, &prefix)).await.expect("sink a");
+    let b = JetStreamSink::start(opts(&stream, &prefix)).await.expect("sink b");
+    let recs = records(5, 100, 1);
+    let c = chunk("gw.01", "temp.c", 42, &recs);
+    assert_eq!(a.persist(c.clone()).await, PersistOutcome::Stored);
+    assert_eq!(b.persist(c.clone()).await, PersistOutcome::Duplicate);
+    assert_eq!(a.persist(c).await, PersistOutcome::Duplicate);
+
+    let msgs = nats::messages(&js, &stream).await.expect("read back");
+    nats::delete_stream(&js, &stream).await;
+    assert_eq!(msgs.len(), 1, "{msgs:?}");
+    let m = &msgs[0];
+    assert_eq!(m.subject, format!("{prefix}.gw%2E01.temp%2Ec.{}.42.1", "07".repeat(16)));
+    assert_eq!(m.header("Edge-Device"), "gw.01");
+    assert_eq!(m.header("Edge-Stream"), "temp.c");
+    assert_eq!(m.header("Edge-Seq"), "42");
+    assert_eq!(m.header("Edge-Part"), "1/1");
+    assert_eq!(m.header("Edge-Records"), "5");
+    assert_eq!(m.records().expect("framed"), recs);
+    let stats = a.stats_view().get();
+    assert_eq!((stats.stored, stats.duplicates, stats.failed), (1, 1, 0));
+}
+
+#[tokio::test]
+async fn a_resend_after_the_dedup_window_is_still_a_duplicate() {
+    let (stream, prefix) = nats::unique("window");
+    let js = nats::context(&nats::url()).await.expect("NATS");
+    // The operator's stream, with a dedup window far shorter than an agent's outage can be.
+    js.create_stream(StreamConfig {
+        name: stream.clone(),
+        subjects: vec![format!("{prefix}.>")],
+        storage: StorageType::File,
+        retention: RetentionPolicy::Limits,
+        discard: DiscardPolicy::New,
+        discard_new_per_subject: true,
+        max_messages_per_subject: 1,
+        duplicate_window: Duration::from_millis(100),
+        ..StreamConfig::default()
+    })
+    .await
+    .expect("create stream");
+    let sink = JetStreamSink::start(opts(&stream, &prefix)).await.expect("sink");
+    let c = chunk("gw-02", "s", 1, &records(3, 10, 9));
+    assert_eq!(sink.persist(c.clone()).await, PersistOutcome::Stored);
+    // Waits out the server's own timer: nothing of ours to await.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let again = sink.persist(c).await;
+    let msgs = nats::messages(&js, &stream).await.expect("read back");
+    nats::delete_stream(&js, &stream).await;
+    assert_eq!(again, PersistOutcome::Duplicate);
+    assert_eq!(msgs.len(), 1);
+}
+
+#[tokio::test]
+async fn a_large_chunk_is_cut_into_parts_and_a_partial_resend_completes_it() {
+    let (stream, prefix) = nats::unique("parts");
+    let js = nats::context(&nats::url()).await.expect("NATS");
+    let mut o = opts(&stream, &prefix);
+    o.max_message_bytes = 1024;
+    let sink = JetStreamSink::start(o).await.expect("sink");
+    // 10 records of 300 bytes: 304 framed, three per part, so four parts.
+    let recs = records(10, 300, 3);
+    let c = chunk("gw-03", "big", 7, &recs);
+    // As if another server had died after publishing part 1 only (3 records of 304 bytes framed
+    // fit in 1024): the message it would have published.
+    let mut part1 = Vec::new();
+    for r in &recs[..3] {
+        encode_record(&mut part1, r);
+    }
+    let id = format!("gw-03.big.{}.7.1", "07".repeat(16));
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", id.as_str());
+    headers.insert("Edge-Part", "1/4");
+    js.publish_with_headers(format!("{prefix}.{id}"), headers, part1.into())
+        .await
+        .expect("publish")
+        .await
+        .expect("ack");
+    assert_eq!(sink.persist(c.clone()).await, PersistOutcome::Stored, "parts 2 to 4 are new");
+    assert_eq!(sink.persist(c).await, PersistOutcome::Duplicate, "all four are stored now");
+    let after = nats::messages(&js, &stream).await.expect("read back");
+    nats::delete_stream(&js, &stream).await;
+    assert_eq!(after.len(), 4, "each part exactly once");
+    let mut parts: Vec<_> =
+        after.iter().map(|m| (m.header("Edge-Part").to_owned(), m.records().expect("framed"))).collect();
+    parts.sort();
+    let all: Vec<Vec<u8>> = parts.into_iter().flat_map(|(_, r)| r).collect();
+    assert_eq!(all, recs);
+}
+
+#[tokio::test]
+async fn a_stream_that_would_forget_what_it_stored_is_refused_by_setting() {
+    let (stream, prefix) = nats::unique("refused");
+    let js = nats::context(&nats::url()).await.expect("NATS");
+    js.create_stream(StreamConfig {
+        name: stream.clone(),
+        subjects: vec![format!("{prefix}.>")],
+        retention: RetentionPolicy::WorkQueue,
+        ..StreamConfig::default()
+    })
+    .await
+    .expect("create stream");
+    let err = JetStreamSink::start(opts(&stream, &prefix)).await.expect_err("refused");
+    nats::delete_stream(&js, &stream).await;
+    let JetStreamError::Misconfigured { problems, .. } = &err else { panic!("{err}") };
+    assert!(problems.contains("retention"), "{err}");
+    assert!(problems.contains("max_msgs_per_subject"), "{err}");
+    assert!(problems.contains("discard"), "{err}");
+}
+
+#[tokio::test]
+async fn a_corrupt_payload_is_rejected_and_nothing_is_published() {
+    let (stream, prefix) = nats::unique("corrupt");
+    let js = nats::context(&nats::url()).await.expect("NATS");
+    let sink = JetStreamSink::start(opts(&stream, &prefix)).await.expect("sink");
+    let mut c = chunk("gw-04", "s", 1, &records(2, 10, 0));
+    c.checksum ^= 1;
+    let outcome = sink.persist(c).await;
+    let msgs = nats::messages(&js, &stream).await.expect("read back");
+    nats::delete_stream(&js, &stream).await;
+    assert!(matches!(outcome, PersistOutcome::Failed(StoreFailure::Rejected(_))), "{outcome:?}");
+    assert!(msgs.is_empty());
+}
+
+#[tokio::test]
+async fn with_nats_down_chunks_are_answered_retry_until_it_comes_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = edge_testkit::free_tcp_port().expect("port");
+    let (stream, prefix) = nats::unique("down");
+    let mut o = opts(&stream, &prefix);
+    o.servers = vec![format!("nats://127.0.0.1:{port}")];
+    o.connect_timeout = Duration::from_millis(300);
+    o.ack_timeout = Duration::from_secs(2);
+    // Nothing listens yet: the sink starts anyway and answers "unavailable".
+    let sink = JetStreamSink::start(o).await.expect("starts without NATS");
+    let c = chunk("gw-05", "s", 1, &records(4, 50, 5));
+    let outcome = sink.persist(c.clone()).await;
+    assert!(matches!(outcome, PersistOutcome::Failed(StoreFailure::Unavailable(_))), "{outcome:?}");
+    assert!(sink.stats_view().get().last_failure.is_some());
+
+    let server = nats::PrivateServer::start(port, dir.path()).expect("nats-server");
+    // The client reconnects and the sink sets the stream up on its own; wait for that state.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !sink.is_ready() {
+        assert!(tokio::time::Instant::now() < deadline, "sink not ready 30 s after NATS came up");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(sink.persist(c.clone()).await, PersistOutcome::Stored);
+    assert!(sink.stats_view().get().last_failure.is_none());
+
+    // NATS killed: the next chunk is answered "unavailable", not lost and not hanging forever.
+    let url = server.url();
+    let js = nats::context(&url).await.expect("private NATS");
+    let msgs = nats::messages(&js, &stream).await.expect("read back");
+    assert_eq!(msgs.len(), 1);
+    server.kill();
+    let outcome = sink.persist(chunk("gw-05", "s", 2, &records(1, 5, 0))).await;
+    assert!(matches!(outcome, PersistOutcome::Failed(StoreFailure::Unavailable(_))), "{outcome:?}");
+}

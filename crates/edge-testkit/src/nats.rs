@@ -1,0 +1,136 @@
+//! NATS JetStream for the tests of the JetStream sink: the machine's server (127.0.0.1:4222, or
+//! `EDGE_TEST_NATS_URL`), a stream name of the test's own, reading a stream back message by
+//! message, and a private `nats-server` process for tests that must stop NATS.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use async_nats::jetstream;
+
+/// The NATS server the tests use: `EDGE_TEST_NATS_URL`, or the machine's JetStream server.
+pub fn url() -> String {
+    std::env::var("EDGE_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+/// A stream name and subject prefix no other test (or run) uses: `tag`, the process id and a
+/// random suffix.
+pub fn unique(tag: &str) -> (String, String) {
+    let n: u32 = rand::random();
+    let stream = format!("EDGE_TEST_{}_{}_{n:08x}", tag.to_ascii_uppercase(), std::process::id());
+    let prefix = format!("edgetest.{}.{}.{n:08x}", tag.to_ascii_lowercase(), std::process::id());
+    (stream, prefix)
+}
+
+/// A JetStream context on `url`.
+pub async fn context(url: &str) -> anyhow::Result<jetstream::Context> {
+    let client = async_nats::connect(url).await.with_context(|| format!("connecting to NATS at {url}"))?;
+    Ok(jetstream::new(client))
+}
+
+/// Deletes `stream` (no error if it is gone).
+pub async fn delete_stream(js: &jetstream::Context, stream: &str) {
+    let _ = js.delete_stream(stream).await;
+}
+
+/// One stored message, as the sink wrote it.
+#[derive(Debug, Clone)]
+pub struct Stored {
+    pub sequence: u64,
+    pub subject: String,
+    pub headers: BTreeMap<String, String>,
+    pub payload: bytes::Bytes,
+}
+
+impl Stored {
+    /// A header's value (`""` when missing).
+    pub fn header(&self, name: &str) -> &str {
+        self.headers.get(name).map_or("", String::as_str)
+    }
+
+    /// The records of the message body (length-prefixed, as `edge_proto::records` frames them).
+    pub fn records(&self) -> anyhow::Result<Vec<Vec<u8>>> {
+        edge_proto::records::RecordIter::new(&self.payload)
+            .map(|r| r.map(<[u8]>::to_vec).map_err(|e| anyhow::anyhow!("message {}: {e}", self.sequence)))
+            .collect()
+    }
+}
+
+/// Every message of `stream`, in stream order.
+pub async fn messages(js: &jetstream::Context, stream: &str) -> anyhow::Result<Vec<Stored>> {
+    let mut s = js.get_stream(stream).await.with_context(|| format!("stream {stream}"))?;
+    let state = s.info().await.context("stream info")?.state.clone();
+    let mut out = Vec::new();
+    if state.messages == 0 {
+        return Ok(out);
+    }
+    for seq in state.first_sequence..=state.last_sequence {
+        let Ok(m) = s.get_raw_message(seq).await else { continue };
+        let headers = m
+            .headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.iter().map(|v| v.as_str()).collect::<Vec<_>>().join(",")))
+            .collect();
+        out.push(Stored { sequence: seq, subject: m.subject.to_string(), headers, payload: m.payload });
+    }
+    Ok(out)
+}
+
+/// A `nats-server` of the test's own with JetStream, on a free port, stopped when dropped.
+#[derive(Debug)]
+pub struct PrivateServer {
+    child: Child,
+    pub port: u16,
+}
+
+impl PrivateServer {
+    /// Starts `nats-server -js` on `port` (0: a free one) with its store in `dir`, and waits until
+    /// it accepts connections.
+    pub fn start(port: u16, dir: &Path) -> anyhow::Result<Self> {
+        let port = if port == 0 { crate::free_tcp_port()? } else { port };
+        let child = Command::new(server_binary())
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting nats-server (Debian package nats-server)")?;
+        let server = PrivateServer { child, port };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if Instant::now() > deadline {
+                bail!("nats-server did not listen on port {port} within 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(server)
+    }
+
+    /// `nats://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (SIGKILL) and waits for it.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for PrivateServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The `nats-server` binary: `EDGE_TEST_NATS_SERVER`, else the one on `PATH` or in `/usr/sbin`.
+fn server_binary() -> String {
+    if let Ok(p) = std::env::var("EDGE_TEST_NATS_SERVER") {
+        return p;
+    }
+    if Path::new("/usr/sbin/nats-server").exists() { "/usr/sbin/nats-server".into() } else { "nats-server".into() }
+}
