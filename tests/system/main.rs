@@ -8,6 +8,7 @@ mod common;
 mod crash_loop;
 mod crash_points;
 mod ingest_status;
+mod jetstream;
 mod metrics;
 mod network;
 mod notify;

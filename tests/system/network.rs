@@ -571,3 +571,39 @@ fn lost_acks_make_the_agent_resend_and_the_ingest_deduplicate() -> anyhow::Resul
     anyhow::ensure!(result.is_exact(), "store not exact: {result:?}");
     Ok(())
 }
+
+#[test]
+fn a_restarted_ingest_resets_its_predecessors_connections_so_agents_reconnect_at_once() -> anyhow::Result<()> {
+    use crate::crash_loop::{Producers, agent_status, chunks_acked, drain, runtime, wait_status};
+    let world = World::new("gw-net-restart", "")?;
+    let socket = world.intake_socket();
+    let mut ingest = world.start_ingest()?;
+    let agent = world.start_agent()?;
+    let rt = runtime()?;
+    let w = Arc::new(Workload::new(0x5E5E7).with_sizes(10, 1000));
+    let producers = Producers::start(&rt, &w, &socket, 5);
+    rt.block_on(wait_status(&socket, "a first acked chunk", Duration::from_secs(60), |s| chunks_acked(s) > 0))?;
+    ingest.kill9()?;
+    let restarted = Instant::now();
+    ingest = world.start_ingest()?;
+    // The new process holds the same stateless-reset key (derived from tls.key), so the agent's
+    // next packet on the old connection is answered with a reset it accepts. With a random key
+    // per process the agent would only give up on the connection at its idle timeout, logging
+    // "timed out", never "reset by peer".
+    agent.wait_log("reset by peer", Duration::from_secs(30)).map_err(|e| e.context(agent.tail_log()))?;
+    let acked_before = chunks_acked(&rt.block_on(agent_status(&socket))?);
+    rt.block_on(wait_status(&socket, "a chunk acked by the new process", Duration::from_secs(60), |s| {
+        chunks_acked(s) > acked_before
+    }))?;
+    let reconnected = restarted.elapsed();
+    let sent = producers.stop(&rt)?;
+    rt.block_on(drain(&socket, Duration::from_secs(60)))?;
+    let check = workload::check_store(&w, &world.data_dir(), &sent)?;
+    report(
+        "ingest_restart_stateless_reset",
+        &serde_json::json!({"restart_to_next_chunk_acked_seconds": reconnected.as_secs_f64(), "check": check.to_json()}),
+    )?;
+    drop(ingest);
+    anyhow::ensure!(check.is_exact(), "store not exact: {check:?}");
+    Ok(())
+}

@@ -189,8 +189,13 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
     let mut server_config = edge_transport::server_config(&cfg.tls, &cfg.tuning)
         .context("loading TLS files (tls.cert, tls.key, tls.client_ca)")?;
     server_config.migration(cfg.allow_migration);
-    let endpoint = edge_transport::server_endpoint(cfg.server.listen, server_config, &cfg.tuning)
-        .with_context(|| format!("binding server.listen {}", cfg.server.listen))?;
+    // The stateless-reset key comes from the server's private key, so that after a restart this
+    // process can reset its predecessor's connections and the agents reconnect at once.
+    let secret = std::fs::read(&cfg.tls.key).with_context(|| format!("reading tls.key {}", cfg.tls.key.display()))?;
+    let endpoint =
+        edge_transport::server_endpoint_with_reset_secret(cfg.server.listen, server_config, &cfg.tuning, &secret)
+            .with_context(|| format!("binding server.listen {}", cfg.server.listen))?;
+    drop(secret);
     let server = Server::start(endpoint, store.clone(), cfg.server.clone())?;
     tracing::info!(listen = %server.local_addr(), "edge-ingest serving");
     // Metrics (see `edge_ingest::metrics`): the daemon's one registry, served until the server stopped.

@@ -74,10 +74,10 @@ async fn serve(State(st): State<StatusState>) -> axum::Json<Value> {
 pub fn sink_problems(stats: &StoreStats, running: bool, idle: Duration) -> Vec<String> {
     let mut problems = Vec::new();
     if !running {
-        problems.push("the store thread has stopped".to_owned());
+        problems.push("the sink has stopped".to_owned());
     }
     if let Some(f) = &stats.last_failure {
-        problems.push(format!("the last store commit failed: {f}"));
+        problems.push(format!("the last write to the sink failed: {f}"));
     }
     if stats.queued > 0 && idle >= QUEUE_STUCK_AFTER {
         problems.push(format!(
@@ -331,7 +331,7 @@ pub fn render(doc: &Value, reasons: &[String], now_ms: u64, color: bool) -> Stri
         num(&s["queued"]),
     ));
     if let Some(f) = s["last_failure"].as_str() {
-        out.push_str(&format!("last store failure: {f}\n"));
+        out.push_str(&format!("last sink failure: {f}\n"));
     }
     if !devices.is_empty() {
         out.push_str(&format!(
@@ -403,18 +403,18 @@ mod tests {
         let ok = StoreStats::default();
         assert!(sink_problems(&ok, true, Duration::from_secs(3600)).is_empty(), "idle without a queue is fine");
         let failed = StoreStats { last_failure: Some(StoreFailure::DiskFull), ..StoreStats::default() };
-        assert_eq!(sink_problems(&failed, true, Duration::ZERO), ["the last store commit failed: disk full"]);
+        assert_eq!(sink_problems(&failed, true, Duration::ZERO), ["the last write to the sink failed: disk full"]);
         let queued = StoreStats { queued: 5, ..StoreStats::default() };
         assert!(sink_problems(&queued, true, Duration::from_secs(29)).is_empty());
         let stuck = sink_problems(&queued, true, QUEUE_STUCK_AFTER);
         assert!(stuck[0].contains("5 chunks wait") && stuck[0].contains("30s"), "{stuck:?}");
-        assert_eq!(sink_problems(&ok, false, Duration::ZERO), ["the store thread has stopped"]);
+        assert_eq!(sink_problems(&ok, false, Duration::ZERO), ["the sink has stopped"]);
 
         let c = ServerCounters::default();
         let doc = document(&c, &failed, true, Instant::now());
         assert_eq!(doc["sink"]["healthy"], false);
         assert_eq!(doc["sink"]["last_failure"], "disk full");
-        assert_eq!(degraded_reasons(&doc), ["the last store commit failed: disk full"]);
+        assert_eq!(degraded_reasons(&doc), ["the last write to the sink failed: disk full"]);
         assert_eq!(degraded_reasons(&json!({"sink": {"healthy": false}})), ["the sink is unhealthy"]);
     }
 

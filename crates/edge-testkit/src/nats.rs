@@ -58,6 +58,53 @@ impl Stored {
     }
 }
 
+/// Where a message belongs in its agent stream: spool id, chunk sequence number, part.
+type Place = (String, u64, u32);
+
+/// The records of every agent stream found in `msgs` (by `Edge-Stream`), each stream's in the
+/// agent's order: by spool, chunk sequence number and part, whatever order JetStream got them in.
+pub fn records_by_stream(msgs: &[Stored]) -> anyhow::Result<BTreeMap<String, Vec<Vec<u8>>>> {
+    let mut keyed: BTreeMap<String, Vec<(Place, &Stored)>> = BTreeMap::new();
+    for m in msgs {
+        let seq = m.header("Edge-Seq").parse().with_context(|| format!("message {}: Edge-Seq", m.sequence))?;
+        let part = m
+            .header("Edge-Part")
+            .split_once('/')
+            .and_then(|(i, _)| i.parse().ok())
+            .with_context(|| format!("message {}: Edge-Part", m.sequence))?;
+        keyed
+            .entry(m.header("Edge-Stream").to_owned())
+            .or_default()
+            .push(((m.header("Edge-Spool").to_owned(), seq, part), m));
+    }
+    let mut out = BTreeMap::new();
+    for (stream, mut v) in keyed {
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut recs = Vec::new();
+        for (_, m) in v {
+            recs.extend(m.records()?);
+        }
+        out.insert(stream, recs);
+    }
+    Ok(out)
+}
+
+/// Checks every stream of `workload` against what JetStream holds, as
+/// [`crate::workload::check_store`] does against a file store.
+pub fn check_stream_contents(
+    workload: &crate::workload::Workload,
+    msgs: &[Stored],
+    sent: &[Vec<crate::workload::Sent>],
+) -> anyhow::Result<crate::workload::Report> {
+    let by_stream = records_by_stream(msgs)?;
+    let mut total = crate::workload::Report::default();
+    for (i, name) in workload.streams.iter().enumerate() {
+        let stored = by_stream.get(name).map_or(&[][..], Vec::as_slice);
+        total.add(&crate::workload::check_stream(workload, i, sent.get(i).map_or(&[][..], Vec::as_slice), stored));
+    }
+    Ok(total)
+}
+
 /// Every message of `stream`, in stream order.
 pub async fn messages(js: &jetstream::Context, stream: &str) -> anyhow::Result<Vec<Stored>> {
     let mut s = js.get_stream(stream).await.with_context(|| format!("stream {stream}"))?;

@@ -44,6 +44,42 @@ pub fn server_endpoint(
         .map_err(|source| TransportError::Socket { op: "register with the runtime", addr: listen, source })
 }
 
+/// Like [`server_endpoint`], with the stateless-reset key derived from `secret` (the server's
+/// private key file) instead of a random one.
+///
+/// A QUIC server answers a packet of a connection it does not know with a stateless reset,
+/// which the peer accepts only if its token was made with the key of the server that issued the
+/// connection ID (RFC 9000, section 10.3). With a random key per process, a restarted ingest
+/// server cannot make valid resets, so every agent sits on its dead connection until its idle
+/// timeout (10 s by default) before it reconnects. With the same key across restarts, the new
+/// process resets the old connections at their next packet and the agents reconnect at once.
+/// The connection-id generator's key (quinn embeds a keyed hash in every connection id and drops
+/// packets whose id does not check) is derived the same way. Both come from a SHA-256 of a label
+/// and the secret: they reveal nothing of the secret, and a deployment that rotates the server
+/// key simply gets new ones.
+pub fn server_endpoint_with_reset_secret(
+    listen: SocketAddr,
+    config: quinn::ServerConfig,
+    tuning: &Tuning,
+    secret: &[u8],
+) -> Result<Endpoint, TransportError> {
+    let bound = bind_udp_socket(listen, tuning)?;
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    ctx.update(b"edge-ingest stateless reset key v1\0");
+    ctx.update(secret);
+    let derived = ctx.finish();
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, derived.as_ref());
+    let mut endpoint_config = EndpointConfig::new(Arc::new(key));
+    // quinn's connection ids carry a hash keyed per process, and a packet whose id does not
+    // check is dropped before any reset is considered: the key comes from the secret too.
+    let mut cid_key = [0u8; 8];
+    cid_key.copy_from_slice(&derived.as_ref()[..8]);
+    let cid_key = u64::from_le_bytes(cid_key);
+    endpoint_config.cid_generator(move || Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key)));
+    Endpoint::new(endpoint_config, Some(config), bound.socket, Arc::new(TokioRuntime))
+        .map_err(|source| TransportError::Socket { op: "register with the runtime", addr: listen, source })
+}
+
 /// Creates the agent's endpoint bound to `bind` (usually `0.0.0.0:0` or `[::]:0`).
 ///
 /// It has no default client config: pass the one from [`client_config`](crate::client_config)

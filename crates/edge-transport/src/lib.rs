@@ -76,7 +76,7 @@ pub mod tuning;
 
 use std::sync::{Arc, OnceLock};
 
-pub use endpoint::{BoundSocket, bind_udp_socket, client_endpoint, server_endpoint};
+pub use endpoint::{BoundSocket, bind_udp_socket, client_endpoint, server_endpoint, server_endpoint_with_reset_secret};
 pub use error::{PemOrigin, TransportError};
 pub use peer::{IdentityError, device_id_from_cert_der, peer_device_id, tls_alert};
 pub use tls::{
