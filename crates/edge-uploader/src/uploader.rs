@@ -380,14 +380,17 @@ impl<'a> Connection<'a> {
         let agent = format!("edge-uploader/{}", env!("CARGO_PKG_VERSION"));
         let mut session = ClientSession::new(self.spool.id().0, agent, self.opts.limits.clone(), Instant::now());
         while let Some(bytes) = session.poll_transmit() {
-            ctl_send.write_all(&bytes).await.map_err(|e| ConnError::Control(e.to_string()))?;
+            ctl_send
+                .write_all(&bytes)
+                .await
+                .map_err(|e| ConnError::Control(edge_telemetry::logging::error_chain(&e)))?;
         }
         // Handshake.
         let deadline = tokio::time::Instant::now() + self.opts.limits.handshake_timeout;
         let mut buf = vec![0u8; 4096];
         let (server_in_flight, max_chunk_payload) = loop {
             let n = tokio::select! {
-                r = ctl_recv.read(&mut buf) => r.map_err(|e| ConnError::Control(e.to_string()))?,
+                r = ctl_recv.read(&mut buf) => r.map_err(|e| ConnError::Control(edge_telemetry::logging::error_chain(&e)))?,
                 () = tokio::time::sleep_until(deadline) => return Err(edge_proto::ProtoError::HandshakeTimeout.into()),
             };
             let Some(n) = n else { return Err(ConnError::Control("server closed the control stream".into())) };
@@ -443,7 +446,7 @@ impl<'a> Connection<'a> {
                         }
                     }
                     Ok(None) => break Err(ConnError::Control("server finished the control stream".into())),
-                    Err(e) => break Err(ConnError::Control(e.to_string())),
+                    Err(e) => break Err(ConnError::Control(edge_telemetry::logging::error_chain(&e))),
                 }
             };
             // Wake every sender: their acks will not come on this connection.
