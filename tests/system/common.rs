@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
+pub use edge_testkit::free_tcp_port;
 use edge_testkit::{Daemon, PkiFixture, bin, free_udp_port};
 
 /// How long a daemon may take to report READY.
@@ -143,12 +144,6 @@ impl World {
         }
         Ok(recs)
     }
-}
-
-/// A free TCP port on 127.0.0.1 (bound and released; fine for tests on one machine).
-pub fn free_tcp_port() -> anyhow::Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(listener.local_addr()?.port())
 }
 
 /// Runs `binary args...` with `NO_COLOR` and parses its stdout as JSON; returns the exit code too.

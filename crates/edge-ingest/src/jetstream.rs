@@ -55,6 +55,7 @@ use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::server::hex;
 use crate::store::{IncomingChunk, PersistOutcome, StatsCell, StoreFailure, StoreStatsView};
 
 /// Bytes reserved for a message's headers (and subject) inside the server's `max_payload`.
@@ -484,15 +485,6 @@ pub fn token(name: &str) -> Cow<'_, str> {
         }
     }
     Cow::Owned(out)
-}
-
-/// The spool id in lower-case hex.
-pub fn hex(id: &[u8; 16]) -> String {
-    let mut out = String::with_capacity(32);
-    for b in id {
-        let _ = write!(out, "{b:02x}");
-    }
-    out
 }
 
 #[cfg(test)]
