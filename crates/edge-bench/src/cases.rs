@@ -10,7 +10,7 @@ use anyhow::Context;
 use crate::baseline::{self, Kind};
 use crate::peers;
 use crate::sys::{self, Stat};
-use crate::world::{self, Bins, Load, World, WorldOptions};
+use crate::world::{self, Bins, JetStreamTarget, Load, World, WorldOptions};
 
 const KIB: usize = 1024;
 const MIB: u64 = 1 << 20;
@@ -318,6 +318,9 @@ const JS_ALWAYS_10K: &str = "JetStream file, sync_interval always, 10 KiB";
 const JS_ALWAYS_100K: &str = "JetStream file, sync_interval always, 100 KiB";
 const JS_MACHINE_10K: &str = "JetStream file, machine's server (default sync), 10 KiB";
 
+const SINK_FILES: &str = "drain into the file sink";
+const SINK_JS_MACHINE: &str = "drain into the JetStream sink, machine's server (default sync)";
+const SINK_JS_ALWAYS: &str = "drain into the JetStream sink, sync_interval always";
 const MB_S: &str = "MB/s";
 const SENDER_CPU: &str = "CPU-s/GiB sender";
 const RECEIVER_CPU: &str = "CPU-s/GiB receiver";
@@ -427,7 +430,7 @@ pub async fn all(ctx: &Ctx) -> anyhow::Result<Results> {
     small(ctx, &mut res, Duration::from_secs(6)).await?;
     peer_cases(ctx, &mut res, &[10 * KIB, 100 * KIB], Duration::from_secs(5)).await?;
     reconnect(ctx, &mut res).await?;
-    let r = drain_once(ctx, &mut res, DRAIN_4G, 4 << 30, &WorldOptions::default()).await;
+    let r = drain_once(ctx, &mut res, "edge-uploader", DRAIN_4G, 4 << 30, &WorldOptions::default()).await;
     res.failed(DRAIN_4G, 0, r);
     Ok(res)
 }
@@ -574,7 +577,7 @@ pub async fn sweep(ctx: &Ctx) -> anyhow::Result<Results> {
             let case = format!("sweep {}: live 10 KiB, 1 per request", v.label);
             live_with(&one, &mut res, &case, 10 * KIB, 1, Duration::from_secs(6), v).await?;
             let case = format!("sweep {}: drain 256 MiB", v.label);
-            let r = drain_once(ctx, &mut res, &case, 256 * MIB, v).await;
+            let r = drain_once(ctx, &mut res, "sweep", &case, 256 * MIB, v).await;
             res.failed(&case, rep, r);
         }
     }
@@ -610,10 +613,62 @@ async fn reconnect(ctx: &Ctx, res: &mut Results) -> anyhow::Result<()> {
 
 async fn drain(ctx: &Ctx, res: &mut Results, case: &str, prefill: u64) -> anyhow::Result<()> {
     for rep in 0..ctx.reps {
-        let r = drain_once(ctx, res, case, prefill, &WorldOptions::default()).await;
+        let r = drain_once(ctx, res, "edge-uploader", case, prefill, &WorldOptions::default()).await;
         res.failed(case, rep, r);
     }
     Ok(())
+}
+
+/// The ingest's sinks side by side, `ctx.reps` times in turn: the same drain of `bytes` into
+/// the file store, into the machine's JetStream server (default sync: it acks before its
+/// fsync) and into a bench-started current server with `sync_interval: always` (fsync before
+/// every ack, as the file sink does). Each JetStream drain gets a stream of its own, deleted
+/// afterwards.
+pub async fn sinks(ctx: &Ctx, bytes: u64) -> anyhow::Result<Results> {
+    let mut res = Results::default();
+    let nats_bin = match peers::nats_server_bin(&ctx.target) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            res.note(format!("JetStream with sync_interval always not measured: {e:#}"));
+            None
+        }
+    };
+    let machine = std::net::TcpStream::connect(("127.0.0.1", 4222)).is_ok();
+    if !machine {
+        res.note("the machine's NATS server (127.0.0.1:4222) is not running; its row is missing");
+    }
+    let machine_pid = sys::find_process(|cmd| cmd.contains("nats-server") && cmd.contains("4222"));
+    for rep in 0..ctx.reps {
+        let r = drain_once(ctx, &mut res, "sink", SINK_FILES, bytes, &WorldOptions::default()).await;
+        res.failed(SINK_FILES, rep, r);
+        if machine {
+            let target = JetStreamTarget::fresh(4222, machine_pid);
+            let opts = WorldOptions { jetstream: Some(target.clone()), ..WorldOptions::default() };
+            let r = drain_once(ctx, &mut res, "sink", SINK_JS_MACHINE, bytes, &opts).await;
+            res.failed(SINK_JS_MACHINE, rep, r);
+            if let Err(e) = peers::delete_stream(4222, &target.stream).await {
+                res.note(format!("could not delete stream {} on the machine's server: {e:#}", target.stream));
+            }
+        }
+        if let Some(bin) = &nats_bin {
+            let dir = ctx.work.join("nats-sink");
+            let _ = std::fs::remove_dir_all(&dir);
+            match peers::start_nats(bin, &dir) {
+                Ok(broker) => {
+                    let opts = WorldOptions {
+                        jetstream: Some(JetStreamTarget::fresh(broker.port, Some(broker.pid()))),
+                        ..WorldOptions::default()
+                    };
+                    let r = drain_once(ctx, &mut res, "sink", SINK_JS_ALWAYS, bytes, &opts).await;
+                    res.failed(SINK_JS_ALWAYS, rep, r);
+                    drop(broker);
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+                Err(e) => res.failed(SINK_JS_ALWAYS, rep, Err(e)),
+            }
+        }
+    }
+    Ok(res)
 }
 
 /// How the drain cases fill the spool: 4 producers, each on its own stream, 100 records of
@@ -638,9 +693,17 @@ fn live_load(record: usize, per_request: usize, duration: Option<Duration>, byte
 
 /// Prefills the spool with the ingest down, starts the ingest, times from the agent's
 /// connection until the spool is empty and the ingest has stored everything.
-async fn drain_once(ctx: &Ctx, res: &mut Results, case: &str, prefill: u64, opts: &WorldOptions) -> anyhow::Result<()> {
+async fn drain_once(
+    ctx: &Ctx,
+    res: &mut Results,
+    group: &'static str,
+    case: &str,
+    prefill: u64,
+    opts: &WorldOptions,
+) -> anyhow::Result<()> {
     res.mark_load(case);
-    let group = if opts.label.is_empty() { "edge-uploader" } else { "sweep" };
+    let server_pid = opts.jetstream.as_ref().and_then(|j| j.server_pid);
+    let scpu0 = server_pid.map(sys::cpu_seconds).transpose()?;
     let mut w = World::new(&ctx.bins, &ctx.work.join("drain"), opts)?;
     w.start_agent()?;
     let pid = w.agent_pid()?;
@@ -672,6 +735,11 @@ async fn drain_once(ctx: &Ctx, res: &mut Results, case: &str, prefill: u64, opts
     let icpu = sys::cpu_seconds(ingest_pid)? - icpu0;
     let rss = sys::peak_rss_bytes(pid)? as f64 / MIB as f64;
     let gib = p.bytes as f64 / GIB;
+    if let (Some(spid), Some(c0)) = (server_pid, scpu0) {
+        let scpu = sys::cpu_seconds(spid)? - c0;
+        ctx.progress(format!("{case}: NATS server {:.2} CPU-s/GiB", scpu / gib));
+        res.add(group, case, SERVER_CPU, 2, scpu / gib);
+    }
     ctx.progress(format!(
         "{case}: {} MiB in {secs:.2} s = {mb_s:.0} MB/s; agent {:.2}, ingest {:.2} CPU-s/GiB; agent peak RSS {rss:.1} MiB (prefill {:.0} MB/s)",
         p.bytes / MIB,

@@ -89,6 +89,17 @@ enum Cmd {
         #[arg(long)]
         allow_stale: bool,
     },
+    /// The ingest's sinks side by side: the same drain into the file store, into the machine's
+    /// JetStream (127.0.0.1:4222) and into a bench-started one with `sync_interval: always`.
+    Sink {
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Bytes of backlog per drain, in MiB.
+        #[arg(long, default_value_t = 512)]
+        mib: u64,
+        #[arg(long)]
+        allow_stale: bool,
+    },
     /// Configuration sweep (durability, chunk size, chunks in flight): live and drain per variant.
     Sweep {
         #[arg(long, default_value_t = 1)]
@@ -194,6 +205,14 @@ fn main() -> anyhow::Result<()> {
                 (None, None) => anyhow::bail!("give --wrapper or --attach"),
             };
             rt.block_on(cases::profile(&ctx, how, drain, mib << 20, per_request))
+        }
+        Cmd::Sink { reps, mib, allow_stale } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
+            ctx.command = format!("cargo run --release -p edge-bench -- sink --reps {} --mib {mib}", ctx.reps);
+            let results = rt.block_on(cases::sinks(&ctx, mib << 20))?;
+            println!("{}", results.markdown(&ctx));
+            Ok(())
         }
         Cmd::Sweep { reps, out, allow_stale } => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

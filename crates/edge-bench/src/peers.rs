@@ -419,6 +419,13 @@ pub async fn jetstream(
     Ok(result(acked, msg_size, secs, cpu, server_cpu))
 }
 
+/// Deletes JetStream stream `name` on the server at `port`.
+pub async fn delete_stream(port: u16, name: &str) -> anyhow::Result<()> {
+    let mut c = Nats::connect(port).await?;
+    c.request(&format!("$JS.API.STREAM.DELETE.{name}"), b"").await?;
+    Ok(())
+}
+
 /// Reads the next MSG's payload (skipping PING, which a run of seconds never needs to
 /// answer); errors on -ERR.
 async fn nats_msg<R: tokio::io::AsyncBufRead + Unpin>(rd: &mut R) -> anyhow::Result<Vec<u8>> {

@@ -171,6 +171,17 @@ fn walk(dir: &Path, f: &mut dyn FnMut(&Path, std::time::SystemTime)) -> anyhow::
     Ok(())
 }
 
+/// The pid of a process whose command line (arguments joined by spaces) satisfies `pred`.
+pub fn find_process(pred: impl Fn(&str) -> bool) -> Option<u32> {
+    let entries = std::fs::read_dir("/proc").ok()?;
+    entries.filter_map(Result::ok).find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        pred(&cmd).then_some(pid)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

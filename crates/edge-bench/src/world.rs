@@ -90,6 +90,26 @@ pub struct WorldOptions {
     pub durability: &'static str,
     /// Name of a sweep variant; empty for the default configuration.
     pub label: String,
+    /// The ingest writes to this JetStream stream instead of its file store.
+    pub jetstream: Option<JetStreamTarget>,
+}
+
+/// A JetStream stream for the ingest's JetStream sink (`edge-bench sink`).
+#[derive(Debug, Clone)]
+pub struct JetStreamTarget {
+    /// The NATS server's TCP port on 127.0.0.1.
+    pub port: u16,
+    /// A stream name of this run's own; the bench deletes the stream afterwards.
+    pub stream: String,
+    /// The NATS server's pid, when the bench knows it, for its CPU.
+    pub server_pid: Option<u32>,
+}
+
+impl JetStreamTarget {
+    /// A fresh stream name on the server at `port`.
+    pub fn fresh(port: u16, server_pid: Option<u32>) -> Self {
+        Self { port, stream: format!("EDGEBENCHSINK{:08x}", rand::random::<u32>()), server_pid }
+    }
 }
 
 impl Default for WorldOptions {
@@ -101,6 +121,7 @@ impl Default for WorldOptions {
             max_in_flight_bytes: "4MiB".into(),
             durability: "full",
             label: String::new(),
+            jetstream: None,
         }
     }
 }
@@ -145,6 +166,16 @@ impl World {
             q(&server.client_ca),
             q(&dir.join("ingest/data")),
         );
+        let ingest_toml = match &opts.jetstream {
+            None => ingest_toml,
+            Some(js) => format!(
+                "{ingest_toml}\n[sink]\nkind = \"jetstream\"\n\n[sink.jetstream]\nservers = [\"nats://127.0.0.1:{}\"]\n\
+                 stream = \"{}\"\nsubject_prefix = \"{}\"\n",
+                js.port,
+                js.stream,
+                js.stream.to_lowercase(),
+            ),
+        };
         let agent_toml = format!(
             "[intake]\nsocket = {}\n\n[spool]\npath = {}\nmax_bytes = {}\ndurability = \"{}\"\nchunk_target = \"{}\"\n\n\
              [upload]\nserver = \"127.0.0.1:{port}\"\nserver_name = \"localhost\"\nca = {}\ncert = {}\nkey = {}\n\
