@@ -66,6 +66,14 @@ fn records_reach_jetstream_exactly_once_through_ingest_sigkills() -> anyhow::Res
         }
         let sent = producers.stop(&rt)?;
         rt.block_on(drain(&socket, Duration::from_secs(120))).map_err(|e| e.context(agent.tail_log()))?;
+        // The operator sees which sink the server writes to, and its health (the last server
+        // took what was left after its predecessor's kill).
+        let cfg = world.ingest_config.to_string_lossy().into_owned();
+        let (code, doc) = crate::common::json_output("edge-ingest", &["status", "--config", &cfg, "--json"])?;
+        anyhow::ensure!(code == 0, "edge-ingest status exit {code}: {doc}");
+        let sink = &doc["sink"];
+        anyhow::ensure!(sink["kind"] == "jetstream" && sink["stream"] == stream.as_str(), "status: {doc}");
+        anyhow::ensure!(sink["healthy"] == true && sink["chunks"].as_u64() > Some(0), "status: {doc}");
         let msgs = rt.block_on(nats::messages(&js, &stream))?;
         Ok((sent, msgs))
     })();

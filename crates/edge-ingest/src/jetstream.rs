@@ -171,7 +171,7 @@ impl JetStreamSink {
             .connection_timeout(opts.connect_timeout)
             .connect(addrs)
             .await
-            .map_err(|e| JetStreamError::Request(format!("connecting to {}: {e}", opts.servers.join(", "))))?;
+            .map_err(|e| JetStreamError::Request(format!("connecting to {}: {e}", shown(&opts.servers))))?;
         let mut js = jetstream::new(client.clone());
         js.set_timeout(opts.ack_timeout);
         let sink = JetStreamSink {
@@ -190,7 +190,7 @@ impl JetStreamSink {
             Ok(Err(e)) => sink.inner.wait_for_nats(e.to_string()),
             Err(_) => sink.inner.wait_for_nats(format!(
                 "no answer from NATS at {} within {:?}",
-                sink.inner.opts.servers.join(", "),
+                shown(&sink.inner.opts.servers),
                 sink.inner.opts.connect_timeout
             )),
         }
@@ -470,6 +470,20 @@ fn split_parts(raw: &[u8], max: usize) -> Result<Vec<Part>, edge_proto::records:
     Ok(parts)
 }
 
+/// The server URLs as logs show them: without credentials, comma-separated.
+pub fn shown(servers: &[String]) -> String {
+    servers.iter().map(|s| without_credentials(s)).collect::<Vec<_>>().join(", ")
+}
+
+/// A server URL without the user and password it may carry, for status and logs.
+pub fn without_credentials(url: &str) -> String {
+    match (url.split_once("://"), url.rsplit_once('@')) {
+        (Some((scheme, _)), Some((_, host))) => format!("{scheme}://{host}"),
+        (None, Some((_, host))) => host.to_owned(),
+        _ => url.to_owned(),
+    }
+}
+
 /// A name as one subject token: bytes outside `[A-Za-z0-9_-]` as `%XX`.
 pub fn token(name: &str) -> Cow<'_, str> {
     let plain = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b'-';
@@ -530,6 +544,13 @@ mod tests {
         let mut raw = payload(&[10, 10]);
         raw.pop();
         assert!(split_parts(&raw, 1 << 20).is_err());
+    }
+
+    #[test]
+    fn credentials_are_left_out_of_server_urls_shown() {
+        assert_eq!(without_credentials("nats://u:secret@nats-1:4222"), "nats://nats-1:4222");
+        assert_eq!(without_credentials("u:secret@nats-1:4222"), "nats-1:4222");
+        assert_eq!(without_credentials("tls://nats-1:4222"), "tls://nats-1:4222");
     }
 
     #[test]

@@ -202,7 +202,7 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
     let registry = prometheus::Registry::new();
     edge_ingest::metrics::register(&registry, server.counters(), store.stats_view()).context("registering metrics")?;
     // `/v1/status` (for `edge-ingest status`) shares the metrics listener.
-    let status = edge_ingest::status::router(server.counters(), store.stats_view());
+    let status = edge_ingest::status::router(server.counters(), store.stats_view(), sink_description(&cfg));
     let metrics = edge_ingest::metrics::MetricsServer::start_with(metrics_listener, registry, status);
     edge_telemetry::notify::ready();
     let watchdog = edge_telemetry::notify::watchdog_interval();
@@ -235,6 +235,20 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What `/v1/status` says of the sink beside its statistics.
+fn sink_description(cfg: &config::Config) -> serde_json::Map<String, serde_json::Value> {
+    let v = match &cfg.sink {
+        config::SinkOptions::Files => serde_json::json!({"kind": "files", "data_dir": cfg.store.data_dir}),
+        config::SinkOptions::JetStream(o) => serde_json::json!({
+            "kind": "jetstream",
+            "stream": o.stream,
+            "subject_prefix": o.subject_prefix,
+            "servers": o.servers.iter().map(|s| edge_ingest::jetstream::without_credentials(s)).collect::<Vec<_>>(),
+        }),
+    };
+    v.as_object().cloned().unwrap_or_default()
+}
+
 /// Opens the configured sink: the file store (recovered first) or the JetStream stream.
 async fn open_sink(cfg: &config::Config) -> anyhow::Result<Sink> {
     match &cfg.sink {
@@ -249,7 +263,11 @@ async fn open_sink(cfg: &config::Config) -> anyhow::Result<Sink> {
         }
         config::SinkOptions::JetStream(opts) => {
             let sink = JetStreamSink::start(opts.clone()).await.with_context(|| {
-                format!("starting the JetStream sink (stream {:?} on {})", opts.stream, opts.servers.join(", "))
+                format!(
+                    "starting the JetStream sink (stream {:?} on {})",
+                    opts.stream,
+                    edge_ingest::jetstream::shown(&opts.servers)
+                )
             })?;
             Ok(sink.into())
         }

@@ -56,17 +56,24 @@ pub fn now_ms() -> u64 {
 struct StatusState {
     counters: Arc<ServerCounters>,
     store: StoreStatsView,
+    sink: Arc<serde_json::Map<String, Value>>,
 }
 
 /// `GET /v1/status`, to be served next to `/metrics` (see
 /// [`MetricsServer::start_with`](edge_telemetry::metrics::MetricsServer::start_with)).
-pub fn router(counters: Arc<ServerCounters>, store: StoreStatsView) -> Router {
-    Router::new().route("/v1/status", get(serve)).with_state(StatusState { counters, store })
+/// `sink` says which sink this is (`{"kind": "files", ...}`); its keys are added to the
+/// document's `sink` object.
+pub fn router(counters: Arc<ServerCounters>, store: StoreStatsView, sink: serde_json::Map<String, Value>) -> Router {
+    Router::new().route("/v1/status", get(serve)).with_state(StatusState { counters, store, sink: Arc::new(sink) })
 }
 
 async fn serve(State(st): State<StatusState>) -> axum::Json<Value> {
     let stats = st.store.get();
-    axum::Json(document(&st.counters, &stats, st.store.is_running(), Instant::now()))
+    let mut doc = document(&st.counters, &stats, st.store.is_running(), Instant::now());
+    if let Some(sink) = doc["sink"].as_object_mut() {
+        sink.extend(st.sink.iter().map(|(k, v)| (k.clone(), v.clone())));
+    }
+    axum::Json(doc)
 }
 
 /// Why the sink (the store) is unhealthy; empty when healthy. A failure is reported while it is
@@ -321,15 +328,26 @@ pub fn render(doc: &Value, reasons: &[String], now_ms: u64, color: bool) -> Stri
         num(&t["auth_failures"]),
     ));
     let s = &doc["sink"];
-    out.push_str(&format!(
-        "sink: {}, {} segments, {} chunks, {}, {} fsyncs, {} queued\n",
-        if s["healthy"] == true { paint("32", "healthy") } else { paint("31", "unhealthy") },
-        num(&s["segments"]),
-        num(&s["chunks"]),
-        bytes(&s["bytes"]),
-        num(&s["fsyncs"]),
-        num(&s["queued"]),
-    ));
+    let health = if s["healthy"] == true { paint("32", "healthy") } else { paint("31", "unhealthy") };
+    if s["kind"] == "jetstream" {
+        out.push_str(&format!(
+            "sink: JetStream stream {} on {}, {health}, {} chunks stored since start, {}, {} queued\n",
+            s["stream"].as_str().unwrap_or("?"),
+            s["servers"].as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join(", "),
+            num(&s["chunks"]),
+            bytes(&s["bytes"]),
+            num(&s["queued"]),
+        ));
+    } else {
+        out.push_str(&format!(
+            "sink: {health}, {} segments, {} chunks, {}, {} fsyncs, {} queued\n",
+            num(&s["segments"]),
+            num(&s["chunks"]),
+            bytes(&s["bytes"]),
+            num(&s["fsyncs"]),
+            num(&s["queued"]),
+        ));
+    }
     if let Some(f) = s["last_failure"].as_str() {
         out.push_str(&format!("last sink failure: {f}\n"));
     }
@@ -475,7 +493,7 @@ mod tests {
         let server = edge_telemetry::metrics::MetricsServer::start_with(
             Some(listener),
             prometheus::Registry::new(),
-            router(counters, store.stats_view()),
+            router(counters, store.stats_view(), json!({"kind": "files"}).as_object().cloned().unwrap_or_default()),
         );
         let f = tokio::task::spawn_blocking(move || fetch(addr, FETCH_TIMEOUT)).await.expect("join");
         let Fetched::Status(doc) = f else { panic!("{f:?}") };
