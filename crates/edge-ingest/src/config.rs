@@ -112,6 +112,12 @@ pub struct RawJetStream {
     pub max_message_bytes: ByteSize,
     pub ack_timeout: String,
     pub connect_timeout: String,
+    /// CA of the NATS servers' certificates; empty: TLS only if a `tls://` URL asks for it,
+    /// verified against the system's roots.
+    pub tls_ca: PathBuf,
+    /// Client certificate and key for NATS servers that verify clients; both or neither.
+    pub tls_cert: PathBuf,
+    pub tls_key: PathBuf,
 }
 
 impl Default for RawJetStream {
@@ -125,6 +131,9 @@ impl Default for RawJetStream {
             max_message_bytes: ByteSize::kib(1020),
             ack_timeout: "10s".into(),
             connect_timeout: "5s".into(),
+            tls_ca: PathBuf::new(),
+            tls_cert: PathBuf::new(),
+            tls_key: PathBuf::new(),
         }
     }
 }
@@ -343,6 +352,21 @@ fn validate_sink(raw: &RawSink) -> anyhow::Result<SinkOptions> {
             .filter(|d| !d.is_zero())
             .ok_or_else(|| anyhow::anyhow!("sink.jetstream.{key}: {v:?} is not a duration like \"10s\""))
     };
+    let file = |key: &str, p: &Path| -> anyhow::Result<Option<PathBuf>> {
+        if p.as_os_str().is_empty() {
+            return Ok(None);
+        }
+        if !p.is_file() {
+            bail!("sink.jetstream.{key}: file {} does not exist or is not a regular file", p.display());
+        }
+        Ok(Some(p.to_path_buf()))
+    };
+    let tls_ca = file("tls_ca", &j.tls_ca)?;
+    let tls_client = match (file("tls_cert", &j.tls_cert)?, file("tls_key", &j.tls_key)?) {
+        (Some(c), Some(k)) => Some((c, k)),
+        (None, None) => None,
+        _ => bail!("sink.jetstream.tls_cert and sink.jetstream.tls_key: give both or neither"),
+    };
     Ok(SinkOptions::JetStream(crate::jetstream::JetStreamOptions {
         servers: j.servers.clone(),
         stream: j.stream.clone(),
@@ -351,6 +375,8 @@ fn validate_sink(raw: &RawSink) -> anyhow::Result<SinkOptions> {
         max_message_bytes,
         ack_timeout: duration("ack_timeout", &j.ack_timeout)?,
         connect_timeout: duration("connect_timeout", &j.connect_timeout)?,
+        tls_ca,
+        tls_client,
     }))
 }
 
@@ -400,5 +426,10 @@ listen_addr = \"0.0.0.0:1\"\n",
                 .starts_with("sink.jetstream.max_message_bytes")
         );
         assert!(err("jetstream", &|j| j.ack_timeout = "soon".into()).starts_with("sink.jetstream.ack_timeout"));
+        assert!(err("jetstream", &|j| j.tls_ca = "/nonexistent/ca.pem".into()).starts_with("sink.jetstream.tls_ca"));
+        assert!(
+            err("jetstream", &|j| j.tls_cert = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml").into())
+                .contains("give both or neither")
+        );
     }
 }

@@ -44,6 +44,7 @@
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -89,6 +90,10 @@ pub struct JetStreamOptions {
     pub ack_timeout: Duration,
     /// How long start-up waits for NATS before serving anyway (answering `Retry` until it comes).
     pub connect_timeout: Duration,
+    /// TLS to NATS: the CA (PEM) that signs the servers' certificates. Set, TLS is required.
+    pub tls_ca: Option<PathBuf>,
+    /// TLS client certificate and key (PEM) for servers that verify clients.
+    pub tls_client: Option<(PathBuf, PathBuf)>,
 }
 
 impl Default for JetStreamOptions {
@@ -103,6 +108,8 @@ impl Default for JetStreamOptions {
             max_message_bytes: (1 << 20) - HEADER_ROOM,
             ack_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(5),
+            tls_ca: None,
+            tls_client: None,
         }
     }
 }
@@ -165,10 +172,17 @@ impl JetStreamSink {
             .iter()
             .map(|s| s.parse::<async_nats::ServerAddr>().map_err(|e| JetStreamError::Options(format!("{s:?}: {e}"))))
             .collect::<Result<Vec<_>, _>>()?;
-        let client = async_nats::ConnectOptions::new()
+        let mut connect = async_nats::ConnectOptions::new()
             .name("edge-ingest")
             .retry_on_initial_connect()
-            .connection_timeout(opts.connect_timeout)
+            .connection_timeout(opts.connect_timeout);
+        if let Some(ca) = &opts.tls_ca {
+            connect = connect.add_root_certificates(ca.clone()).require_tls(true);
+        }
+        if let Some((cert, key)) = &opts.tls_client {
+            connect = connect.add_client_certificate(cert.clone(), key.clone());
+        }
+        let client = connect
             .connect(addrs)
             .await
             .map_err(|e| JetStreamError::Request(format!("connecting to {}: {e}", shown(&opts.servers))))?;
@@ -245,7 +259,10 @@ impl JetStreamSink {
     /// Stops the background set-up, flushes what was published and closes the connection.
     pub async fn shutdown(self) {
         self.inner.cancel.cancel();
-        if tokio::time::timeout(self.inner.opts.ack_timeout, self.inner.client.flush()).await.is_err() {
+        // Not connected: nothing can be flushed, and waiting would only delay the stop.
+        if self.inner.client.connection_state() == async_nats::connection::State::Connected
+            && tokio::time::timeout(self.inner.opts.ack_timeout, self.inner.client.flush()).await.is_err()
+        {
             warn!("NATS flush at shutdown timed out");
         }
         self.inner.stats.set_running(false);

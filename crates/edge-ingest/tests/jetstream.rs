@@ -206,3 +206,31 @@ async fn with_nats_down_chunks_are_answered_retry_until_it_comes_back() {
     let outcome = sink.persist(chunk("gw-05", "s", 2, &records(1, 5, 0))).await;
     assert!(matches!(outcome, PersistOutcome::Failed(StoreFailure::Unavailable(_))), "{outcome:?}");
 }
+
+#[tokio::test]
+async fn over_tls_the_sink_needs_the_ca_and_a_client_certificate_the_server_accepts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pki = edge_transport::pki::InMemoryPki::generate(&["localhost", "127.0.0.1"]).expect("pki");
+    let server = pki.write_server_files(&dir.path().join("server")).expect("server files");
+    let client = pki.write_device_files("ingest-1", &dir.path().join("client")).expect("client files");
+    let path = |p: &std::path::Path| p.to_str().expect("utf-8 path").to_owned();
+    let (cert, key, ca) = (path(&server.cert), path(&server.key), path(&server.client_ca));
+    let args = ["--tlsverify", "--tlscert", &cert, "--tlskey", &key, "--tlscacert", &ca];
+    let nats_server = nats::PrivateServer::start_with(0, &dir.path().join("js"), &args).expect("nats-server with TLS");
+    let (stream, prefix) = nats::unique("tls");
+    let mut o = opts(&stream, &prefix);
+    o.servers = vec![format!("tls://localhost:{}", nats_server.port)];
+    o.tls_ca = Some(client.ca_cert.clone());
+    o.connect_timeout = Duration::from_secs(3);
+
+    // Without a client certificate the server refuses the handshake: nothing is acked.
+    let refused = JetStreamSink::start(o.clone()).await.expect("starts, waiting for NATS");
+    let c = chunk("gw-06", "s", 1, &records(2, 20, 1));
+    assert!(matches!(refused.persist(c.clone()).await, PersistOutcome::Failed(StoreFailure::Unavailable(_))));
+    refused.shutdown().await;
+
+    o.tls_client = Some((client.cert.clone(), client.key.clone()));
+    let sink = JetStreamSink::start(o).await.expect("sink over TLS");
+    assert!(sink.is_ready(), "stream set up over TLS at start");
+    assert_eq!(sink.persist(c).await, PersistOutcome::Stored);
+}

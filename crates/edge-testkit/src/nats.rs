@@ -136,10 +136,16 @@ impl PrivateServer {
     /// Starts `nats-server -js` on `port` (0: a free one) with its store in `dir`, and waits until
     /// it accepts connections.
     pub fn start(port: u16, dir: &Path) -> anyhow::Result<Self> {
+        Self::start_with(port, dir, &[])
+    }
+
+    /// [`PrivateServer::start`] with more `nats-server` arguments (e.g. `--tlsverify ...`).
+    pub fn start_with(port: u16, dir: &Path, extra: &[&str]) -> anyhow::Result<Self> {
         let port = if port == 0 { crate::free_tcp_port()? } else { port };
         let child = Command::new(server_binary())
             .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
             .arg(dir)
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
