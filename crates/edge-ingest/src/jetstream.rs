@@ -363,7 +363,8 @@ impl Inner {
             )));
         }
         let key = &chunk.key;
-        let id = format!("{}.{}.{}.{}", token(&key.device), token(&key.stream), hex(&key.spool), key.seq);
+        let spool = hex(&key.spool);
+        let id = format!("{}.{}.{spool}.{}", token(&key.device), token(&key.stream), key.seq);
         let total = parts.len();
         let mut acks = Vec::with_capacity(total);
         for (i, part) in parts.into_iter().enumerate() {
@@ -373,7 +374,7 @@ impl Inner {
             headers.insert("Nats-Msg-Id", msg_id.as_str());
             headers.insert("Edge-Device", key.device.as_str());
             headers.insert("Edge-Stream", key.stream.as_str());
-            headers.insert("Edge-Spool", hex(&key.spool).as_str());
+            headers.insert("Edge-Spool", spool.as_str());
             headers.insert("Edge-Seq", key.seq.to_string().as_str());
             headers.insert("Edge-Part", format!("{n}/{total}").as_str());
             headers.insert("Edge-Records", part.records.to_string().as_str());

@@ -31,14 +31,6 @@ impl Sink {
         }
     }
 
-    /// The `[sink] kind` this is.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Sink::Files(_) => "files",
-            Sink::JetStream(_) => "jetstream",
-        }
-    }
-
     /// Stops the sink once the server stopped sending it chunks: the file store finishes its
     /// queue and releases its directory lock; the JetStream client flushes and disconnects.
     pub async fn shutdown(self) {
