@@ -55,6 +55,7 @@ pub mod chunk;
 pub mod client;
 pub mod error;
 pub mod frame;
+pub mod intake;
 pub mod name;
 pub mod records;
 pub mod server;

@@ -98,6 +98,7 @@ impl Tuning {
     pub fn client_transport(&self) -> Result<TransportConfig, TransportError> {
         let mut transport = self.base_transport()?;
         transport.max_concurrent_bidi_streams(VarInt::from_u32(0)).max_concurrent_uni_streams(VarInt::from_u32(0));
+        transport.send_fairness(false);
         Ok(transport)
     }
 

@@ -37,7 +37,8 @@ pub struct Agent {
     cancel_upload: CancellationToken,
     tasks: TaskTracker,
     uploader: tokio::task::JoinHandle<anyhow::Result<()>>,
-    intake_socket: PathBuf,
+    /// Socket files to remove at shutdown.
+    intake_sockets: Vec<PathBuf>,
     /// Shared with the uploader; changed by a configuration reload.
     max_in_flight: Arc<AtomicU32>,
     /// Shared with the uploader; changed by a configuration reload.
@@ -90,7 +91,7 @@ impl Agent {
                 }
             });
         }
-        let unix = bind_unix(&config.intake.socket, config.intake.socket_mode)?;
+        let unix = bind_unix(&config.intake.socket, config.intake.socket_mode, "intake.socket")?;
         let router = crate::intake::router(intake.clone());
         {
             let cancel = cancel_intake.clone();
@@ -110,7 +111,26 @@ impl Agent {
                 }
             });
         }
-        info!(socket = %config.intake.socket.display(), tcp = ?config.intake.tcp, "intake listening");
+        if let Some(path) = &config.intake.stream_socket {
+            let listener = bind_unix(path, config.intake.socket_mode, "intake.stream_socket")?;
+            tasks.spawn(crate::record_stream::serve_unix(
+                listener,
+                intake.clone(),
+                cancel_intake.clone(),
+                tasks.clone(),
+            ));
+        }
+        if let Some(addr) = config.intake.stream_tcp {
+            let listener =
+                TcpListener::bind(addr).await.with_context(|| format!("binding intake.stream_tcp {addr}"))?;
+            tasks.spawn(crate::record_stream::serve_tcp(
+                listener,
+                intake.clone(),
+                cancel_intake.clone(),
+                tasks.clone(),
+            ));
+        }
+        info!(socket = %config.intake.socket.display(), tcp = ?config.intake.tcp, stream_socket = ?config.intake.stream_socket, stream_tcp = ?config.intake.stream_tcp, "intake listening");
 
         let client_config = edge_transport::client_config(&config.upload.tls, &config.upload.tuning)
             .context("loading the agent's TLS files (upload.ca, upload.cert, upload.key)")?;
@@ -143,7 +163,9 @@ impl Agent {
             cancel_upload,
             tasks,
             uploader,
-            intake_socket: config.intake.socket.clone(),
+            intake_sockets: std::iter::once(config.intake.socket.clone())
+                .chain(config.intake.stream_socket.clone())
+                .collect(),
             max_in_flight,
             max_in_flight_bytes,
         })
@@ -181,9 +203,13 @@ impl Agent {
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 14] = [
+        let fixed: [(&'static str, bool); 15] = [
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
+            (
+                "intake.stream_socket",
+                a.intake.stream_socket != b.intake.stream_socket || a.intake.stream_tcp != b.intake.stream_tcp,
+            ),
             ("intake.max_record_bytes", a.intake.max_record_bytes != b.intake.max_record_bytes),
             ("intake.max_request_bytes", a.intake.max_request_bytes != b.intake.max_request_bytes),
             ("spool.path", a.spool.path != b.spool.path),
@@ -222,7 +248,9 @@ impl Agent {
             Ok(Err(e)) => warn!(error = %e, "uploader ended with an error"),
             Err(e) => warn!(error = %e, "uploader task failed"),
         }
-        let _ = std::fs::remove_file(&self.intake_socket);
+        for socket in &self.intake_sockets {
+            let _ = std::fs::remove_file(socket);
+        }
         let thread = self.spool_thread.take();
         drop(self.intake);
         drop(self.spool);
@@ -282,7 +310,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
 }
 
 /// Binds the intake socket, replacing a stale socket file but never another kind of file.
-fn bind_unix(path: &Path, mode: u32) -> anyhow::Result<UnixListener> {
+fn bind_unix(path: &Path, mode: u32, key: &str) -> anyhow::Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -290,17 +318,17 @@ fn bind_unix(path: &Path, mode: u32) -> anyhow::Result<UnixListener> {
         Ok(meta) => {
             use std::os::unix::fs::FileTypeExt;
             if !meta.file_type().is_socket() {
-                anyhow::bail!("intake.socket: {} exists and is not a socket; refusing to replace it", path.display());
+                anyhow::bail!("{key}: {} exists and is not a socket; refusing to replace it", path.display());
             }
             if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                anyhow::bail!("intake.socket: {} is in use by another process", path.display());
+                anyhow::bail!("{key}: {} is in use by another process", path.display());
             }
             std::fs::remove_file(path).with_context(|| format!("removing stale socket {}", path.display()))?;
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e).with_context(|| format!("checking {}", path.display())),
     }
-    let listener = UnixListener::bind(path).with_context(|| format!("binding intake socket {}", path.display()))?;
+    let listener = UnixListener::bind(path).with_context(|| format!("binding {key} {}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
         .with_context(|| format!("setting mode {mode:o} on {}", path.display()))?;
     Ok(listener)

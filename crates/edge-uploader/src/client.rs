@@ -89,3 +89,95 @@ impl IntakeClient {
         Ok(IntakeResponse { status, body, retry_after })
     }
 }
+
+/// A producer's connection to the record-stream intake (`intake.stream_socket`, wire format in
+/// [`edge_proto::intake`]): records are buffered and written in order, answers read as they
+/// come. Used by the tests and the bench; a producer in another language needs only the table
+/// in that module.
+#[derive(Debug)]
+pub struct RecordStreamClient<S> {
+    io: S,
+    wbuf: Vec<u8>,
+    rbuf: Vec<u8>,
+    stream: Option<edge_proto::StreamName>,
+    /// Records written into `wbuf` so far.
+    sent: u64,
+}
+
+impl RecordStreamClient<UnixStream> {
+    /// Connects to the record-stream socket at `path`.
+    pub async fn connect(path: impl AsRef<Path>) -> anyhow::Result<Self> {
+        let path = path.as_ref();
+        let io = UnixStream::connect(path)
+            .await
+            .with_context(|| format!("connecting to the record-stream socket {}", path.display()))?;
+        Ok(Self::new(io))
+    }
+}
+
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> RecordStreamClient<S> {
+    /// A client on an open connection; the preamble is sent with the first records.
+    pub fn new(io: S) -> Self {
+        Self { io, wbuf: edge_proto::intake::MAGIC.to_vec(), rbuf: Vec::new(), stream: None, sent: 0 }
+    }
+
+    /// Queues one record for `stream` (a Stream frame first when the stream changes).
+    pub fn record(&mut self, stream: &edge_proto::StreamName, record: &[u8]) {
+        if self.stream.as_ref() != Some(stream) {
+            edge_proto::intake::put_stream(&mut self.wbuf, stream);
+            self.stream = Some(stream.clone());
+        }
+        edge_proto::intake::put_record(&mut self.wbuf, record);
+        self.sent += 1;
+    }
+
+    /// Queues raw bytes as they are (for tests of malformed input).
+    pub fn raw(&mut self, bytes: &[u8]) {
+        self.wbuf.extend_from_slice(bytes);
+    }
+
+    /// Records queued so far on this connection.
+    pub fn sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// Writes what is queued.
+    pub async fn flush(&mut self) -> std::io::Result<()> {
+        use tokio::io::AsyncWriteExt;
+        self.io.write_all(&self.wbuf).await?;
+        self.wbuf.clear();
+        Ok(())
+    }
+
+    /// The agent's next answer; `None` when it closed the connection.
+    pub async fn reply(&mut self) -> anyhow::Result<Option<edge_proto::intake::Reply>> {
+        use tokio::io::AsyncReadExt;
+        loop {
+            if let Some((reply, used)) = edge_proto::intake::parse_reply(&self.rbuf)? {
+                self.rbuf.drain(..used);
+                return Ok(Some(reply));
+            }
+            let mut buf = [0u8; 4096];
+            let n = self.io.read(&mut buf).await.context("reading the agent's answer")?;
+            if n == 0 {
+                anyhow::ensure!(self.rbuf.is_empty(), "the agent closed the connection inside an answer");
+                return Ok(None);
+            }
+            self.rbuf.extend_from_slice(&buf[..n]);
+        }
+    }
+
+    /// Flushes, ends the sending side and returns the agent's last answer: an Ack for every
+    /// record sent, or the Error that ended the connection.
+    pub async fn finish(mut self) -> anyhow::Result<edge_proto::intake::Reply> {
+        use tokio::io::AsyncWriteExt;
+        // A refused connection may be closed before everything is written; its answer tells.
+        let _ = self.flush().await;
+        let _ = self.io.shutdown().await;
+        let mut last = None;
+        while let Some(reply) = self.reply().await? {
+            last = Some(reply);
+        }
+        last.context("the agent closed the connection without an answer")
+    }
+}

@@ -19,6 +19,25 @@ pub const DEFAULT_CONFIG_PATH: &str = "/etc/edge-uploader/edge-uploader.toml";
 /// Environment prefix for overrides.
 pub const ENV_PREFIX: &str = "EDGE_UPLOADER";
 
+/// File name of the record-stream socket when `intake.stream_socket` is not set: it sits in the
+/// directory of `intake.socket`.
+pub const DEFAULT_STREAM_SOCKET: &str = "records.sock";
+
+/// A loopback address from `key`, or `None` when unset or empty.
+fn loopback(key: &str, value: Option<&str>, example: &str) -> anyhow::Result<Option<SocketAddr>> {
+    match value {
+        None | Some("") => Ok(None),
+        Some(s) => {
+            let addr: SocketAddr =
+                s.parse().map_err(|_| anyhow::anyhow!("{key}: {s:?} is not an address like {example}"))?;
+            if !addr.ip().is_loopback() {
+                bail!("{key}: {addr} is not a loopback address; the intake has no authentication");
+            }
+            Ok(Some(addr))
+        }
+    }
+}
+
 /// The file as written by the operator.
 #[derive(Debug, Clone, PartialEq, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
@@ -36,6 +55,8 @@ pub struct RawIntake {
     pub socket: PathBuf,
     pub socket_mode: String,
     pub tcp: Option<String>,
+    pub stream_socket: Option<PathBuf>,
+    pub stream_tcp: Option<String>,
     pub max_record_bytes: ByteSize,
     pub max_request_bytes: ByteSize,
 }
@@ -46,6 +67,8 @@ impl Default for RawIntake {
             socket: PathBuf::from("/run/edge-uploader/intake.sock"),
             socket_mode: "0660".into(),
             tcp: None,
+            stream_socket: None,
+            stream_tcp: None,
             max_record_bytes: ByteSize::mib(1),
             max_request_bytes: ByteSize::mib(64),
         }
@@ -170,6 +193,10 @@ pub struct IntakeConfig {
     pub socket: PathBuf,
     pub socket_mode: u32,
     pub tcp: Option<SocketAddr>,
+    /// The record-stream intake's Unix socket (`None`: off).
+    pub stream_socket: Option<PathBuf>,
+    /// The record-stream intake's loopback TCP address, if any.
+    pub stream_tcp: Option<SocketAddr>,
     pub max_record_bytes: usize,
     pub max_request_bytes: usize,
 }
@@ -281,17 +308,26 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     let socket_mode = u32::from_str_radix(raw.intake.socket_mode.trim_start_matches("0o"), 8).map_err(|_| {
         anyhow::anyhow!("intake.socket_mode: expected an octal mode such as \"0660\", got {:?}", raw.intake.socket_mode)
     })?;
-    let tcp = match raw.intake.tcp.as_deref() {
-        None | Some("") => None,
-        Some(s) => {
-            let addr: SocketAddr =
-                s.parse().map_err(|_| anyhow::anyhow!("intake.tcp: {s:?} is not an address like 127.0.0.1:8080"))?;
-            if !addr.ip().is_loopback() {
-                bail!("intake.tcp: {addr} is not a loopback address; the intake has no authentication");
-            }
-            Some(addr)
-        }
+    let tcp = loopback("intake.tcp", raw.intake.tcp.as_deref(), "127.0.0.1:8086")?;
+    let stream_tcp = loopback("intake.stream_tcp", raw.intake.stream_tcp.as_deref(), "127.0.0.1:8087")?;
+    // By default the record-stream socket sits beside the HTTP one; "" turns it off.
+    let stream_socket = match raw.intake.stream_socket {
+        None => Some(raw.intake.socket.with_file_name(DEFAULT_STREAM_SOCKET)),
+        Some(p) if p.as_os_str().is_empty() => None,
+        Some(p) => Some(p),
     };
+    if stream_socket.as_ref() == Some(&raw.intake.socket) {
+        bail!(
+            "intake.stream_socket: {} is also intake.socket; the two intakes need their own sockets",
+            raw.intake.socket.display()
+        );
+    }
+    if stream_tcp.is_some() && stream_tcp == tcp {
+        bail!(
+            "intake.stream_tcp: {} is also intake.tcp; the two intakes need their own ports",
+            raw.intake.tcp.unwrap_or_default()
+        );
+    }
     let bind: SocketAddr = raw
         .upload
         .bind
@@ -348,6 +384,8 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             socket: raw.intake.socket,
             socket_mode,
             tcp,
+            stream_socket,
+            stream_tcp,
             max_record_bytes: max_record,
             max_request_bytes: max_request,
         },

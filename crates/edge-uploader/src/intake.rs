@@ -93,14 +93,14 @@ pub struct IntakeCounters {
 
 impl IntakeCounters {
     /// Counts a committed request: the totals here and the per-stream counters in one place.
-    fn accepted(&self, stream: &str, records: u64, bytes: u64) {
+    pub(crate) fn accepted(&self, stream: &str, records: u64, bytes: u64) {
         self.records_total.fetch_add(records, Ordering::Relaxed);
         self.bytes_total.fetch_add(bytes, Ordering::Relaxed);
         self.metrics.accepted(stream, records, bytes);
     }
 
     /// Counts a refused request.
-    fn rejected(&self, reason: Rejection) {
+    pub(crate) fn rejected(&self, reason: Rejection) {
         self.requests_rejected_total.fetch_add(1, Ordering::Relaxed);
         self.metrics.rejected(reason);
     }

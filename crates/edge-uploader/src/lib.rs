@@ -11,6 +11,7 @@ pub mod config;
 pub mod demo;
 pub mod intake;
 pub mod metrics;
+pub mod record_stream;
 pub mod spool_check;
 pub mod spool_task;
 pub mod status;

@@ -118,10 +118,22 @@ impl SpoolHandle {
 
     /// Appends one producer request; resolves after the group commit that included it.
     pub async fn append(&self, req: AppendRequest) -> Result<(), AppendFailure> {
+        self.submit(req).await
+    }
+
+    /// Hands one producer request to the spool thread now, in order with every other request
+    /// submitted before it; the future resolves after the group commit that included it.
+    pub fn submit(
+        &self,
+        req: AppendRequest,
+    ) -> impl Future<Output = Result<(), AppendFailure>> + Send + 'static + use<> {
         let bytes = req.batches.iter().map(|b| b.data.len() as u64).sum();
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Cmd::Append { req, bytes, reply }).map_err(|_| AppendFailure::Closed)?;
-        rx.await.map_err(|_| AppendFailure::Closed)?
+        let sent = self.tx.send(Cmd::Append { req, bytes, reply });
+        async move {
+            sent.map_err(|_| AppendFailure::Closed)?;
+            rx.await.map_err(|_| AppendFailure::Closed)?
+        }
     }
 
     /// Deletes acknowledged chunks (batched with whatever else is queued).

@@ -1,0 +1,370 @@
+//! The record-stream intake: producers send records pipelined on one connection, and the agent
+//! acknowledges them cumulatively after each spool commit (wire format in
+//! [`edge_proto::intake`]).
+//!
+//! One task per connection. While one append of the connection is being committed, the records
+//! that keep arriving are framed into the next; when the commit is done the agent answers with
+//! the connection's committed count and submits what gathered meanwhile, as one all-or-nothing
+//! append. So the producer never waits for a commit to send, a connection has at most one
+//! append in the spool thread's queue, and what is durable is always a prefix of what was sent:
+//! after a failed append nothing later of the connection is submitted, and the Error frame's
+//! count tells the producer where to resume.
+//!
+//! Memory per connection is bounded: the agent stops reading while the gathered records reach
+//! [`PENDING_CAP`] (or one record over it), and the receive buffer holds at most one frame
+//! beyond that.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use bytes::{Buf, BytesMut};
+use edge_proto::StreamName;
+use edge_proto::intake::{self as wire, IntakeFrameError, ProducerFrame};
+use edge_proto::records::{RECORD_OVERHEAD, encode_record};
+use edge_spool::{AppendRequest, Batch};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, UnixListener};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, warn};
+
+use crate::intake::{Intake, Rejection};
+use crate::spool_task::AppendFailure;
+
+/// Records gathered per connection while its previous append commits, in framed bytes; reading
+/// pauses at this size.
+pub const PENDING_CAP: usize = 1 << 20;
+
+/// Bytes asked of the socket per read.
+const READ_SIZE: usize = 64 << 10;
+
+/// Accepts record-stream connections on a Unix socket until `cancel` fires.
+pub async fn serve_unix(listener: UnixListener, intake: Arc<Intake>, cancel: CancellationToken, tasks: TaskTracker) {
+    loop {
+        let accepted = tokio::select! {
+            () = cancel.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        match accepted {
+            Ok((io, _)) => {
+                tasks.spawn(serve_connection(io, intake.clone(), cancel.clone()));
+            }
+            Err(e) => accept_failed(&e).await,
+        }
+    }
+}
+
+/// Accepts record-stream connections on a loopback TCP port until `cancel` fires.
+pub async fn serve_tcp(listener: TcpListener, intake: Arc<Intake>, cancel: CancellationToken, tasks: TaskTracker) {
+    loop {
+        let accepted = tokio::select! {
+            () = cancel.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        match accepted {
+            Ok((io, _)) => {
+                let _ = io.set_nodelay(true);
+                tasks.spawn(serve_connection(io, intake.clone(), cancel.clone()));
+            }
+            Err(e) => accept_failed(&e).await,
+        }
+    }
+}
+
+/// Out of file descriptors and the like: say so, and do not spin on it.
+async fn accept_failed(e: &std::io::Error) {
+    warn!(error = %e, "record-stream intake: accept failed");
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+}
+
+/// Why the agent ends a connection with an Error frame.
+#[derive(Debug)]
+struct Refusal {
+    status: u16,
+    reason: Rejection,
+    detail: String,
+}
+
+impl Refusal {
+    fn frame(e: &IntakeFrameError) -> Self {
+        let reason = match e {
+            IntakeFrameError::RecordTooLarge { .. } => Rejection::RecordTooLarge,
+            _ => Rejection::BadBody,
+        };
+        let status = if reason == Rejection::RecordTooLarge { 413 } else { 400 };
+        Refusal { status, reason, detail: e.to_string() }
+    }
+
+    fn spool(f: &AppendFailure) -> Self {
+        match f {
+            AppendFailure::Full | AppendFailure::DiskFull => {
+                Refusal { status: 507, reason: Rejection::SpoolFull, detail: format!("{f}; retry later") }
+            }
+            AppendFailure::Closed => {
+                Refusal { status: 503, reason: Rejection::ShuttingDown, detail: "the spool is closed".into() }
+            }
+            AppendFailure::Storage(_) => {
+                Refusal { status: 500, reason: Rejection::StorageError, detail: f.to_string() }
+            }
+        }
+    }
+
+    fn shutting_down() -> Self {
+        Refusal {
+            status: 503,
+            reason: Rejection::ShuttingDown,
+            detail: "the agent is shutting down; resend the records after the count given here later".into(),
+        }
+    }
+}
+
+type Commit = Pin<Box<dyn Future<Output = Result<(), AppendFailure>> + Send>>;
+
+/// The records of one append, framed into batches of one stream each.
+#[derive(Default)]
+struct Gathered {
+    batches: Vec<Batch>,
+    cur: Vec<u8>,
+    cur_stream: String,
+    cur_records: u32,
+    records: u64,
+    framed_bytes: usize,
+}
+
+impl Gathered {
+    fn push(&mut self, stream: &StreamName, record: &[u8], batch_target: usize) {
+        if self.cur_records > 0
+            && (self.cur.len() + record.len() + RECORD_OVERHEAD > batch_target || self.cur_stream != stream.as_str())
+        {
+            self.close_batch();
+        }
+        if self.cur_records == 0 {
+            stream.as_str().clone_into(&mut self.cur_stream);
+        }
+        if self.cur.capacity() == 0 {
+            self.cur.reserve((record.len() + RECORD_OVERHEAD).max(batch_target.min(64 << 10)));
+        }
+        encode_record(&mut self.cur, record);
+        self.cur_records += 1;
+        self.records += 1;
+        self.framed_bytes += record.len() + RECORD_OVERHEAD;
+    }
+
+    fn close_batch(&mut self) {
+        if self.cur_records > 0 {
+            self.batches.push(Batch {
+                stream: std::mem::take(&mut self.cur_stream),
+                data: std::mem::take(&mut self.cur),
+                records: self.cur_records,
+            });
+            self.cur_records = 0;
+        }
+    }
+}
+
+/// An append being committed: its commit, its records, and per stream its records and payload
+/// bytes (for the counters).
+struct Committing {
+    commit: Commit,
+    records: u64,
+    per_stream: Vec<(String, u64, u64)>,
+}
+
+/// Serves one producer connection to its end; errors are reported to the producer and logged at
+/// debug level (a producer going away is not the agent's problem).
+pub async fn serve_connection<S>(mut io: S, intake: Arc<Intake>, cancel: CancellationToken)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let mut parser = Parser::new(intake);
+    if let Err(e) = run(&mut io, &mut parser, &cancel).await {
+        debug!(error = %e, records = parser.received, committed = parser.committed, "record-stream connection ended");
+    }
+}
+
+async fn run<S>(io: &mut S, p: &mut Parser, cancel: &CancellationToken) -> std::io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let mut rbuf = BytesMut::with_capacity(READ_SIZE);
+    let mut wbuf = Vec::with_capacity(64);
+    let mut committing: Option<Committing> = None;
+    let mut refusal: Option<Refusal> = None;
+    let mut eof = false;
+    if !p.intake.accepting.load(Ordering::Acquire) {
+        refusal = Some(Refusal::shutting_down());
+    }
+    loop {
+        if committing.is_none() && p.gathered.records > 0 {
+            committing = Some(p.submit());
+        }
+        let stopped = eof || refusal.is_some();
+        if stopped && committing.is_none() {
+            break;
+        }
+        let can_read = !stopped && p.gathered.framed_bytes < PENDING_CAP;
+        tokio::select! {
+            done = async { committing.as_mut().expect("guarded by the condition").commit.as_mut().await }, if committing.is_some() => {
+                let c = committing.take().expect("was committing");
+                match done {
+                    Ok(()) => {
+                        p.committed += c.records;
+                        for (stream, n, bytes) in &c.per_stream {
+                            p.intake.counters.accepted(stream, *n, *bytes);
+                        }
+                        wbuf.clear();
+                        wire::put_ack(&mut wbuf, p.committed);
+                        io.write_all(&wbuf).await?;
+                    }
+                    Err(f) => {
+                        // Nothing gathered after a failed append may be stored, or the durable
+                        // records would not be a prefix of those sent.
+                        p.gathered = Gathered::default();
+                        refusal = Some(Refusal::spool(&f));
+                    }
+                }
+            }
+            read = io.read_buf(&mut rbuf), if can_read => {
+                if read? == 0 {
+                    eof = true;
+                    if !rbuf.is_empty() {
+                        refusal = Some(p.ended_inside_a_frame(rbuf.len()));
+                    }
+                } else if let Err(r) = p.parse(&mut rbuf) {
+                    refusal = Some(r);
+                }
+                if rbuf.capacity() - rbuf.len() < FRAME_SLACK {
+                    rbuf.reserve(READ_SIZE);
+                }
+            }
+            () = cancel.cancelled(), if !stopped => {
+                // What was read is still committed; the producer learns how much.
+                refusal = Some(Refusal::shutting_down());
+            }
+        }
+    }
+    if let Some(r) = refusal {
+        p.intake.counters.rejected(r.reason);
+        wbuf.clear();
+        wire::put_error(&mut wbuf, p.committed, r.status, &r.detail);
+        io.write_all(&wbuf).await?;
+        io.shutdown().await?;
+        // Read on for a moment before closing: closing a TCP socket with unread bytes resets
+        // the connection, which can discard the Error frame before the producer reads it.
+        let linger = async {
+            while io.read_buf(&mut rbuf).await.is_ok_and(|n| n > 0) && rbuf.len() < LINGER_BYTES {
+                rbuf.clear();
+            }
+        };
+        // At shutdown the agent does not wait long for producers that keep their side open.
+        let _ = tokio::time::timeout(if cancel.is_cancelled() { LINGER_AT_SHUTDOWN } else { LINGER }, linger).await;
+        return Ok(());
+    }
+    // The last word on a connection the producer ended: everything it sent is committed.
+    wbuf.clear();
+    wire::put_ack(&mut wbuf, p.committed);
+    io.write_all(&wbuf).await?;
+    io.shutdown().await
+}
+
+/// How long, and for how many bytes, a refused connection is read on before it is closed.
+const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
+const LINGER_BYTES: usize = 16 << 20;
+const LINGER_AT_SHUTDOWN: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// A connection's state apart from its socket.
+struct Parser {
+    intake: Arc<Intake>,
+    greeted: bool,
+    stream: Option<StreamName>,
+    /// Records parsed from the connection so far (the next one is `received + 1`).
+    received: u64,
+    committed: u64,
+    gathered: Gathered,
+}
+
+impl Parser {
+    fn new(intake: Arc<Intake>) -> Self {
+        Parser { intake, greeted: false, stream: None, received: 0, committed: 0, gathered: Gathered::default() }
+    }
+
+    /// The error for a connection that ended with part of a frame unread.
+    fn ended_inside_a_frame(&self, unread: usize) -> Refusal {
+        let detail = if self.greeted {
+            format!("the connection ended inside a frame ({unread} bytes of it arrived)")
+        } else {
+            "the connection ended inside the preamble".to_owned()
+        };
+        Refusal { status: 400, reason: Rejection::BadBody, detail }
+    }
+
+    /// Frames every complete frame in `rbuf` into the gathered append, up to [`PENDING_CAP`].
+    fn parse(&mut self, rbuf: &mut BytesMut) -> Result<(), Refusal> {
+        if !self.greeted {
+            if !wire::check_magic(rbuf).map_err(|e| Refusal::frame(&e))? {
+                return Ok(());
+            }
+            rbuf.advance(wire::MAGIC.len());
+            self.greeted = true;
+        }
+        let max_record = self.intake.max_record_bytes;
+        let batch_target = self.intake.batch_target;
+        while self.gathered.framed_bytes < PENDING_CAP {
+            let (frame, used) = match wire::parse_producer_frame(rbuf, max_record, self.received + 1) {
+                Ok(Some(parsed)) => parsed,
+                Ok(None) => break,
+                Err(e) => return Err(Refusal::frame(&e)),
+            };
+            match frame {
+                ProducerFrame::Stream(name) => {
+                    let Some(name) = std::str::from_utf8(name).ok().and_then(|s| StreamName::new(s).ok()) else {
+                        return Err(Refusal {
+                            status: 400,
+                            reason: Rejection::BadStreamName,
+                            detail: format!(
+                                "stream {:?} (before record {}): a name is 1 to 64 bytes of [A-Za-z0-9_.-], not . or ..",
+                                String::from_utf8_lossy(name),
+                                self.received + 1
+                            ),
+                        });
+                    };
+                    self.stream = Some(name);
+                }
+                ProducerFrame::Record(record) => {
+                    let Some(stream) = &self.stream else {
+                        return Err(Refusal {
+                            status: 400,
+                            reason: Rejection::BadStreamName,
+                            detail: format!("record {} comes before any Stream frame", self.received + 1),
+                        });
+                    };
+                    self.received += 1;
+                    self.gathered.push(stream, record, batch_target);
+                }
+            }
+            rbuf.advance(used);
+        }
+        Ok(())
+    }
+
+    /// Submits what was gathered as one append.
+    fn submit(&mut self) -> Committing {
+        let mut gathered = std::mem::take(&mut self.gathered);
+        gathered.close_batch();
+        let per_stream = gathered
+            .batches
+            .iter()
+            .map(|b| {
+                let records = u64::from(b.records);
+                (b.stream.clone(), records, b.data.len() as u64 - records * RECORD_OVERHEAD as u64)
+            })
+            .collect();
+        let commit = Box::pin(self.intake.spool.submit(AppendRequest { batches: gathered.batches }));
+        Committing { commit, records: gathered.records, per_stream }
+    }
+}
+
+/// Spare room below which the receive buffer grows before the next read.
+const FRAME_SLACK: usize = 4096;

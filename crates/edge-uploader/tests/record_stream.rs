@@ -1,0 +1,220 @@
+//! The record-stream intake against a real agent (real Unix socket and TCP port, real SQLite
+//! spool) whose ingest server is unreachable, so everything accepted stays in the spool where the
+//! test can read it back.
+
+use std::time::Duration;
+
+use edge_proto::StreamName;
+use edge_proto::intake::Reply;
+use edge_spool::{Spool, SpoolOptions};
+use edge_uploader::agent::Agent;
+use edge_uploader::client::RecordStreamClient;
+use edge_uploader::config::{Config, RawConfig, validate};
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    agent: Agent,
+    config: Config,
+}
+
+async fn start(tweak: impl FnOnce(&mut RawConfig)) -> Fixture {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pki = edge_transport::pki::InMemoryPki::generate(&["localhost"]).expect("pki");
+    let dev = pki.write_device_files("record-stream-test", &dir.path().join("tls")).expect("device files");
+    let mut raw = RawConfig::default();
+    raw.intake.socket = dir.path().join("intake.sock");
+    raw.spool.path = dir.path().join("spool.db");
+    // Nothing listens here: uploads never succeed, so accepted data stays in the spool.
+    raw.upload.server = "127.0.0.1:9".into();
+    raw.upload.server_name = Some("localhost".into());
+    raw.upload.ca = dev.ca_cert;
+    raw.upload.cert = dev.cert;
+    raw.upload.key = dev.key;
+    raw.upload.backoff_max = Duration::from_secs(1);
+    tweak(&mut raw);
+    let config = validate(raw, None).expect("valid config");
+    let agent = Agent::start(&config).await.expect("agent starts");
+    Fixture { dir, agent, config }
+}
+
+impl Fixture {
+    async fn client(&self) -> RecordStreamClient<tokio::net::UnixStream> {
+        let path = self.config.intake.stream_socket.as_ref().expect("on by default");
+        RecordStreamClient::connect(path).await.expect("connects")
+    }
+
+    /// Stops the agent and reads every record of the spool back, per stream in order.
+    async fn stop_and_read(self) -> std::collections::BTreeMap<String, Vec<Vec<u8>>> {
+        self.agent.shutdown().await;
+        let (mut spool, _) = Spool::open(SpoolOptions::new(self.dir.path().join("spool.db"))).expect("reopens");
+        spool.seal_all(u64::MAX).expect("seals");
+        let mut reader = spool.reader().expect("reader");
+        let mut out = std::collections::BTreeMap::<String, Vec<Vec<u8>>>::new();
+        for meta in reader.sealed_after(None, usize::MAX).expect("lists") {
+            let payload = reader.read(&meta).expect("reads");
+            let records = edge_proto::records::split_records(&payload, meta.records).expect("framed");
+            out.entry(meta.stream.clone()).or_default().extend(records.into_iter().map(<[u8]>::to_vec));
+        }
+        out
+    }
+}
+
+fn name(s: &str) -> StreamName {
+    StreamName::new(s).expect("valid name")
+}
+
+fn record(stream: &str, i: usize) -> Vec<u8> {
+    format!("{stream}-{i:05}-{}", "x".repeat(i % 300)).into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_records_are_acked_cumulatively_and_stored_once_in_order() {
+    let f = start(|raw| raw.spool.chunk_target = bytesize::ByteSize::kib(16)).await;
+    let mut c = f.client().await;
+    let (a, b) = (name("alpha"), name("beta"));
+    // Two streams interleaved, sent in pieces without waiting for any answer.
+    for i in 0..3000 {
+        let (s, n) = if i % 3 == 0 { (&b, "beta") } else { (&a, "alpha") };
+        c.record(s, &record(n, i));
+        if i % 250 == 0 {
+            c.flush().await.expect("writes");
+        }
+    }
+    c.flush().await.expect("writes");
+    let mut acked = 0;
+    while acked < 3000 {
+        match c.reply().await.expect("answers") {
+            Some(Reply::Ack { committed }) => {
+                assert!(committed > acked, "acks only grow: {committed} after {acked}");
+                acked = committed;
+            }
+            other => panic!("expected acks up to 3000, got {other:?} after {acked}"),
+        }
+    }
+    assert_eq!(c.finish().await.expect("finishes"), Reply::Ack { committed: 3000 });
+    let intake = f.agent.intake().records_total.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(intake, 3000);
+    let stored = f.stop_and_read().await;
+    let want_alpha: Vec<Vec<u8>> = (0..3000).filter(|i| i % 3 != 0).map(|i| record("alpha", i)).collect();
+    let want_beta: Vec<Vec<u8>> = (0..3000).filter(|i| i % 3 == 0).map(|i| record("beta", i)).collect();
+    assert_eq!(stored.get("alpha"), Some(&want_alpha));
+    assert_eq!(stored.get("beta"), Some(&want_beta));
+}
+
+/// Sends `good` valid records, then `bad` bytes, and returns the agent's last answer.
+async fn refused(f: &Fixture, good: usize, bad: &[u8]) -> Reply {
+    let mut c = f.client().await;
+    for i in 0..good {
+        c.record(&name("s"), &record("s", i));
+    }
+    c.raw(bad);
+    c.finish().await.expect("an answer")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_named_and_the_records_before_it_are_kept() {
+    let f = start(|raw| raw.intake.max_record_bytes = bytesize::ByteSize::b(400)).await;
+    let mut big = vec![0x02];
+    big.extend_from_slice(&401u32.to_le_bytes());
+    big.extend_from_slice(&[b'x'; 401]);
+    let cases: [(usize, Vec<u8>, u16, &str); 5] = [
+        (3, big, 413, "record 4 is 401 bytes; intake.max_record_bytes = 400"),
+        (2, [0x01, 3, 0, 0, 0, b'a', b'/', b'b'].to_vec(), 400, "stream \"a/b\" (before record 3)"),
+        (1, [0x07, 0, 0, 0, 0].to_vec(), 400, "unknown frame type 0x07"),
+        (0, [0x02, 1, 0, 0, 0, b'x'].to_vec(), 400, "record 1 comes before any Stream frame"),
+        (4, [0x02, 9, 0, 0, 0, b'x'].to_vec(), 400, "the connection ended inside a frame"),
+    ];
+    let mut kept = 0;
+    for (good, bad, status, detail) in cases {
+        // The case of a record before any Stream frame sends no Stream frame at all.
+        let reply = refused(&f, good, &bad).await;
+        let Reply::Error { committed, status: got, detail: said } = reply else {
+            panic!("expected an error for {detail:?}, got {reply:?}")
+        };
+        assert_eq!((committed, got), (good as u64, status), "{said}");
+        assert!(said.contains(detail), "{said:?} should name {detail:?}");
+        kept += good;
+    }
+    // HTTP on the wrong socket is told where to go.
+    let mut http =
+        tokio::net::UnixStream::connect(f.config.intake.stream_socket.as_ref().expect("on")).await.expect("connects");
+    tokio::io::AsyncWriteExt::write_all(&mut http, b"POST /v1/streams/s HTTP/1.1\r\n\r\n").await.expect("writes");
+    let mut answer = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut http, &mut answer).await.expect("reads");
+    let (reply, _) = edge_proto::intake::parse_reply(&answer).expect("valid").expect("complete");
+    assert!(
+        matches!(&reply, Reply::Error { committed: 0, status: 400, detail } if detail.contains("looks like HTTP")),
+        "{reply:?}"
+    );
+    let stored = f.stop_and_read().await;
+    assert_eq!(stored.get("s").map(Vec::len), Some(kept), "exactly the records before each bad frame");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_spool_ends_the_connection_with_507_and_what_is_stored_is_what_was_acked() {
+    let f = start(|raw| {
+        raw.spool.max_bytes = bytesize::ByteSize::kib(8);
+        raw.spool.chunk_target = bytesize::ByteSize::kib(1);
+    })
+    .await;
+    let mut c = f.client().await;
+    for _ in 0..40 {
+        c.record(&name("s"), &[b'a'; 1000]);
+        // One at a time, so each append is one record and the spool fills record by record.
+        c.flush().await.expect("writes");
+        match c.reply().await.expect("answers") {
+            Some(Reply::Ack { .. }) => {}
+            Some(Reply::Error { committed, status, detail }) => {
+                assert_eq!(status, 507, "{detail}");
+                assert!(detail.contains("spool is full"), "{detail}");
+                assert_eq!(f.agent.spool_stats().total_bytes, committed * 1004, "stored = acked");
+                assert!(committed > 0);
+                let stored = f.stop_and_read().await;
+                assert_eq!(stored.get("s").map(Vec::len), Some(committed as usize));
+                return;
+            }
+            None => panic!("closed without an answer"),
+        }
+    }
+    panic!("the spool never filled");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_answers_503_with_the_committed_count() {
+    let f = start(|_| {}).await;
+    let mut c = f.client().await;
+    for i in 0..5 {
+        c.record(&name("s"), &record("s", i));
+    }
+    c.flush().await.expect("writes");
+    assert_eq!(c.reply().await.expect("answers"), Some(Reply::Ack { committed: 5 }));
+    let stop = tokio::spawn(f.agent.shutdown());
+    match c.reply().await.expect("answers") {
+        Some(Reply::Error { committed: 5, status: 503, detail }) => {
+            assert!(detail.contains("shutting down"), "{detail}")
+        }
+        other => panic!("expected 503 with 5 committed, got {other:?}"),
+    }
+    stop.await.expect("shutdown completes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tcp_port_speaks_the_same_protocol() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("free port").local_addr().expect("addr").port();
+    let f = start(|raw| raw.intake.stream_tcp = Some(format!("127.0.0.1:{port}"))).await;
+    let io = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connects");
+    let mut c = RecordStreamClient::new(io);
+    for i in 0..10 {
+        c.record(&name("t"), &record("t", i));
+    }
+    assert_eq!(c.finish().await.expect("answers"), Reply::Ack { committed: 10 });
+    // A refusal reaches the producer over TCP too, though it keeps sending.
+    let io = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connects");
+    let mut c = RecordStreamClient::new(io);
+    c.raw(&[0x07, 0, 0, 0, 0]);
+    c.raw(&vec![0u8; 256 << 10]);
+    let reply = c.finish().await.expect("answers");
+    assert!(matches!(reply, Reply::Error { committed: 0, status: 400, .. }), "{reply:?}");
+    let stored = f.stop_and_read().await;
+    assert_eq!(stored.get("t").map(Vec::len), Some(10));
+}
