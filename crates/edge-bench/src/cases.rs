@@ -139,6 +139,9 @@ impl Results {
             "live_mb_s": r1(live),
             "live_ratio": ratio(live, raw),
             "live_batched_mb_s": r1(self.median(LIVE_BATCHED_10K, MB_S)),
+            "live_stream_mb_s": r1(self.median(LIVE_STREAM_10K, MB_S)),
+            "live_stream_ratio": ratio(self.median(LIVE_STREAM_10K, MB_S), raw),
+            "agent_stream_cpu_s_per_gib": r2(self.median(LIVE_STREAM_10K, AGENT_CPU)),
             "agent_cpu_s_per_gib": r2(self.median(LIVE_10K, AGENT_CPU)),
             "agent_drain_cpu_s_per_gib": r2(self.median(DRAIN, AGENT_CPU)),
             "ingest_cpu_s_per_gib": r2(self.median(LIVE_10K, INGEST_CPU)),
@@ -254,6 +257,33 @@ impl Results {
             3.0,
             &x,
         );
+        // The same goals with the record-stream intake, whose producers pipeline as the peers'
+        // clients do.
+        at_least("live ÷ raw quinn (10 KiB, record stream)", ratio(self.median(LIVE_STREAM_10K, MB_S), raw), 0.5, &x);
+        at_least(
+            "live ÷ Mosquitto QoS 1, 10 KiB (record stream)",
+            ratio(self.median(LIVE_STREAM_10K, MB_S), self.median(MOSQ_10K, MB_S)),
+            2.0,
+            &x,
+        );
+        at_least(
+            "live ÷ Mosquitto QoS 1, 100 KiB (record stream)",
+            ratio(self.median(LIVE_STREAM_100K, MB_S), self.median(MOSQ_100K, MB_S)),
+            2.0,
+            &x,
+        );
+        at_least(
+            "live ÷ JetStream sync always, 10 KiB (record stream)",
+            ratio(self.median(LIVE_STREAM_10K, MB_S), self.median(JS_ALWAYS_10K, MB_S)),
+            3.0,
+            &x,
+        );
+        at_least(
+            "live ÷ JetStream sync always, 100 KiB (record stream)",
+            ratio(self.median(LIVE_STREAM_100K, MB_S), self.median(JS_ALWAYS_100K, MB_S)),
+            3.0,
+            &x,
+        );
         at_least("small records/s (100 B, NDJSON)", self.median(SMALL, RECS_S), 1e6, &|v| format!("{v:.0}"));
         let mut at_most = |name: &str, value: Option<f64>, target: f64, fmt: &dyn Fn(f64) -> String| {
             let (m, v) = match value {
@@ -277,6 +307,12 @@ impl Results {
             &x,
         );
         at_most(
+            "agent CPU-s/GiB (live, record stream) ÷ raw quinn sender's",
+            ratio(self.median(LIVE_STREAM_10K, AGENT_CPU), sender),
+            1.5,
+            &x,
+        );
+        at_most(
             "agent CPU-s/GiB (drain: upload only) ÷ raw quinn sender's",
             ratio(self.median(DRAIN, AGENT_CPU), sender),
             1.5,
@@ -292,6 +328,13 @@ impl Results {
         at_most("flash wear (agent bytes written ÷ bytes accepted, live)", self.median(LIVE_10K, WEAR), 2.5, &|v| {
             format!("{v:.2}")
         });
+        at_most("agent peak RSS, live, record stream (max of reps)", self.max(LIVE_STREAM_10K, RSS), 48.0, &mib);
+        at_most(
+            "flash wear (agent bytes written ÷ bytes accepted, live, record stream)",
+            self.median(LIVE_STREAM_10K, WEAR),
+            2.5,
+            &|v| format!("{v:.2}"),
+        );
         out
     }
 }
@@ -310,6 +353,8 @@ const DRAIN_4G: &str = "drain of a 4 GiB spool";
 const LIVE_10K: &str = "live, 10 KiB records, 1 per request";
 const LIVE_100K: &str = "live, 100 KiB records, 1 per request";
 const LIVE_BATCHED_10K: &str = "live, 10 KiB records, 100 per NDJSON request";
+const LIVE_STREAM_10K: &str = "live, 10 KiB records, record-stream intake";
+const LIVE_STREAM_100K: &str = "live, 100 KiB records, record-stream intake";
 const LATENCY: &str = "latency at half the live maximum (10 KiB)";
 const SMALL: &str = "small records, 100 B, 1000 per NDJSON request";
 const MOSQ_10K: &str = "Mosquitto QoS 1 persistent, 10 KiB";
@@ -402,8 +447,9 @@ pub async fn quick(ctx: &Ctx) -> anyhow::Result<Results> {
     let mut res = Results::default();
     baselines(ctx, &mut res, &[10 * KIB], 256 * MIB).await?;
     drain(ctx, &mut res, DRAIN, 256 * MIB).await?;
-    let live = live(ctx, &mut res, LIVE_10K, 10 * KIB, 1, Duration::from_secs(6)).await?;
-    latency(ctx, &mut res, live * 0.5, Duration::from_secs(5)).await?;
+    let live10 = live(ctx, &mut res, LIVE_10K, 10 * KIB, 1, Duration::from_secs(6)).await?;
+    live(ctx, &mut res, LIVE_STREAM_10K, 10 * KIB, 0, Duration::from_secs(5)).await?;
+    latency(ctx, &mut res, live10 * 0.5, Duration::from_secs(5)).await?;
     small(ctx, &mut res, Duration::from_secs(4)).await?;
     peer_cases(ctx, &mut res, &[10 * KIB], Duration::from_secs(3)).await?;
     Ok(res)
@@ -415,6 +461,7 @@ pub async fn pipeline(ctx: &Ctx) -> anyhow::Result<Results> {
     baselines(ctx, &mut res, &[10 * KIB], 256 * MIB).await?;
     drain(ctx, &mut res, DRAIN, 512 * MIB).await?;
     live(ctx, &mut res, LIVE_10K, 10 * KIB, 1, Duration::from_secs(8)).await?;
+    live(ctx, &mut res, LIVE_STREAM_10K, 10 * KIB, 0, Duration::from_secs(8)).await?;
     Ok(res)
 }
 
@@ -426,6 +473,8 @@ pub async fn all(ctx: &Ctx) -> anyhow::Result<Results> {
     let live10 = live(ctx, &mut res, LIVE_10K, 10 * KIB, 1, Duration::from_secs(10)).await?;
     live(ctx, &mut res, LIVE_100K, 100 * KIB, 1, Duration::from_secs(10)).await?;
     live(ctx, &mut res, LIVE_BATCHED_10K, 10 * KIB, 100, Duration::from_secs(10)).await?;
+    live(ctx, &mut res, LIVE_STREAM_10K, 10 * KIB, 0, Duration::from_secs(10)).await?;
+    live(ctx, &mut res, LIVE_STREAM_100K, 100 * KIB, 0, Duration::from_secs(10)).await?;
     latency(ctx, &mut res, live10 * 0.5, Duration::from_secs(8)).await?;
     small(ctx, &mut res, Duration::from_secs(6)).await?;
     peer_cases(ctx, &mut res, &[10 * KIB, 100 * KIB], Duration::from_secs(5)).await?;
@@ -672,14 +721,33 @@ fn drain_prefill(bytes: u64) -> Load {
         duration: None,
         bytes: Some(bytes),
         rate: None,
+        window: None,
     }
 }
 
-/// The live cases' producers for `per_request` records per request, until `bytes` or `duration`.
+/// The live cases' producers for `per_request` records per HTTP request, until `bytes` or
+/// `duration`. `per_request = 0` selects the record-stream intake: one producer connection per
+/// stream, each with at most [`STREAM_WINDOW`] records unacknowledged (the peers' clients keep
+/// 256 messages unacknowledged too).
 fn live_load(record: usize, per_request: usize, duration: Option<Duration>, bytes: Option<u64>) -> Load {
+    if per_request == 0 {
+        return Load {
+            producers: 4,
+            streams: 4,
+            record,
+            per_request: 1,
+            duration,
+            bytes,
+            rate: None,
+            window: Some(STREAM_WINDOW),
+        };
+    }
     let producers = if per_request == 1 { 32 } else { 8 };
-    Load { producers, streams: 4, record, per_request, duration, bytes, rate: None }
+    Load { producers, streams: 4, record, per_request, duration, bytes, rate: None, window: None }
 }
+
+/// Records a record-stream producer keeps sent and unacknowledged.
+const STREAM_WINDOW: usize = 256;
 
 /// Prefills the spool with the ingest down, starts the ingest, times from the agent's
 /// connection until the spool is empty and the ingest has stored everything.
@@ -849,6 +917,7 @@ async fn latency(ctx: &Ctx, res: &mut Results, rate_mb_s: f64, duration: Duratio
             duration: Some(duration),
             bytes: None,
             rate: Some(rate_mb_s * 1e6),
+            window: None,
         };
         let p = world::produce(&w.socket, &load).await?;
         w.wait_drained(p.bytes, Duration::from_secs(120))?;
@@ -902,6 +971,7 @@ async fn small(ctx: &Ctx, res: &mut Results, duration: Duration) -> anyhow::Resu
             duration: Some(duration),
             bytes: None,
             rate: None,
+            window: None,
         };
         let p = world::produce(&w.socket, &load).await?;
         let cpu = sys::cpu_seconds(pid)? - cpu0;

@@ -470,6 +470,10 @@ pub struct Load {
     pub bytes: Option<u64>,
     /// Total offered rate in record bytes per second (paced per producer); `None` = flat out.
     pub rate: Option<f64>,
+    /// `Some(w)`: the producers use the record-stream intake instead of HTTP, one record per
+    /// frame, at most `w` records sent and not yet acknowledged per producer (`per_request` and
+    /// `rate` are then unused).
+    pub window: Option<usize>,
 }
 
 /// What the producers got acknowledged.
@@ -500,6 +504,9 @@ fn next_poll(done: f64, elapsed: Duration, left: f64) -> Duration {
 /// Runs the producers until the load's end; every count is of records answered 200, which
 /// the agent sends only after the durable commit.
 pub async fn produce(socket: &Path, load: &Load) -> anyhow::Result<Produced> {
+    if let Some(window) = load.window {
+        return produce_stream(&socket.with_file_name("records.sock"), load, window).await;
+    }
     let records = Arc::new(AtomicU64::new(0));
     let bytes = Arc::new(AtomicU64::new(0));
     let refused = Arc::new(AtomicU64::new(0));
@@ -557,6 +564,89 @@ pub async fn produce(socket: &Path, load: &Load) -> anyhow::Result<Produced> {
         seconds: start.elapsed().as_secs_f64(),
         refused: refused.load(Ordering::Relaxed),
     })
+}
+
+/// The record-stream producers: each connection sends its stream's records back to back,
+/// never more than `window` unacknowledged, and counts what the cumulative acks confirm.
+async fn produce_stream(path: &Path, load: &Load, window: usize) -> anyhow::Result<Produced> {
+    use edge_proto::intake::{self as wire, Reply};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let acked_records = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let record = request_body(load.record, 1);
+    let mut set = tokio::task::JoinSet::new();
+    for k in 0..load.producers {
+        let io =
+            tokio::net::UnixStream::connect(path).await.with_context(|| format!("connecting to {}", path.display()))?;
+        let (mut rd, mut wr) = io.into_split();
+        let (acked_records, stop, record, load) = (acked_records.clone(), stop.clone(), record.clone(), load.clone());
+        let total = acked_records.clone();
+        let stream = edge_proto::StreamName::new(&format!("bench-{}", k % load.streams.max(1)))?;
+        // The reader publishes the connection's committed count; the writer waits on it.
+        let (ack_tx, mut ack_rx) = tokio::sync::watch::channel(0u64);
+        let reader = tokio::spawn(async move {
+            let mut buf = Vec::with_capacity(4096);
+            let mut last = 0u64;
+            loop {
+                while let Some((reply, used)) = wire::parse_reply(&buf)? {
+                    buf.drain(..used);
+                    match reply {
+                        Reply::Ack { committed } => {
+                            acked_records.fetch_add(committed - last, Ordering::Relaxed);
+                            last = committed;
+                            let _ = ack_tx.send(committed);
+                        }
+                        Reply::Error { committed, status, detail } => {
+                            bail!("record-stream intake refused after {committed} records: {status} {detail}")
+                        }
+                    }
+                }
+                if rd.read_buf(&mut buf).await? == 0 {
+                    return anyhow::Ok(last);
+                }
+            }
+        });
+        set.spawn(async move {
+            let mut out = Vec::with_capacity(256 << 10);
+            out.extend_from_slice(&wire::MAGIC);
+            wire::put_stream(&mut out, &stream);
+            let mut sent = 0u64;
+            loop {
+                if stop.load(Ordering::Relaxed) || load.duration.is_some_and(|d| start.elapsed() >= d) {
+                    break;
+                }
+                let acked = *ack_rx.borrow_and_update();
+                let room = (window as u64).saturating_sub(sent - acked);
+                if room == 0 {
+                    if ack_rx.changed().await.is_err() {
+                        break;
+                    }
+                    continue;
+                }
+                // Up to 256 KiB per write, as a client with a write buffer would send.
+                let n = room.min(((256 << 10) / (load.record + wire::FRAME_HEADER)).max(1) as u64);
+                for _ in 0..n {
+                    wire::put_record(&mut out, &record);
+                }
+                wr.write_all(&out).await?;
+                out.clear();
+                sent += n;
+                if load.bytes.is_some_and(|b| total.load(Ordering::Relaxed) * load.record as u64 >= b) {
+                    stop.store(true, Ordering::Relaxed);
+                }
+            }
+            wr.shutdown().await?;
+            let committed = reader.await??;
+            anyhow::ensure!(committed == sent, "the agent acknowledged {committed} of {sent} records");
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        r??;
+    }
+    let records = acked_records.load(Ordering::Relaxed);
+    Ok(Produced { records, bytes: records * load.record as u64, seconds: start.elapsed().as_secs_f64(), refused: 0 })
 }
 
 /// A minimal HTTP/1.1 keep-alive client for the intake socket: one request at a time,
