@@ -35,7 +35,7 @@ use crate::spool_task::AppendFailure;
 
 /// Records gathered per connection while its previous append commits, in framed bytes; reading
 /// pauses at this size.
-pub const PENDING_CAP: usize = 1 << 20;
+pub const PENDING_CAP: usize = 256 << 10;
 
 /// Bytes asked of the socket per read.
 const READ_SIZE: usize = 64 << 10;
