@@ -13,5 +13,6 @@ mod metrics;
 mod network;
 mod notify;
 mod power_cut;
+mod record_stream;
 mod reload;
 mod storage_faults;

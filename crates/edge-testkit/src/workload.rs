@@ -188,6 +188,108 @@ pub async fn produce(
     Ok(sent)
 }
 
+/// Pushes records of one stream through the record-stream socket, one connection at a time:
+/// a burst of records (uniform in `1..=max_batch`) written at once, then the acknowledgements
+/// read until all of them are committed. Records an Ack or Error covered are logged as
+/// acknowledged. Records an Error frame left uncommitted are not stored (the protocol says so),
+/// and are sent again with the same indices on the next connection: were any of them stored,
+/// the checker would find it twice. Records without an answer (the connection broke) are
+/// logged one by one as of unknown outcome, since the agent commits a connection's records as a
+/// prefix, not as a whole burst.
+pub async fn produce_stream(
+    workload: Arc<Workload>,
+    socket: PathBuf,
+    opts: ProducerOptions,
+    progress: Progress,
+) -> anyhow::Result<Vec<Sent>> {
+    use edge_proto::intake::Reply;
+    let name = workload.streams.get(opts.stream).context("no such stream")?.clone();
+    let name = edge_proto::StreamName::new(&name)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(workload.seed ^ opts.stream as u64);
+    let mut sent = Vec::new();
+    let mut next = 0u64;
+    let mut failures_in_a_row = 0u32;
+    let done = |next: u64| opts.total.is_some_and(|t| next >= t) || progress.stop.load(Ordering::Relaxed);
+    while !done(next) {
+        let mut client = match edge_uploader::client::RecordStreamClient::connect(&socket).await {
+            Ok(c) => c,
+            Err(e) => {
+                failures_in_a_row += 1;
+                anyhow::ensure!(failures_in_a_row < 2000, "record-stream socket unreachable for too long: {e:#}");
+                tokio::time::sleep(opts.retry_pause).await;
+                continue;
+            }
+        };
+        // Index of the connection's first record; `committed` counts from it.
+        let first = next;
+        let mut committed = 0u64;
+        let end: Result<(), Option<u16>> = loop {
+            if done(next) {
+                break Ok(());
+            }
+            let count = rng.random_range(1..=opts.max_batch.max(1)).min(opts.total.map_or(u64::MAX, |t| t - next));
+            for i in next..next + count {
+                client.record(&name, &workload.record(opts.stream, i));
+            }
+            next += count;
+            if client.flush().await.is_err() {
+                break Err(None);
+            }
+            let target = next - first;
+            let outcome = loop {
+                match client.reply().await {
+                    Ok(Some(Reply::Ack { committed: c })) => {
+                        progress.acked.fetch_add(c - committed, Ordering::Relaxed);
+                        committed = c;
+                        if c == target {
+                            break Ok(());
+                        }
+                    }
+                    Ok(Some(Reply::Error { committed: c, status, detail })) => {
+                        progress.acked.fetch_add(c - committed, Ordering::Relaxed);
+                        committed = c;
+                        anyhow::ensure!(
+                            status == 503 || status == 507,
+                            "record-stream intake answered {status}: {detail}"
+                        );
+                        break Err(Some(status));
+                    }
+                    Ok(None) | Err(_) => break Err(None),
+                }
+            };
+            if outcome.is_err() {
+                break outcome;
+            }
+        };
+        if committed > 0 {
+            sent.push(Sent { first, count: committed, acked: true });
+            failures_in_a_row = 0;
+        }
+        match end {
+            Ok(()) => {
+                let _ = client.finish().await;
+            }
+            // Refused: the rest is not stored; send it again.
+            Err(Some(_)) => {
+                progress.refused.fetch_add(1, Ordering::Relaxed);
+                next = first + committed;
+                tokio::time::sleep(opts.retry_pause).await;
+            }
+            // No answer for the rest: unknown, each record on its own.
+            Err(None) => {
+                for i in first + committed..next {
+                    sent.push(Sent { first: i, count: 1, acked: false });
+                }
+                failures_in_a_row += 1;
+                anyhow::ensure!(failures_in_a_row < 2000, "record-stream connections keep breaking");
+                tokio::time::sleep(opts.retry_pause).await;
+            }
+        }
+        progress.sent.store(next, Ordering::Relaxed);
+    }
+    Ok(sent)
+}
+
 /// What the checker found, for one stream or summed over all.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Report {

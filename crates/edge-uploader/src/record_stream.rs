@@ -197,6 +197,17 @@ where
         refusal = Some(Refusal::shutting_down());
     }
     loop {
+        // Frame what is buffered, as far as the cap allows: frames left in the buffer at the
+        // cap are framed here once the commit has made room, whether or not more bytes come
+        // (a producer waiting for their ack sends none).
+        if refusal.is_none() && p.gathered.framed_bytes < PENDING_CAP && !rbuf.is_empty() {
+            if let Err(r) = p.parse(&mut rbuf) {
+                refusal = Some(r);
+            } else if eof && p.gathered.framed_bytes < PENDING_CAP && !rbuf.is_empty() {
+                // Everything complete is framed; what is left was cut off.
+                refusal = Some(p.ended_inside_a_frame(rbuf.len()));
+            }
+        }
         if committing.is_none() && p.gathered.records > 0 {
             committing = Some(p.submit());
         }
@@ -229,11 +240,6 @@ where
             read = io.read_buf(&mut rbuf), if can_read => {
                 if read? == 0 {
                     eof = true;
-                    if !rbuf.is_empty() {
-                        refusal = Some(p.ended_inside_a_frame(rbuf.len()));
-                    }
-                } else if let Err(r) = p.parse(&mut rbuf) {
-                    refusal = Some(r);
                 }
                 if rbuf.capacity() - rbuf.len() < FRAME_SLACK {
                     rbuf.reserve(READ_SIZE);

@@ -101,6 +101,52 @@ async fn pipelined_records_are_acked_cumulatively_and_stored_once_in_order() {
     assert_eq!(stored.get("beta"), Some(&want_beta));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_beyond_the_gathering_cap_are_acked_without_more_bytes_or_the_end_of_the_stream() {
+    let f = start(|_| {}).await;
+    let mut c = f.client().await;
+    // Far more than one connection gathers per commit, in one write; then only wait. Frames the
+    // agent holds unframed at its cap must be framed after the commit, not after the next read.
+    let record = vec![b'r'; 10 << 10];
+    let n = (8 * edge_uploader::record_stream::PENDING_CAP / record.len()) as u64;
+    for _ in 0..n {
+        c.record(&name("s"), &record);
+    }
+    c.flush().await.expect("writes");
+    let mut acked = 0;
+    while acked < n {
+        match tokio::time::timeout(Duration::from_secs(30), c.reply()).await {
+            Ok(Ok(Some(Reply::Ack { committed }))) => acked = committed,
+            other => panic!("expected acks up to {n}, got {other:?} after {acked}"),
+        }
+    }
+    assert_eq!(c.finish().await.expect("finishes"), Reply::Ack { committed: n });
+    // And the same ended at once: at the end of the stream, frames still unframed at the cap
+    // are complete frames, not a cut-off one.
+    // Several connections at once make the commits slower than the reads, as in service.
+    for _ in 0..3 {
+        let mut producers = tokio::task::JoinSet::new();
+        for k in 0..4 {
+            let mut c = f.client().await;
+            let record = record.clone();
+            producers.spawn(async move {
+                for _ in 0..n {
+                    c.record(&name(&format!("p{k}")), &record);
+                }
+                c.finish().await.expect("finishes")
+            });
+        }
+        while let Some(reply) = producers.join_next().await {
+            assert_eq!(reply.expect("producer"), Reply::Ack { committed: n });
+        }
+    }
+    let stored = f.stop_and_read().await;
+    assert_eq!(stored.get("s").map(Vec::len), Some(n as usize));
+    for k in 0..4 {
+        assert_eq!(stored.get(&format!("p{k}")).map(Vec::len), Some(3 * n as usize));
+    }
+}
+
 /// Sends `good` valid records, then `bad` bytes, and returns the agent's last answer.
 async fn refused(f: &Fixture, good: usize, bad: &[u8]) -> Reply {
     let mut c = f.client().await;
