@@ -75,7 +75,8 @@ enum Cmd {
         /// 10 KiB records per request. Default: the measured case's own load, so the spool's
         /// layout is the one the case reads: with `--drain` the drain case's prefill (4
         /// producers, one stream each, 100 records per request), otherwise the live case's (32
-        /// producers on 4 streams, one record per request).
+        /// producers on 4 streams, one record per request). 0: the record-stream intake
+        /// (4 producers, 256 records unacknowledged each), as the record-stream live case.
         #[arg(long)]
         per_request: Option<usize>,
         #[arg(long)]
