@@ -115,7 +115,7 @@ impl Refusal {
         Refusal {
             status: 503,
             reason: Rejection::ShuttingDown,
-            detail: "the agent is shutting down; resend the records after the count given here later".into(),
+            detail: "the agent is shutting down; the records after the committed count are not stored, send them again later".into(),
         }
     }
 }
@@ -260,7 +260,13 @@ where
         // Read on for a moment before closing: closing a TCP socket with unread bytes resets
         // the connection, which can discard the Error frame before the producer reads it.
         let linger = async {
-            while io.read_buf(&mut rbuf).await.is_ok_and(|n| n > 0) && rbuf.len() < LINGER_BYTES {
+            let mut discarded = 0;
+            rbuf.clear();
+            while discarded < LINGER_BYTES {
+                match io.read_buf(&mut rbuf).await {
+                    Ok(n) if n > 0 => discarded += n,
+                    _ => break,
+                }
                 rbuf.clear();
             }
         };
