@@ -113,22 +113,15 @@ impl Agent {
         }
         if let Some(path) = &config.intake.stream_socket {
             let listener = bind_unix(path, config.intake.socket_mode, "intake.stream_socket")?;
-            tasks.spawn(crate::record_stream::serve_unix(
-                listener,
-                intake.clone(),
-                cancel_intake.clone(),
-                tasks.clone(),
-            ));
+            tasks.spawn(crate::record_stream::serve(listener, intake.clone(), cancel_intake.clone(), tasks.clone()));
         }
         if let Some(addr) = config.intake.stream_tcp {
             let listener =
                 TcpListener::bind(addr).await.with_context(|| format!("binding intake.stream_tcp {addr}"))?;
-            tasks.spawn(crate::record_stream::serve_tcp(
-                listener,
-                intake.clone(),
-                cancel_intake.clone(),
-                tasks.clone(),
-            ));
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+                let _ = tcp.set_nodelay(true);
+            });
+            tasks.spawn(crate::record_stream::serve(listener, intake.clone(), cancel_intake.clone(), tasks.clone()));
         }
         info!(socket = %config.intake.socket.display(), tcp = ?config.intake.tcp, stream_socket = ?config.intake.stream_socket, stream_tcp = ?config.intake.stream_tcp, "intake listening");
 

@@ -19,16 +19,16 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use axum::serve::Listener;
 use bytes::{Buf, BytesMut};
 use edge_proto::StreamName;
 use edge_proto::intake::{self as wire, IntakeFrameError, ProducerFrame};
 use edge_proto::records::{RECORD_OVERHEAD, encode_record};
 use edge_spool::{AppendRequest, Batch};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpListener, UnixListener};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::intake::{Intake, Rejection};
 use crate::spool_task::AppendFailure;
@@ -40,43 +40,16 @@ pub const PENDING_CAP: usize = 256 << 10;
 /// Bytes asked of the socket per read.
 const READ_SIZE: usize = 64 << 10;
 
-/// Accepts record-stream connections on a Unix socket until `cancel` fires.
-pub async fn serve_unix(listener: UnixListener, intake: Arc<Intake>, cancel: CancellationToken, tasks: TaskTracker) {
+/// Accepts record-stream connections until `cancel` fires. Accept errors are handled as for
+/// the HTTP intake (axum's `Listener`: logged, and a pause when out of descriptors).
+pub async fn serve<L: Listener>(mut listener: L, intake: Arc<Intake>, cancel: CancellationToken, tasks: TaskTracker) {
     loop {
-        let accepted = tokio::select! {
+        let (io, _) = tokio::select! {
             () = cancel.cancelled() => return,
             a = listener.accept() => a,
         };
-        match accepted {
-            Ok((io, _)) => {
-                tasks.spawn(serve_connection(io, intake.clone(), cancel.clone()));
-            }
-            Err(e) => accept_failed(&e).await,
-        }
+        tasks.spawn(serve_connection(io, intake.clone(), cancel.clone()));
     }
-}
-
-/// Accepts record-stream connections on a loopback TCP port until `cancel` fires.
-pub async fn serve_tcp(listener: TcpListener, intake: Arc<Intake>, cancel: CancellationToken, tasks: TaskTracker) {
-    loop {
-        let accepted = tokio::select! {
-            () = cancel.cancelled() => return,
-            a = listener.accept() => a,
-        };
-        match accepted {
-            Ok((io, _)) => {
-                let _ = io.set_nodelay(true);
-                tasks.spawn(serve_connection(io, intake.clone(), cancel.clone()));
-            }
-            Err(e) => accept_failed(&e).await,
-        }
-    }
-}
-
-/// Out of file descriptors and the like: say so, and do not spin on it.
-async fn accept_failed(e: &std::io::Error) {
-    warn!(error = %e, "record-stream intake: accept failed");
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
 }
 
 /// Why the agent ends a connection with an Error frame.
