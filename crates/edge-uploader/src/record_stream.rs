@@ -10,9 +10,11 @@
 //! after a failed append nothing later of the connection is submitted, and the Error frame's
 //! count tells the producer where to resume.
 //!
-//! Memory per connection is bounded: the agent stops reading while the gathered records reach
-//! [`PENDING_CAP`] (or one record over it), and the receive buffer holds at most one frame
-//! beyond that.
+//! Memory per connection is bounded: the agent stops framing and reading while the gathered
+//! records reach [`PENDING_CAP`] (or one record over it), so the receive buffer holds at most
+//! the unframed rest of one read and one incomplete frame. What waits there is framed as soon
+//! as the commit makes room, without waiting for more bytes: the producer may be waiting for
+//! exactly those records' ack.
 
 use std::future::Future;
 use std::pin::Pin;
