@@ -87,6 +87,11 @@ pub struct IntakeCounters {
     pub records_total: AtomicU64,
     pub bytes_total: AtomicU64,
     pub requests_rejected_total: AtomicU64,
+    /// Memory the record-stream connections hold now: their receive buffers' capacity and the
+    /// framed records they gather or are committing.
+    pub stream_buffer_bytes: AtomicU64,
+    /// The highest [`stream_buffer_bytes`](Self::stream_buffer_bytes) since start.
+    pub stream_buffer_peak_bytes: AtomicU64,
     /// The same events by stream and by reason, for `/metrics`.
     pub metrics: crate::metrics::IntakeMetrics,
 }
@@ -103,6 +108,17 @@ impl IntakeCounters {
     pub(crate) fn rejected(&self, reason: Rejection) {
         self.requests_rejected_total.fetch_add(1, Ordering::Relaxed);
         self.metrics.rejected(reason);
+    }
+
+    /// A record-stream connection's held memory changed from `old` to `new` bytes.
+    pub(crate) fn stream_buffer(&self, old: usize, new: usize) {
+        if new >= old {
+            let added = (new - old) as u64;
+            let now = self.stream_buffer_bytes.fetch_add(added, Ordering::Relaxed) + added;
+            self.stream_buffer_peak_bytes.fetch_max(now, Ordering::Relaxed);
+        } else {
+            self.stream_buffer_bytes.fetch_sub((old - new) as u64, Ordering::Relaxed);
+        }
     }
 }
 

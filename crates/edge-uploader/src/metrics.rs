@@ -46,6 +46,8 @@ pub const INTAKE_RECORDS_TOTAL: &str = "edge_uploader_intake_records_total";
 pub const INTAKE_BYTES_TOTAL: &str = "edge_uploader_intake_bytes_total";
 /// Intake requests refused, by `reason`.
 pub const INTAKE_REJECTED_TOTAL: &str = "edge_uploader_intake_rejected_total";
+/// Memory held by record-stream connections (receive buffers, records gathered and committing).
+pub const INTAKE_STREAM_BUFFER_BYTES: &str = "edge_uploader_intake_stream_buffer_bytes";
 /// Bytes held in the spool.
 pub const SPOOL_BYTES: &str = "edge_uploader_spool_bytes";
 /// Sealed chunks waiting for an ack.
@@ -86,10 +88,11 @@ pub const SPOOL_CORRUPT_CHUNKS_TOTAL: &str = "edge_uploader_spool_corrupt_chunks
 pub const SPOOL_QUARANTINED_CHUNKS: &str = "edge_uploader_spool_quarantined_chunks";
 
 /// Every metric name above.
-pub const ALL: [&str; 22] = [
+pub const ALL: [&str; 23] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
+    INTAKE_STREAM_BUFFER_BYTES,
     SPOOL_BYTES,
     SPOOL_DISK_BYTES,
     SPOOL_CHUNKS,
@@ -301,18 +304,23 @@ impl QuicSampler {
 pub fn register(
     registry: &Registry,
     spool: SpoolStatsView,
-    intake: &IntakeCounters,
+    intake: &Arc<IntakeCounters>,
     upload: &Arc<UploadCounters>,
 ) -> prometheus::Result<()> {
     intake.metrics.register(registry)?;
     upload.metrics.register(registry)?;
-    let upload = upload.clone();
-    registry.register(Box::new(LiveCollector::new(&LIVE_ALL, move || live_families(&spool, &upload))?))?;
+    let (intake, upload) = (intake.clone(), upload.clone());
+    registry.register(Box::new(LiveCollector::new(&LIVE_ALL, move || live_families(&spool, &intake, &upload))?))?;
     #[cfg(target_os = "linux")]
     registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))?;
     Ok(())
 }
 
+const LIVE_STREAM_BUFFER: Live = Live::gauge(
+    INTAKE_STREAM_BUFFER_BYTES,
+    "Memory the record-stream intake's connections hold: their receive buffers and the records each gathers \
+           while its previous append commits (at most about 256 KiB gathered and 256 KiB committing per connection).",
+);
 const LIVE_SPOOL_BYTES: Live = Live::gauge(
     SPOOL_BYTES,
     "Payload bytes in the spool: open batches and sealed chunks, record framing included, quarantine excluded.",
@@ -368,7 +376,8 @@ const LIVE_QUARANTINED: Live = Live::gauge(
     SPOOL_QUARANTINED_CHUNKS,
     "Chunks held in quarantine in the spool (corrupt, or refused by the server), kept for inspection.",
 );
-const LIVE_ALL: [&Live; 14] = [
+const LIVE_ALL: [&Live; 15] = [
+    &LIVE_STREAM_BUFFER,
     &LIVE_SPOOL_BYTES,
     &LIVE_SPOOL_DISK_BYTES,
     &LIVE_SPOOL_CHUNKS,
@@ -385,8 +394,9 @@ const LIVE_ALL: [&Live; 14] = [
     &LIVE_QUARANTINED,
 ];
 
-/// The [`LIVE_ALL`] families from the spool statistics and the upload atomics, at scrape time.
-fn live_families(spool: &SpoolStatsView, u: &UploadCounters) -> Vec<MetricFamily> {
+/// The [`LIVE_ALL`] families from the spool statistics and the intake and upload atomics, at
+/// scrape time.
+fn live_families(spool: &SpoolStatsView, intake: &IntakeCounters, u: &UploadCounters) -> Vec<MetricFamily> {
     use std::sync::atomic::Ordering::Relaxed;
     let s = spool.get();
     let age = s.oldest_ms.map_or(0.0, |t| ms_to_secs(now_ms().saturating_sub(t)));
@@ -399,6 +409,7 @@ fn live_families(spool: &SpoolStatsView, u: &UploadCounters) -> Vec<MetricFamily
         ]
     };
     vec![
+        LIVE_STREAM_BUFFER.family(&[("", intake.stream_buffer_bytes.load(Relaxed) as f64)]),
         LIVE_SPOOL_BYTES.family(&[("", s.total_bytes as f64)]),
         LIVE_SPOOL_DISK_BYTES.family(&[("", spool.disk_bytes().map_or(f64::NAN, |n| n as f64))]),
         LIVE_SPOOL_CHUNKS.family(&[("", s.sealed_chunks as f64)]),
@@ -452,7 +463,7 @@ mod tests {
     struct Rig {
         _dir: tempfile::TempDir,
         registry: Registry,
-        intake: IntakeCounters,
+        intake: Arc<IntakeCounters>,
         upload: Arc<UploadCounters>,
         spool: Option<SpoolHandle>,
         thread: Option<crate::spool_task::SpoolThread>,
@@ -465,7 +476,7 @@ mod tests {
                 edge_spool::Spool::open(edge_spool::SpoolOptions::new(dir.path().join("spool.db"))).expect("spool");
             let (spool, thread) = SpoolHandle::spawn(spool).expect("spool thread");
             let registry = Registry::new();
-            let intake = IntakeCounters::default();
+            let intake = Arc::new(IntakeCounters::default());
             let upload = Arc::new(UploadCounters::default());
             register(&registry, spool.stats_view(), &intake, &upload).expect("register");
             Rig { _dir: dir, registry, intake, upload, spool: Some(spool), thread: Some(thread) }
@@ -549,10 +560,13 @@ mod tests {
         assert_eq!(rig.sample(CONNECTED), Some(0.0));
         assert_eq!(rig.sample(RECONNECTS_TOTAL), Some(0.0));
         assert_eq!(rig.sample(BYTES_IN_FLIGHT), Some(0.0));
+        assert_eq!(rig.sample(INTAKE_STREAM_BUFFER_BYTES), Some(0.0));
         rig.upload.connected.store(true, Ordering::Relaxed);
         rig.upload.connects_total.store(3, Ordering::Relaxed);
         rig.upload.connect_attempts_total.store(7, Ordering::Relaxed);
         rig.upload.in_flight_bytes.store(4096, Ordering::Relaxed);
+        rig.intake.stream_buffer(0, 3 << 20);
+        rig.intake.stream_buffer(1 << 20, 0);
         rig.upload.stored.chunks.store(5, Ordering::Relaxed);
         rig.upload.stored.bytes.store(500, Ordering::Relaxed);
         rig.upload.retry.chunks.store(1, Ordering::Relaxed);
@@ -571,6 +585,8 @@ mod tests {
         assert_eq!(rig.sample(RECONNECTS_TOTAL), Some(2.0));
         assert_eq!(rig.sample(CONNECT_ATTEMPTS_TOTAL), Some(7.0));
         assert_eq!(rig.sample(BYTES_IN_FLIGHT), Some(4096.0));
+        assert_eq!(rig.sample(INTAKE_STREAM_BUFFER_BYTES), Some(f64::from(2 << 20)));
+        assert_eq!(rig.intake.stream_buffer_peak_bytes.load(Ordering::Relaxed), 3 << 20);
         assert_eq!(rig.sample(&format!("{UPLOAD_CHUNKS_TOTAL}{{result=\"stored\"}}")), Some(5.0));
         assert_eq!(rig.sample(&format!("{UPLOAD_BYTES_TOTAL}{{result=\"stored\"}}")), Some(500.0));
         assert_eq!(rig.sample(&format!("{UPLOAD_CHUNKS_TOTAL}{{result=\"retry\"}}")), Some(1.0));

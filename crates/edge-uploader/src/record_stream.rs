@@ -39,8 +39,9 @@ use crate::spool_task::AppendFailure;
 /// pauses at this size.
 pub const PENDING_CAP: usize = 256 << 10;
 
-/// Bytes asked of the socket per read.
-const READ_SIZE: usize = 64 << 10;
+/// Bytes asked of the socket per read. The receive buffer holds at most twice this, or one
+/// incomplete record and this, whichever is more.
+pub const READ_SIZE: usize = 64 << 10;
 
 /// Accepts record-stream connections until `cancel` fires. Accept errors are handled as for
 /// the HTTP intake (axum's `Listener`: logged, and a pause when out of descriptors).
@@ -144,6 +145,7 @@ impl Gathered {
 struct Committing {
     commit: Commit,
     records: u64,
+    framed_bytes: usize,
     per_stream: Vec<(String, u64, u64)>,
 }
 
@@ -168,6 +170,7 @@ where
     let mut committing: Option<Committing> = None;
     let mut refusal: Option<Refusal> = None;
     let mut eof = false;
+    let mut held = Held { counters: p.intake.counters.clone(), bytes: 0 };
     if !p.intake.accepting.load(Ordering::Acquire) {
         refusal = Some(Refusal::shutting_down());
     }
@@ -185,12 +188,22 @@ where
         }
         if committing.is_none() && p.gathered.records > 0 {
             committing = Some(p.submit());
+            // The gathering starts afresh: frame what the buffer still holds before reading.
+            continue;
         }
         let stopped = eof || refusal.is_some();
         if stopped && committing.is_none() {
             break;
         }
         let can_read = !stopped && p.gathered.framed_bytes < PENDING_CAP;
+        if can_read && rbuf.capacity() - rbuf.len() < FRAME_SLACK {
+            // Here, after framing, the buffer holds at most one incomplete frame, so `reserve`
+            // moves it to the front of the allocation it has instead of growing it. Reserving
+            // right after a read, with a whole read unframed, grew the buffer (by doubling,
+            // offset included) to megabytes per connection.
+            rbuf.reserve(READ_SIZE);
+        }
+        held.set(rbuf.capacity() + p.gathered.framed_bytes + committing.as_ref().map_or(0, |c| c.framed_bytes));
         tokio::select! {
             done = async { committing.as_mut().expect("guarded by the condition").commit.as_mut().await }, if committing.is_some() => {
                 let c = committing.take().expect("was committing");
@@ -215,9 +228,6 @@ where
             read = io.read_buf(&mut rbuf), if can_read => {
                 if read? == 0 {
                     eof = true;
-                }
-                if rbuf.capacity() - rbuf.len() < FRAME_SLACK {
-                    rbuf.reserve(READ_SIZE);
                 }
             }
             () = cancel.cancelled(), if !stopped => {
@@ -254,6 +264,28 @@ where
     wire::put_ack(&mut wbuf, p.committed);
     io.write_all(&wbuf).await?;
     io.shutdown().await
+}
+
+/// A connection's share of [`IntakeCounters::stream_buffer_bytes`](crate::intake::IntakeCounters),
+/// given back when the connection ends.
+struct Held {
+    counters: Arc<crate::intake::IntakeCounters>,
+    bytes: usize,
+}
+
+impl Held {
+    fn set(&mut self, bytes: usize) {
+        if bytes != self.bytes {
+            self.counters.stream_buffer(self.bytes, bytes);
+            self.bytes = bytes;
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.set(0);
+    }
 }
 
 /// How long, and for how many bytes, a refused connection is read on before it is closed.
@@ -349,7 +381,7 @@ impl Parser {
             })
             .collect();
         let commit = Box::pin(self.intake.spool.submit(AppendRequest { batches: gathered.batches }));
-        Committing { commit, records: gathered.records, per_stream }
+        Committing { commit, records: gathered.records, framed_bytes: gathered.framed_bytes, per_stream }
     }
 }
 

@@ -104,6 +104,7 @@ async fn pipelined_records_are_acked_cumulatively_and_stored_once_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_beyond_the_gathering_cap_are_acked_without_more_bytes_or_the_end_of_the_stream() {
     let f = start(|_| {}).await;
+    let counters = f.agent.intake().clone();
     let mut c = f.client().await;
     // Far more than one connection gathers per commit, in one write; then only wait. Frames the
     // agent holds unframed at its cap must be framed after the commit, not after the next read.
@@ -145,6 +146,22 @@ async fn records_beyond_the_gathering_cap_are_acked_without_more_bytes_or_the_en
     for k in 0..4 {
         assert_eq!(stored.get(&format!("p{k}")).map(Vec::len), Some(3 * n as usize));
     }
+    // What the connections held stayed within their bounds: per connection a receive buffer of
+    // at most two reads, and one gathering and one committing append of at most the cap and a
+    // record. (Reserving receive room with a whole read still unframed grew each connection's
+    // buffer by doubling, to megabytes.)
+    use edge_uploader::record_stream::{PENDING_CAP, READ_SIZE};
+    let frame = record.len() + edge_proto::records::RECORD_OVERHEAD;
+    let per_connection = 2 * READ_SIZE + 2 * (PENDING_CAP + frame);
+    let peak = counters.stream_buffer_peak_bytes.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(peak > 0, "the connections' memory is counted");
+    assert!(
+        peak <= 4 * per_connection as u64,
+        "4 connections held {peak} bytes at their peak; bound {}",
+        4 * per_connection
+    );
+    // And every connection gave its share back when it ended.
+    assert_eq!(counters.stream_buffer_bytes.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
 
 /// Sends `good` valid records, then `bad` bytes, and returns the agent's last answer.
