@@ -37,6 +37,15 @@ pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
             if release {
                 cmd.arg("--release");
             }
+            // Without the variables Cargo sets for the test process itself: build scripts that
+            // watch one (ring's watches `CARGO_MANIFEST_DIR`) would otherwise run again and
+            // rebuild ring, rustls and quinn here, and again at the next test build, about a
+            // minute each time.
+            for (key, _) in std::env::vars_os() {
+                if key.to_str().is_some_and(set_by_cargo_for_the_crate) {
+                    cmd.env_remove(key);
+                }
+            }
             let status = cmd.status().map_err(|e| format!("running cargo build: {e}"))?;
             if !status.success() {
                 return Err(format!("cargo build of the daemons failed: {status}"));
@@ -50,6 +59,23 @@ pub fn bin(name: &str) -> anyhow::Result<PathBuf> {
         bail!("{} was not built", path.display());
     }
     Ok(path)
+}
+
+/// Whether Cargo (or nextest, which mirrors it) sets `var` for the crate being built or tested,
+/// as opposed to configuring Cargo itself (`CARGO_HOME`, `CARGO_TARGET_DIR`, ...).
+fn set_by_cargo_for_the_crate(var: &str) -> bool {
+    var.starts_with("CARGO_PKG_")
+        || var.starts_with("CARGO_BIN_")
+        || matches!(
+            var,
+            "CARGO_MANIFEST_DIR"
+                | "CARGO_MANIFEST_PATH"
+                | "CARGO_CRATE_NAME"
+                | "CARGO_PRIMARY_PACKAGE"
+                | "CARGO_TARGET_TMPDIR"
+                | "CARGO_RUSTC_CURRENT_DIR"
+                | "OUT_DIR"
+        )
 }
 
 /// Certificates for one ingest server and some devices, written under `dir`.

@@ -1,12 +1,12 @@
 //! The intake's answers, against a real agent (real Unix socket, real SQLite spool) whose ingest
 //! server is unreachable, so everything accepted stays in the spool where the test can count it.
 
-use std::time::Duration;
-
 use bytes::Bytes;
 use edge_uploader::agent::Agent;
 use edge_uploader::client::IntakeClient;
-use edge_uploader::config::{RawConfig, validate};
+use edge_uploader::config::RawConfig;
+
+mod common;
 
 struct Fixture {
     _dir: tempfile::TempDir,
@@ -15,22 +15,7 @@ struct Fixture {
 }
 
 async fn start(tweak: impl FnOnce(&mut RawConfig)) -> Fixture {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let pki = edge_transport::pki::InMemoryPki::generate(&["localhost"]).expect("pki");
-    let dev = pki.write_device_files("intake-test", &dir.path().join("tls")).expect("device files");
-    let mut raw = RawConfig::default();
-    raw.intake.socket = dir.path().join("intake.sock");
-    raw.spool.path = dir.path().join("spool.db");
-    // Nothing listens here: uploads never succeed, so accepted data stays in the spool.
-    raw.upload.server = "127.0.0.1:9".into();
-    raw.upload.server_name = Some("localhost".into());
-    raw.upload.ca = dev.ca_cert;
-    raw.upload.cert = dev.cert;
-    raw.upload.key = dev.key;
-    raw.upload.backoff_max = Duration::from_secs(1);
-    tweak(&mut raw);
-    let config = validate(raw, None).expect("valid config");
-    let agent = Agent::start(&config).await.expect("agent starts");
+    let (dir, agent, config) = common::offline_agent("intake-test", tweak).await;
     let client = IntakeClient::new(&config.intake.socket);
     Fixture { _dir: dir, agent, client }
 }

@@ -9,7 +9,9 @@ use edge_proto::intake::Reply;
 use edge_spool::{Spool, SpoolOptions};
 use edge_uploader::agent::Agent;
 use edge_uploader::client::RecordStreamClient;
-use edge_uploader::config::{Config, RawConfig, validate};
+use edge_uploader::config::{Config, RawConfig};
+
+mod common;
 
 struct Fixture {
     dir: tempfile::TempDir,
@@ -18,22 +20,7 @@ struct Fixture {
 }
 
 async fn start(tweak: impl FnOnce(&mut RawConfig)) -> Fixture {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let pki = edge_transport::pki::InMemoryPki::generate(&["localhost"]).expect("pki");
-    let dev = pki.write_device_files("record-stream-test", &dir.path().join("tls")).expect("device files");
-    let mut raw = RawConfig::default();
-    raw.intake.socket = dir.path().join("intake.sock");
-    raw.spool.path = dir.path().join("spool.db");
-    // Nothing listens here: uploads never succeed, so accepted data stays in the spool.
-    raw.upload.server = "127.0.0.1:9".into();
-    raw.upload.server_name = Some("localhost".into());
-    raw.upload.ca = dev.ca_cert;
-    raw.upload.cert = dev.cert;
-    raw.upload.key = dev.key;
-    raw.upload.backoff_max = Duration::from_secs(1);
-    tweak(&mut raw);
-    let config = validate(raw, None).expect("valid config");
-    let agent = Agent::start(&config).await.expect("agent starts");
+    let (dir, agent, config) = common::offline_agent("record-stream-test", tweak).await;
     Fixture { dir, agent, config }
 }
 
