@@ -94,22 +94,11 @@ impl Agent {
         let unix = bind_unix(&config.intake.socket, config.intake.socket_mode, "intake.socket")?;
         let router = crate::intake::router(intake.clone());
         {
-            let cancel = cancel_intake.clone();
-            let router = router.clone();
-            tasks.spawn(async move {
-                if let Err(e) = axum::serve(unix, router).with_graceful_shutdown(cancel.cancelled_owned()).await {
-                    warn!(error = %e, "intake (unix socket) stopped");
-                }
-            });
+            tasks.spawn(crate::intake::serve(unix, router.clone(), cancel_intake.clone()));
         }
         if let Some(addr) = config.intake.tcp {
             let tcp = TcpListener::bind(addr).await.with_context(|| format!("binding intake.tcp {addr}"))?;
-            let cancel = cancel_intake.clone();
-            tasks.spawn(async move {
-                if let Err(e) = axum::serve(tcp, router).with_graceful_shutdown(cancel.cancelled_owned()).await {
-                    warn!(error = %e, "intake (tcp) stopped");
-                }
-            });
+            tasks.spawn(crate::intake::serve(tcp, router, cancel_intake.clone()));
         }
         if let Some(path) = &config.intake.stream_socket {
             let listener = bind_unix(path, config.intake.socket_mode, "intake.stream_socket")?;

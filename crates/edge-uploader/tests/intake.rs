@@ -104,6 +104,27 @@ async fn a_full_spool_answers_507_with_retry_after_and_keeps_earlier_records() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_far_larger_than_the_read_buffer_is_stored_intact_and_the_connection_kept() {
+    let mut f = start(|_| {}).await;
+    // 3.6 MB of lines of varying length: over 50 times the connection's read buffer, with
+    // lines cut at every read boundary.
+    let lines: Vec<Vec<u8>> =
+        (0..4000).map(|i| format!("{{\"i\":{i},\"pad\":\"{}\"}}", "p".repeat(i * 7 % 1800)).into_bytes()).collect();
+    let body: Vec<u8> = lines.iter().flat_map(|l| l.iter().copied().chain(std::iter::once(b'\n'))).collect();
+    assert!(body.len() > 50 * edge_uploader::intake::HTTP_READ_BUFFER, "{} bytes", body.len());
+    let r = f.client.post("big", "application/x-ndjson", Bytes::from(body)).await.expect("post");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.body["records"], 4000);
+    // The same connection serves the next request.
+    let r = f.client.post("big", "application/x-ndjson", Bytes::from_static(b"{\"last\":1}")).await.expect("post");
+    assert_eq!(r.status, 200, "{}", r.body);
+    f.agent.shutdown().await;
+    let mut want = lines;
+    want.push(b"{\"last\":1}".to_vec());
+    assert_eq!(common::read_spool(f._dir.path()).get("big"), Some(&want));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_refuses_new_requests() {
     let f = start(|_| {}).await;
     let socket = f._dir.path().join("intake.sock");

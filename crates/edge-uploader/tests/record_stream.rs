@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use edge_proto::StreamName;
 use edge_proto::intake::Reply;
-use edge_spool::{Spool, SpoolOptions};
 use edge_uploader::agent::Agent;
 use edge_uploader::client::RecordStreamClient;
 use edge_uploader::config::{Config, RawConfig};
@@ -33,16 +32,7 @@ impl Fixture {
     /// Stops the agent and reads every record of the spool back, per stream in order.
     async fn stop_and_read(self) -> std::collections::BTreeMap<String, Vec<Vec<u8>>> {
         self.agent.shutdown().await;
-        let (mut spool, _) = Spool::open(SpoolOptions::new(self.dir.path().join("spool.db"))).expect("reopens");
-        spool.seal_all(u64::MAX).expect("seals");
-        let mut reader = spool.reader().expect("reader");
-        let mut out = std::collections::BTreeMap::<String, Vec<Vec<u8>>>::new();
-        for meta in reader.sealed_after(None, usize::MAX).expect("lists") {
-            let payload = reader.read(&meta).expect("reads");
-            let records = edge_proto::records::split_records(&payload, meta.records).expect("framed");
-            out.entry(meta.stream.clone()).or_default().extend(records.into_iter().map(<[u8]>::to_vec));
-        }
-        out
+        common::read_spool(self.dir.path())
     }
 }
 

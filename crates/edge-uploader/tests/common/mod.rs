@@ -28,3 +28,17 @@ pub async fn offline_agent(device: &str, tweak: impl FnOnce(&mut RawConfig)) -> 
     let agent = Agent::start(&config).await.expect("agent starts");
     (dir, agent, config)
 }
+
+/// Every record of the spool at `dir/spool.db`, per stream in order (the agent must be stopped).
+pub fn read_spool(dir: &std::path::Path) -> std::collections::BTreeMap<String, Vec<Vec<u8>>> {
+    let (mut spool, _) = edge_spool::Spool::open(edge_spool::SpoolOptions::new(dir.join("spool.db"))).expect("reopens");
+    spool.seal_all(u64::MAX).expect("seals");
+    let mut reader = spool.reader().expect("reader");
+    let mut out = std::collections::BTreeMap::<String, Vec<Vec<u8>>>::new();
+    for meta in reader.sealed_after(None, usize::MAX).expect("lists") {
+        let payload = reader.read(&meta).expect("reads");
+        let records = edge_proto::records::split_records(&payload, meta.records).expect("framed");
+        out.entry(meta.stream.clone()).or_default().extend(records.into_iter().map(<[u8]>::to_vec));
+    }
+    out
+}
