@@ -213,7 +213,7 @@ fn file_once(
         buf.clear();
         for i in (0..per_commit as u64).take_while(|i| n + i < records) {
             let r = &pool[((n + i) % pool.len() as u64) as usize];
-            crcs.push(crc32c::crc32c(r));
+            crcs.push(edge_proto::crc32c(r));
             encode_record(&mut buf, r);
         }
         n += per_commit as u64;
@@ -229,7 +229,7 @@ fn file_once(
     while off < len {
         let mut chunk = vec![0u8; usize::try_from(CHUNK.min(len - off))?];
         file.read_exact_at(&mut chunk, off)?;
-        crc = crc32c::crc32c_append(crc, &chunk);
+        crc = edge_proto::crc32c_append(crc, &chunk);
         off += chunk.len() as u64;
     }
     drop(file);

@@ -26,7 +26,7 @@ fn chunk(device: &str, stream: &str, seq: u64, records: &[Vec<u8>]) -> IncomingC
         encode_record(&mut payload, r);
     }
     let raw_len = u32::try_from(payload.len()).expect("small");
-    let checksum = crc32c::crc32c(&payload);
+    let checksum = edge_proto::crc32c(&payload);
     IncomingChunk {
         key: ChunkKey { device: device.into(), spool: [7; 16], stream: stream.into(), seq },
         records: u32::try_from(records.len()).expect("small"),

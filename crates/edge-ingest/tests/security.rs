@@ -516,7 +516,7 @@ async fn declared_four_gib_lengths_are_refused_without_allocating_them() {
             raw_len,
             payload_len: u32::try_from(payload.len()).expect("a few KiB"),
             codec: Codec::Zstd,
-            checksum: crc32c::crc32c(&payload),
+            checksum: edge_proto::crc32c(&payload),
             created_ms: 0,
         };
         TestChunk { header, payload, records: Vec::new() }

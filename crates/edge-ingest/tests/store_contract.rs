@@ -41,7 +41,7 @@ fn chunk_with(k: ChunkKey, records: &[Vec<u8>], codec: Codec) -> IncomingChunk {
         records: records.len() as u32,
         codec,
         raw_len: raw.len() as u32,
-        checksum: crc32c::crc32c(&payload),
+        checksum: edge_proto::crc32c(&payload),
         created_ms: 1_700_000_000_000 + k.seq,
         payload: payload.into(),
         key: k,

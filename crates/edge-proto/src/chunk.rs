@@ -163,7 +163,7 @@ impl ChunkHeader {
     /// Checks that `payload` (the wire bytes after the header) has the declared length and
     /// checksum. Does not decompress or split records: see [`crate::records`].
     pub fn verify_payload(&self, payload: &[u8]) -> Result<(), ProtoError> {
-        self.verify_payload_summary(payload.len(), crc32c::crc32c(payload))
+        self.verify_payload_summary(payload.len(), crate::crc32c(payload))
     }
 
     /// As [`ChunkHeader::verify_payload`], for a caller that already has the payload's length
@@ -193,7 +193,7 @@ mod tests {
             raw_len: payload.len() as u32,
             payload_len: payload.len() as u32,
             codec: Codec::None,
-            checksum: crc32c::crc32c(payload),
+            checksum: crate::crc32c(payload),
             created_ms: 1_700_000_000_000,
         }
     }

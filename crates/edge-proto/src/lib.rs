@@ -51,6 +51,7 @@
 
 use std::time::Duration;
 
+pub mod checksum;
 pub mod chunk;
 pub mod client;
 pub mod error;
@@ -61,6 +62,7 @@ pub mod records;
 pub mod server;
 mod wire;
 
+pub use checksum::{crc32c, crc32c_append};
 pub use chunk::{CHUNK_MAGIC, CHUNK_PREFIX_LEN, ChunkHeader, STOP_ANSWERED};
 pub use error::{ErrorCode, ProtoError};
 pub use frame::{

@@ -118,7 +118,7 @@ fn retry_and_rejected_statuses_surface_to_the_client() {
         raw_len: 7,
         payload_len: 7,
         codec: Codec::None,
-        checksum: crc32c::crc32c(&payload) ^ 1,
+        checksum: edge_proto::crc32c(&payload) ^ 1,
         created_ms: 0,
     };
     pair.send_raw_chunk(&header, &payload).expect("room");
@@ -175,7 +175,7 @@ fn a_chunk_before_hello_closes_with_protocol_violation() {
         raw_len: 0,
         payload_len: 0,
         codec: Codec::None,
-        checksum: crc32c::crc32c(&payload),
+        checksum: edge_proto::crc32c(&payload),
         created_ms: 0,
     };
     let mut bytes = Vec::new();

@@ -215,7 +215,7 @@ fn check_batch(r: &rusqlite::Row<'_>, rows: Option<RowChecks>, files: &mut Files
             (files.buf.as_slice(), format!(" (segment {} at {})", s.segment, s.offset))
         }
     };
-    let computed = crc32c::crc32c(data);
+    let computed = crate::crc::crc32c(data);
     let len = crate::len_u64(data);
     let mut problem = (stored != i64::from(computed))
         .then(|| format!("batch {id}: crc32c stored {stored:08x}, computed {computed:08x} over {len} bytes{place}"));

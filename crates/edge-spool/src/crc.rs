@@ -9,6 +9,22 @@
 //!
 //! Polynomials are bit-reflected, as CRC-32C computes them: bit 31 holds x^0.
 
+/// CRC-32C of `data` (with `crc-fast`, as `edge_proto::crc32c`; this crate does not depend on
+/// the protocol's).
+#[inline]
+pub(crate) fn crc32c(data: &[u8]) -> u32 {
+    crc_fast::crc32_iscsi(data)
+}
+
+/// CRC-32C of `A ‖ data`, given `crc` = CRC-32C(A).
+#[inline]
+pub(crate) fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
+    // The register holds the CRC before its final inversion; a 32-bit CRC's upper half is zero.
+    let mut digest = crc_fast::Digest::new_with_init_state(crc_fast::CrcAlgorithm::Crc32Iscsi, u64::from(!crc));
+    digest.update(data);
+    digest.finalize() as u32
+}
+
 /// The CRC-32C polynomial, reflected.
 const POLY: u32 = 0x82F6_3B78;
 
@@ -83,6 +99,16 @@ mod tests {
         #[test]
         fn agrees_with_the_crate_for_any_length(a in any::<u32>(), b in any::<u32>(), len in 0u64..(1 << 40)) {
             prop_assert_eq!(combine(a, b, len), crc32c::crc32c_combine(a, b, usize::try_from(len).unwrap_or(usize::MAX)));
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn crc_fast_agrees_with_the_crc32c_crate(data in proptest::collection::vec(any::<u8>(), 0..70_000), cut in any::<prop::sample::Index>()) {
+            let whole = crc32c::crc32c(&data);
+            prop_assert_eq!(super::crc32c(&data), whole);
+            let (a, b) = data.split_at(cut.index(data.len() + 1));
+            prop_assert_eq!(crc32c_append(super::crc32c(a), b), whole);
         }
     }
 

@@ -349,7 +349,7 @@ impl Assembly {
     /// and counts it into the payload.
     fn check(&mut self, part: Part, start: usize, end: usize, place: Option<(i64, u64)>) -> Result<(), Damage> {
         let data = &self.out[start..end];
-        let computed = crc32c::crc32c(data);
+        let computed = crate::crc::crc32c(data);
         if computed != part.crc32c {
             return Err(Damage::BadBytes(format!(
                 "batch {}: crc32c stored {:08x}, computed {computed:08x} over {} bytes{}",

@@ -18,18 +18,18 @@ struct RowCrc(u32);
 
 impl RowCrc {
     fn new(table: &str) -> Self {
-        Self(crc32c::crc32c(table.as_bytes()))
+        Self(crate::crc::crc32c(table.as_bytes()))
     }
 
     fn int(mut self, v: i64) -> Self {
-        self.0 = crc32c::crc32c_append(self.0, &v.to_le_bytes());
+        self.0 = crate::crc::crc32c_append(self.0, &v.to_le_bytes());
         self
     }
 
     /// Length first, so `("ab", "c")` and `("a", "bc")` differ.
     fn bytes(self, b: &[u8]) -> Self {
         let mut s = self.int(i64::try_from(b.len()).unwrap_or(i64::MAX));
-        s.0 = crc32c::crc32c_append(s.0, b);
+        s.0 = crate::crc::crc32c_append(s.0, b);
         s
     }
 

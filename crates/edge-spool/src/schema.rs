@@ -528,7 +528,7 @@ mod tests {
                 .execute(
                     "INSERT INTO batches (stream_id, chunk_id, data, records, crc32c, commit_ms)
                      VALUES ((SELECT id FROM streams WHERE name = ?1), NULL, ?2, 1, ?3, ?4)",
-                    (stream, data, crc32c::crc32c(data), ms),
+                    (stream, data, crate::crc::crc32c(data), ms),
                 )
                 .expect("batch");
         }
@@ -662,7 +662,7 @@ mod tests {
             for (id, data, ms) in [(1, &b"a1"[..], 10), (2, b"a2", 11), (3, b"a3", 12)] {
                 conn.execute(
                     "INSERT INTO batches (id, stream_id, records, crc32c, commit_ms, data) VALUES (?1, 1, 1, ?2, ?3, ?4)",
-                    (id, crc32c::crc32c(data), ms, data),
+                    (id, crate::crc::crc32c(data), ms, data),
                 )
                 .expect("batch");
             }
@@ -726,7 +726,7 @@ mod tests {
             )
             .expect("stream");
             for (id, data, ms) in [(1, &b"a1"[..], 10), (2, b"a2", 11), (3, b"a3", 12)] {
-                let crc = i64::from(crc32c::crc32c(data));
+                let crc = i64::from(crate::crc::crc32c(data));
                 let row = rowcrc::BatchRow { id, stream_id: 1, records: 1, crc32c: crc, commit_ms: ms, seg: None };
                 conn.execute(
                     "INSERT INTO batches (id, stream_id, records, crc32c, commit_ms, row_crc, data)

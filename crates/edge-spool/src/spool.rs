@@ -537,7 +537,7 @@ impl<'a> PendingRow<'a> {
         self.parts.push(&batch.data);
         self.len += len_u64(&batch.data);
         self.records += u64::from(batch.records);
-        self.crc = crc32c::crc32c_append(self.crc, &batch.data);
+        self.crc = crate::crc::crc32c_append(self.crc, &batch.data);
     }
 
     /// Inserts the row, if any, and counts it as one open batch of its stream and as a row
@@ -1183,7 +1183,7 @@ mod tests {
         let chunk = &all_sealed(&spool)[0];
         let payload = spool.reader().expect("reader").read_payload(chunk).expect("read");
         assert_eq!(payload.len(), 5_012);
-        assert_eq!(payload.crc32c, crc32c::crc32c(&payload.data));
+        assert_eq!(payload.crc32c, crate::crc::crc32c(&payload.data));
         assert_ne!(payload.crc32c, 0);
     }
 

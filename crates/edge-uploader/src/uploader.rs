@@ -703,7 +703,7 @@ async fn send_chunk_inner(
     // Uncompressed, the payload's CRC-32C is the one the spool computed while reading it.
     let (codec, checksum, payload) = match compression {
         Compression::Zstd(level) => match edge_proto::records::compress_payload(&raw.data, level) {
-            Ok(c) if c.len() < raw.len() => (Codec::Zstd, crc32c::crc32c(&c), c),
+            Ok(c) if c.len() < raw.len() => (Codec::Zstd, edge_proto::crc32c(&c), c),
             _ => (Codec::None, raw.crc32c, raw.data),
         },
         Compression::None => (Codec::None, raw.crc32c, raw.data),

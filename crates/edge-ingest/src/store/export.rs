@@ -269,7 +269,7 @@ pub fn export(
                             }
                             Err(e) => return Err(io_at(path)(e)),
                         }
-                        if crc32c::crc32c(&buf) != loc.payload_crc {
+                        if edge_proto::crc32c(&buf) != loc.payload_crc {
                             tracing::error!(path = %path.display(), offset = loc.offset, device = %key.device, stream = %key.stream, seq, "payload checksum mismatch; chunk skipped");
                             report.corrupt += 1;
                             continue;

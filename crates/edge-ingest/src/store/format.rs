@@ -56,7 +56,7 @@ pub fn parse_segment_file_name(name: &str) -> Option<u64> {
 /// The salt is random per segment and never leaves the server, so bytes that a device put in a
 /// payload cannot be crafted to pass as an entry header when recovery scans for the magic.
 pub fn salted_crc(salt: u64, bytes: &[u8]) -> u32 {
-    crc32c::crc32c_append(crc32c::crc32c(&salt.to_le_bytes()), bytes)
+    edge_proto::crc32c_append(edge_proto::crc32c(&salt.to_le_bytes()), bytes)
 }
 
 /// The header at the start of every non-empty segment file.
@@ -75,7 +75,7 @@ impl SegmentHeader {
         copy[..8].copy_from_slice(&SEGMENT_MAGIC);
         copy[8..16].copy_from_slice(&self.number.to_le_bytes());
         copy[16..24].copy_from_slice(&self.salt.to_le_bytes());
-        let crc = crc32c::crc32c(&copy[..24]);
+        let crc = edge_proto::crc32c(&copy[..24]);
         copy[24..28].copy_from_slice(&crc.to_le_bytes());
         let mut out = [0u8; SEGMENT_HEADER_LEN as usize];
         out[..SEGMENT_HEADER_COPY_LEN].copy_from_slice(&copy);
@@ -93,7 +93,7 @@ impl SegmentHeader {
             return None;
         }
         let crc = u32::from_le_bytes(copy.get(24..28)?.try_into().ok()?);
-        if crc32c::crc32c(copy.get(..24)?) != crc {
+        if edge_proto::crc32c(copy.get(..24)?) != crc {
             return None;
         }
         Some(Self {

@@ -268,7 +268,7 @@ mod tests {
             records: 1,
             codec: edge_proto::Codec::None,
             raw_len: payload.len() as u32,
-            checksum: crc32c::crc32c(&payload),
+            checksum: edge_proto::crc32c(&payload),
             created_ms: 1,
             payload: payload.into(),
         }

@@ -182,7 +182,7 @@ pub struct Payload {
 impl Payload {
     /// Takes the bytes and computes their CRC-32C.
     pub fn new(bytes: Bytes) -> Self {
-        let crc32c = crc32c::crc32c(&bytes);
+        let crc32c = edge_proto::crc32c(&bytes);
         Payload { bytes, crc32c }
     }
 

@@ -272,7 +272,7 @@ pub fn verify_payload(file: &File, meta: &EntryMeta, buf: &mut Vec<u8>) -> io::R
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(false),
             Err(e) => return Err(e),
         }
-        crc = crc32c::crc32c_append(crc, &buf[..n]);
+        crc = edge_proto::crc32c_append(crc, &buf[..n]);
         done += n as u64;
     }
     Ok(crc == meta.header.fields.payload_crc)

@@ -84,7 +84,7 @@ pub fn chunk_of(stream: &str, seq: u64, tag: &str, records: usize, record_len: u
         raw_len: len,
         payload_len: len,
         codec: Codec::None,
-        checksum: crc32c::crc32c(&payload),
+        checksum: edge_proto::crc32c(&payload),
         created_ms: 1_700_000_000_000 + seq,
     };
     TestChunk { header, payload, records }

@@ -230,7 +230,7 @@ impl Pair {
             raw_len: len,
             payload_len: len,
             codec: Codec::None,
-            checksum: crc32c::crc32c(&payload),
+            checksum: edge_proto::crc32c(&payload),
             created_ms: 1_700_000_000_000 + seq,
         };
         self.send_raw_chunk(&header, &payload)
