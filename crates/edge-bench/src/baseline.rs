@@ -9,6 +9,12 @@
 //!
 //! The server times from the end of the handshake until it has read every byte; each side
 //! reports the CPU seconds it spent in that interval (from `/proc/self/stat`).
+//!
+//! The client sends distinct bytes, as the agent does: its messages are consecutive slices of
+//! one random buffer as long as the run (up to [`MAX_SOURCE`]), made before it connects. Until
+//! `Source::OneBuffer` was split off, every message was the same 10 KiB (or 512 KiB) buffer,
+//! which stayed in the CPU's caches and made the sender about a fifth cheaper than sending
+//! bytes that come from memory; that variant is still measured, for comparison.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -24,6 +30,46 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 use crate::sys;
+
+/// Longest source buffer of a client: 1 GiB, beyond which its messages start over.
+pub const MAX_SOURCE: u64 = 1 << 30;
+
+/// Where a client's messages come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// Consecutive slices of one random buffer as long as the run: every byte sent is a new one.
+    Distinct,
+    /// The same random buffer of one message's length, sent again and again.
+    OneBuffer,
+}
+
+impl Source {
+    /// The buffer a client sends `total` bytes from, `msg_size` bytes at a time.
+    fn buffer(self, total: u64, msg_size: usize) -> Bytes {
+        let len = match self {
+            Source::Distinct => usize::try_from(total.min(MAX_SOURCE)).unwrap_or(usize::MAX).max(msg_size),
+            Source::OneBuffer => msg_size,
+        };
+        message(len)
+    }
+}
+
+/// Consecutive `msg_size` slices of `source`, starting over at its start when one would not fit.
+struct Slices {
+    source: Bytes,
+    at: usize,
+}
+
+impl Slices {
+    fn next(&mut self, n: usize) -> Bytes {
+        if self.at + n > self.source.len() {
+            self.at = 0;
+        }
+        let s = self.source.slice(self.at..self.at + n);
+        self.at += n;
+        s
+    }
+}
 
 /// Which baseline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -82,7 +128,7 @@ impl Pki {
 }
 
 /// Runs one baseline: spawns the server role, then the client role, and combines their results.
-pub async fn run(kind: Kind, pki_dir: &Path, total: u64, msg_size: usize) -> anyhow::Result<Baseline> {
+pub async fn run(kind: Kind, pki_dir: &Path, total: u64, msg_size: usize, source: Source) -> anyhow::Result<Baseline> {
     let exe = std::env::current_exe()?;
     let k = match kind {
         Kind::Quic => "quic",
@@ -100,10 +146,19 @@ pub async fn run(kind: Kind, pki_dir: &Path, total: u64, msg_size: usize) -> any
     let mut lines = BufReader::new(server.stdout.take().context("server stdout")?).lines();
     let port_line = lines.next_line().await?.context("server role exited before printing its port")?;
     let port: u16 = port_line.strip_prefix("PORT ").context("expected PORT line")?.trim().parse()?;
-    let client = tokio::process::Command::new(&exe)
-        .args(["role", "client", "--kind", k, "--pki"])
-        .arg(pki_dir)
-        .args(["--bytes", &total.to_string(), "--msg-size", &msg_size.to_string(), "--port", &port.to_string()])
+    let mut client = tokio::process::Command::new(&exe);
+    client.args(["role", "client", "--kind", k, "--pki"]).arg(pki_dir).args([
+        "--bytes",
+        &total.to_string(),
+        "--msg-size",
+        &msg_size.to_string(),
+        "--port",
+        &port.to_string(),
+    ]);
+    if source == Source::OneBuffer {
+        client.arg("--one-buffer");
+    }
+    let client = client
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
@@ -140,15 +195,23 @@ pub async fn run(kind: Kind, pki_dir: &Path, total: u64, msg_size: usize) -> any
 
 /// Entry point of the `role` subcommand (runs in its own process, one current-thread runtime,
 /// so each party has at most one core, as the daemons' hot paths do).
-pub fn role(server: bool, kind: Kind, pki_dir: &Path, bytes: u64, msg_size: usize, port: u16) -> anyhow::Result<()> {
+pub fn role(
+    server: bool,
+    kind: Kind,
+    pki_dir: &Path,
+    bytes: u64,
+    msg_size: usize,
+    port: u16,
+    source: Source,
+) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let pki = Pki::from_dir(pki_dir);
     let result = rt.block_on(async {
         match (server, kind) {
             (true, Kind::Quic) => quic_server(&pki, bytes).await,
-            (false, Kind::Quic) => quic_client(&pki, bytes, msg_size, port).await,
+            (false, Kind::Quic) => quic_client(&pki, bytes, msg_size, port, source).await,
             (true, Kind::Tls) => tls_server(&pki, bytes).await,
-            (false, Kind::Tls) => tls_client(&pki, bytes, msg_size, port).await,
+            (false, Kind::Tls) => tls_client(&pki, bytes, msg_size, port, source).await,
         }
     })?;
     println!("RESULT {}", serde_json::to_string(&result)?);
@@ -203,20 +266,21 @@ async fn quic_server(pki: &Pki, total: u64) -> anyhow::Result<RoleResult> {
     Ok(RoleResult { bytes: received, seconds, cpu_s, detail: String::new() })
 }
 
-async fn quic_client(pki: &Pki, total: u64, msg_size: usize, port: u16) -> anyhow::Result<RoleResult> {
+async fn quic_client(pki: &Pki, total: u64, msg_size: usize, port: u16, source: Source) -> anyhow::Result<RoleResult> {
     let tuning = edge_transport::Tuning::default();
     let config = edge_transport::client_config(&pki.device.client_tls("localhost"), &tuning)?;
     let endpoint = edge_transport::client_endpoint("127.0.0.1:0".parse()?, &tuning)?;
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    // Made before connecting: the server's clock starts at the handshake.
+    let mut msgs = Slices { source: source.buffer(total, msg_size), at: 0 };
     let conn = endpoint.connect_with(config, addr, "localhost")?.await?;
     let start = Instant::now();
     let cpu0 = sys::self_cpu_seconds()?;
-    let msg = message(msg_size);
     let mut sent = 0u64;
     while sent < total {
         let mut s = conn.open_uni().await?;
         let n = msg_size.min((total - sent) as usize);
-        s.write_chunk(msg.slice(..n)).await?;
+        s.write_chunk(msgs.next(n)).await?;
         s.finish()?;
         sent += n as u64;
     }
@@ -274,22 +338,22 @@ async fn tls_server(pki: &Pki, total: u64) -> anyhow::Result<RoleResult> {
     Ok(RoleResult { bytes: received, seconds, cpu_s, detail: suite })
 }
 
-async fn tls_client(pki: &Pki, total: u64, msg_size: usize, port: u16) -> anyhow::Result<RoleResult> {
+async fn tls_client(pki: &Pki, total: u64, msg_size: usize, port: u16, source: Source) -> anyhow::Result<RoleResult> {
     let cert = std::fs::read_to_string(&pki.device.cert)?;
     let key = std::fs::read_to_string(&pki.device.key)?;
     let ca = std::fs::read_to_string(&pki.device.ca_cert)?;
     let config = edge_transport::rustls_client_config_from_pem(&cert, &key, &ca)?;
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let mut msgs = Slices { source: source.buffer(total, msg_size), at: 0 };
     let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
     tcp.set_nodelay(true)?;
     let mut tls = connector.connect(ServerName::try_from("localhost")?, tcp).await?;
     let start = Instant::now();
     let cpu0 = sys::self_cpu_seconds()?;
-    let msg = message(msg_size);
     let mut sent = 0u64;
     while sent < total {
         let n = msg_size.min((total - sent) as usize);
-        tls.write_all(&msg[..n]).await?;
+        tls.write_all(&msgs.next(n)).await?;
         sent += n as u64;
     }
     tls.flush().await?;

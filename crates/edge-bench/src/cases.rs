@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use crate::baseline::{self, Kind};
+use crate::baseline::{self, Kind, Source};
 use crate::peers;
 use crate::sys::{self, Stat};
 use crate::world::{self, Bins, JetStreamTarget, Load, World, WorldOptions};
@@ -318,6 +318,12 @@ impl Results {
             1.5,
             &x,
         );
+        at_most(
+            "the same ÷ the sender resending one 10 KiB buffer (the baseline of the runs before 2026-11-25)",
+            ratio(self.median(DRAIN, AGENT_CPU), self.median(RAW_QUINN_10K_ONE_BUFFER, SENDER_CPU)),
+            1.5,
+            &x,
+        );
         at_most("p99 intake commit → ack at half the live maximum", self.median(LATENCY, P99), 25.0, &|v| {
             format!("{v:.1} ms")
         });
@@ -347,6 +353,7 @@ fn round(v: f64, digits: i32) -> f64 {
 // Case names and units, shared by the cases, the JSON and the goals.
 const RAW_QUINN_10K: &str = "raw quinn, 10 KiB messages";
 const RAW_QUINN_512K: &str = "raw quinn, 512 KiB messages";
+const RAW_QUINN_10K_ONE_BUFFER: &str = "raw quinn, 10 KiB messages, one buffer resent";
 const TLS_10K: &str = "TLS 1.3/TCP, 10 KiB messages";
 const DRAIN: &str = "drain of a prefilled spool";
 const DRAIN_4G: &str = "drain of a 4 GiB spool";
@@ -494,11 +501,16 @@ async fn baselines(ctx: &Ctx, res: &mut Results, sizes: &[usize], total: u64) ->
     let _ = paths;
     for &size in sizes {
         for rep in 0..ctx.reps {
-            for kind in [Kind::Quic, Kind::Tls] {
-                let b = baseline::run(kind, &pki, total, size).await?;
-                let name = match kind {
-                    Kind::Quic => format!("raw quinn, {} KiB messages", size / KIB),
-                    Kind::Tls => format!("TLS 1.3/TCP, {} KiB messages", size / KIB),
+            // The baseline as it was measured before it sent distinct bytes, for comparison.
+            let one_buffer = (size == 10 * KIB).then_some((Kind::Quic, Source::OneBuffer));
+            for (kind, source) in
+                [(Kind::Quic, Source::Distinct), (Kind::Tls, Source::Distinct)].into_iter().chain(one_buffer)
+            {
+                let b = baseline::run(kind, &pki, total, size, source).await?;
+                let name = match (kind, source) {
+                    (Kind::Quic, Source::OneBuffer) => RAW_QUINN_10K_ONE_BUFFER.to_owned(),
+                    (Kind::Quic, Source::Distinct) => format!("raw quinn, {} KiB messages", size / KIB),
+                    (Kind::Tls, _) => format!("TLS 1.3/TCP, {} KiB messages", size / KIB),
                 };
                 ctx.progress(format!(
                     "{name} rep {}: {:.0} MB/s, sender {:.2} / receiver {:.2} CPU-s/GiB",

@@ -143,6 +143,9 @@ enum Cmd {
         msg_size: usize,
         #[arg(long, default_value_t = 0)]
         port: u16,
+        /// Client: send one message-long buffer again and again instead of distinct bytes.
+        #[arg(long)]
+        one_buffer: bool,
     },
 }
 
@@ -157,8 +160,11 @@ enum Side {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Role { side, kind, pki, bytes, msg_size, port } => match side {
-            Side::Server | Side::Client => baseline::role(side == Side::Server, kind, &pki, bytes, msg_size, port),
+        Cmd::Role { side, kind, pki, bytes, msg_size, port, one_buffer } => match side {
+            Side::Server | Side::Client => {
+                let source = if one_buffer { baseline::Source::OneBuffer } else { baseline::Source::Distinct };
+                baseline::role(side == Side::Server, kind, &pki, bytes, msg_size, port, source)
+            }
             Side::HandshakeServer | Side::HandshakeClient => {
                 baseline::handshake_role(side == Side::HandshakeServer, &pki, bytes, port)
             }
