@@ -752,8 +752,9 @@ async fn watch_revocations(
             }
             Ok(Err(e)) => {
                 if forced || failed.as_ref() != Some(&now) {
-                    shared.counters.crl_reload_failures_total.fetch_add(1, Ordering::Relaxed);
+                    // Logged before counted: whoever sees the count also finds the log line.
                     error!(error = %e, "revocation lists not reloaded; the previous list stays in force");
+                    shared.counters.crl_reload_failures_total.fetch_add(1, Ordering::Relaxed);
                 }
                 failed = Some(now);
             }
