@@ -50,11 +50,24 @@ pub enum AppendFailure {
 }
 
 enum Cmd {
-    Append { req: AppendRequest, bytes: u64, reply: oneshot::Sender<Result<(), AppendFailure>> },
-    Ack { ids: Vec<ChunkId> },
-    Quarantine { id: ChunkId, reason: String },
-    SetLimits { max_bytes: u64, policy: FullPolicy },
-    SealAll { reply: oneshot::Sender<()> },
+    Append {
+        req: AppendRequest,
+        bytes: u64,
+        reply: oneshot::Sender<Result<(), AppendFailure>>,
+    },
+    /// Acks wait in [`SpoolHandle`]'s `pending_acks`: this only wakes the thread.
+    AcksPending,
+    Quarantine {
+        id: ChunkId,
+        reason: String,
+    },
+    SetLimits {
+        max_bytes: u64,
+        policy: FullPolicy,
+    },
+    SealAll {
+        reply: oneshot::Sender<()>,
+    },
 }
 
 /// Handle to the spool thread; cheap to clone.
@@ -66,6 +79,10 @@ pub struct SpoolHandle {
     /// Set by the uploader while it is connected with nothing in flight and nothing left to
     /// send (see [`SpoolHandle::set_uploader_idle`]).
     uploader_idle: Arc<AtomicBool>,
+    /// Acks handed over and not committed yet. Only the ack that finds it empty, and the one
+    /// that fills a group, wake the spool thread (a wake-up per ack cost the thread two context
+    /// switches per chunk in a drain); the thread takes them all when it commits.
+    pending_acks: Arc<Mutex<Vec<ChunkId>>>,
     id: SpoolId,
     /// The spool database's path, for [`SpoolHandle::disk_bytes`].
     path: Arc<std::path::Path>,
@@ -96,18 +113,20 @@ impl SpoolHandle {
         let sealed = Arc::new(Notify::new());
         let id = spool.id();
         let uploader_idle = Arc::new(AtomicBool::new(false));
+        let pending_acks = Arc::new(Mutex::new(Vec::new()));
         let path: Arc<std::path::Path> = Arc::from(spool.options().path.as_path());
         let handle = SpoolHandle {
             tx,
             stats: stats.clone(),
             sealed: sealed.clone(),
             uploader_idle: uploader_idle.clone(),
+            pending_acks: pending_acks.clone(),
             id,
             path,
         };
         let join = std::thread::Builder::new()
             .name("edge-spool".into())
-            .spawn(move || writer_loop(spool, rx, stats, sealed, uploader_idle))?;
+            .spawn(move || writer_loop(spool, rx, stats, sealed, uploader_idle, pending_acks))?;
         Ok((handle, SpoolThread { join: Some(join) }))
     }
 
@@ -138,7 +157,13 @@ impl SpoolHandle {
 
     /// Deletes acknowledged chunks (batched with whatever else is queued).
     pub fn ack(&self, ids: Vec<ChunkId>) {
-        if self.tx.send(Cmd::Ack { ids }).is_err() {
+        let wake = {
+            let mut pending = lock(&self.pending_acks);
+            let before = pending.len();
+            pending.extend(ids);
+            before == 0 || (before < ACK_GROUP && pending.len() >= ACK_GROUP)
+        };
+        if wake && self.tx.send(Cmd::AcksPending).is_err() {
             warn!("spool closed before an ack could be recorded; the chunk will be offered again");
         }
     }
@@ -242,11 +267,11 @@ fn writer_loop(
     stats: Arc<Mutex<SpoolStats>>,
     sealed: Arc<Notify>,
     uploader_idle: Arc<AtomicBool>,
+    pending_acks: Arc<Mutex<Vec<ChunkId>>>,
 ) {
     let tick = (spool.options().linger / 2).clamp(Duration::from_millis(1), Duration::from_millis(50));
     let mut appends: Vec<(AppendRequest, oneshot::Sender<Result<(), AppendFailure>>)> = Vec::new();
-    let mut acks: Vec<ChunkId> = Vec::new();
-    // When the oldest ack in `acks` arrived.
+    // When the thread first saw the acks now in `pending_acks`.
     let mut acks_since: Option<Instant> = None;
     let mut seal_waiters: Vec<oneshot::Sender<()>> = Vec::new();
     let mut open = true;
@@ -260,7 +285,7 @@ fn writer_loop(
                 *group_bytes += bytes;
                 appends.push((req, reply));
             }
-            Cmd::Ack { ids } => acks.extend(ids),
+            Cmd::AcksPending => {}
             Cmd::Quarantine { id, reason } => {
                 if let Err(e) = spool.quarantine(id, &reason) {
                     error!(chunk = id.0, error = %e, "could not quarantine chunk");
@@ -285,21 +310,22 @@ fn writer_loop(
                 }
             }
         }
-        if acks.is_empty() {
+        let acks = lock(&pending_acks).len();
+        if acks == 0 {
             acks_since = None;
         } else {
             let since = *acks_since.get_or_insert_with(Instant::now);
             // Acks alone, few and young: wait for more, or for appends to ride with. (Seals
             // that fall due meanwhile wait at most `ACK_LINGER` too.)
             let alone = appends.is_empty() && seal_waiters.is_empty();
-            if open && alone && acks.len() < ACK_GROUP && since.elapsed() < ACK_LINGER {
+            if open && alone && acks < ACK_GROUP && since.elapsed() < ACK_LINGER {
                 continue;
             }
             acks_since = None;
         }
         let now = now_ms();
         let (reqs, replies): (Vec<_>, Vec<_>) = std::mem::take(&mut appends).into_iter().unzip();
-        let ids = std::mem::take(&mut acks);
+        let ids = std::mem::take(&mut *lock(&pending_acks));
         let early = uploader_idle.load(Ordering::Relaxed);
         let seal = if seal_waiters.is_empty() && open && !early { SealWhat::Due } else { SealWhat::All };
         // One transaction, one fsync: acks, appends, seals.
@@ -394,6 +420,12 @@ impl ReaderHandle {
     }
 }
 
+/// Locks `pending_acks`; a holder that panicked left it consistent (ids are pushed or taken
+/// whole), so poisoning is ignored.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Replaces the shared statistics snapshot with the spool's current one.
 fn publish(spool: &Spool, stats: &Mutex<SpoolStats>) {
     *stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = spool.stats();
@@ -435,6 +467,40 @@ mod tests {
         // The uploader has work now: until it says it is idle again, records wait again.
         handle.append(request()).await.expect("append");
         assert_eq!((handle.stats().sealed_chunks, handle.stats().open_records), (1, 1));
+
+        drop(handle);
+        thread.join();
+    }
+
+    #[tokio::test]
+    async fn acks_handed_over_one_by_one_are_all_committed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut opts = SpoolOptions::new(dir.path().join("spool.db"));
+        opts.linger = Duration::from_secs(3600);
+        let (spool, _) = Spool::open(opts).expect("open spool");
+        let mut reader = spool.reader().expect("reader");
+        let (handle, thread) = SpoolHandle::spawn(spool).expect("spawn spool thread");
+        // More chunks than one ack group, one stream each so that every seal makes a chunk.
+        let n = ACK_GROUP + 6;
+        for i in 0..n {
+            let batch = Batch { stream: format!("s{i}"), data: vec![0, 0, 0, 1, 7], records: 1 };
+            handle.append(AppendRequest { batches: vec![batch] }).await.expect("append");
+        }
+        handle.seal_all().await;
+        let chunks = reader.sealed_after(None, usize::MAX).expect("list");
+        assert_eq!(chunks.len(), n);
+
+        // The first ack wakes the thread, the next ones wait in the queue; the 64th wakes it again.
+        for c in &chunks {
+            handle.ack(vec![c.id]);
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while handle.stats().sealed_chunks != 0 {
+            assert!(std::time::Instant::now() < deadline, "acks never committed: {:?}", handle.stats());
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(reader.sealed_after(None, usize::MAX).expect("list").is_empty());
+        assert!(lock(&handle.pending_acks).is_empty());
 
         drop(handle);
         thread.join();
