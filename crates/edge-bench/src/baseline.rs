@@ -71,6 +71,56 @@ impl Slices {
     }
 }
 
+/// The transport tuning both parties of a raw quinn baseline use: `edge-transport`'s default,
+/// or the default with one knob changed (`edge-bench sweep`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportVariant {
+    /// `Tuning::default()`, as the daemons use it.
+    Default,
+    /// No UDP GSO: one `sendmsg` per packet.
+    GsoOff,
+    /// No path MTU discovery: 1200-byte packets.
+    MtuDiscoveryOff,
+    /// The kernel's default UDP socket buffers instead of 4 MiB.
+    KernelSocketBuffers,
+    /// quinn's default stream and send windows (1.25 MB, 10 MB) instead of 16 and 64 MiB.
+    QuinnWindows,
+}
+
+impl TransportVariant {
+    pub const ALL: [TransportVariant; 5] = [
+        TransportVariant::Default,
+        TransportVariant::GsoOff,
+        TransportVariant::MtuDiscoveryOff,
+        TransportVariant::KernelSocketBuffers,
+        TransportVariant::QuinnWindows,
+    ];
+
+    pub fn tuning(self) -> edge_transport::Tuning {
+        let t = edge_transport::Tuning::default();
+        match self {
+            TransportVariant::Default => t,
+            TransportVariant::GsoOff => edge_transport::Tuning { segmentation_offload: false, ..t },
+            TransportVariant::MtuDiscoveryOff => edge_transport::Tuning { mtu_discovery: false, ..t },
+            TransportVariant::KernelSocketBuffers => edge_transport::Tuning { socket_buffer_bytes: 0, ..t },
+            TransportVariant::QuinnWindows => {
+                edge_transport::Tuning { stream_receive_window: 1_250_000, send_window: 10_000_000, ..t }
+            }
+        }
+    }
+
+    /// The name on the command line and in the sweep's rows.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportVariant::Default => "default",
+            TransportVariant::GsoOff => "gso-off",
+            TransportVariant::MtuDiscoveryOff => "mtu-discovery-off",
+            TransportVariant::KernelSocketBuffers => "kernel-socket-buffers",
+            TransportVariant::QuinnWindows => "quinn-windows",
+        }
+    }
+}
+
 /// Which baseline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Kind {
@@ -128,7 +178,14 @@ impl Pki {
 }
 
 /// Runs one baseline: spawns the server role, then the client role, and combines their results.
-pub async fn run(kind: Kind, pki_dir: &Path, total: u64, msg_size: usize, source: Source) -> anyhow::Result<Baseline> {
+pub async fn run(
+    kind: Kind,
+    pki_dir: &Path,
+    total: u64,
+    msg_size: usize,
+    source: Source,
+    variant: TransportVariant,
+) -> anyhow::Result<Baseline> {
     let exe = std::env::current_exe()?;
     let k = match kind {
         Kind::Quic => "quic",
@@ -137,7 +194,7 @@ pub async fn run(kind: Kind, pki_dir: &Path, total: u64, msg_size: usize, source
     let mut server = tokio::process::Command::new(&exe)
         .args(["role", "server", "--kind", k, "--pki"])
         .arg(pki_dir)
-        .args(["--bytes", &total.to_string()])
+        .args(["--bytes", &total.to_string(), "--transport", variant.name()])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
@@ -154,6 +211,8 @@ pub async fn run(kind: Kind, pki_dir: &Path, total: u64, msg_size: usize, source
         &msg_size.to_string(),
         "--port",
         &port.to_string(),
+        "--transport",
+        variant.name(),
     ]);
     if source == Source::OneBuffer {
         client.arg("--one-buffer");
@@ -193,23 +252,29 @@ pub async fn run(kind: Kind, pki_dir: &Path, total: u64, msg_size: usize, source
     })
 }
 
+/// One party of a baseline, as the `role` subcommand describes it.
+#[derive(Debug, Clone, Copy)]
+pub struct Role {
+    pub server: bool,
+    pub kind: Kind,
+    pub bytes: u64,
+    pub msg_size: usize,
+    /// The server's port (client only).
+    pub port: u16,
+    pub source: Source,
+    pub variant: TransportVariant,
+}
+
 /// Entry point of the `role` subcommand (runs in its own process, one current-thread runtime,
 /// so each party has at most one core, as the daemons' hot paths do).
-pub fn role(
-    server: bool,
-    kind: Kind,
-    pki_dir: &Path,
-    bytes: u64,
-    msg_size: usize,
-    port: u16,
-    source: Source,
-) -> anyhow::Result<()> {
+pub fn role(r: Role, pki_dir: &Path) -> anyhow::Result<()> {
+    let Role { server, kind, bytes, msg_size, port, source, variant } = r;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let pki = Pki::from_dir(pki_dir);
     let result = rt.block_on(async {
         match (server, kind) {
-            (true, Kind::Quic) => quic_server(&pki, bytes).await,
-            (false, Kind::Quic) => quic_client(&pki, bytes, msg_size, port, source).await,
+            (true, Kind::Quic) => quic_server(&pki, bytes, variant.tuning()).await,
+            (false, Kind::Quic) => quic_client(&pki, bytes, msg_size, port, source, variant.tuning()).await,
             (true, Kind::Tls) => tls_server(&pki, bytes).await,
             (false, Kind::Tls) => tls_client(&pki, bytes, msg_size, port, source).await,
         }
@@ -225,8 +290,7 @@ fn message(msg_size: usize) -> Bytes {
     Bytes::from(v)
 }
 
-async fn quic_server(pki: &Pki, total: u64) -> anyhow::Result<RoleResult> {
-    let tuning = edge_transport::Tuning::default();
+async fn quic_server(pki: &Pki, total: u64, tuning: edge_transport::Tuning) -> anyhow::Result<RoleResult> {
     let config = edge_transport::server_config(&pki.server, &tuning)?;
     let endpoint = edge_transport::server_endpoint("127.0.0.1:0".parse()?, config, &tuning)?;
     println!("PORT {}", endpoint.local_addr()?.port());
@@ -266,8 +330,14 @@ async fn quic_server(pki: &Pki, total: u64) -> anyhow::Result<RoleResult> {
     Ok(RoleResult { bytes: received, seconds, cpu_s, detail: String::new() })
 }
 
-async fn quic_client(pki: &Pki, total: u64, msg_size: usize, port: u16, source: Source) -> anyhow::Result<RoleResult> {
-    let tuning = edge_transport::Tuning::default();
+async fn quic_client(
+    pki: &Pki,
+    total: u64,
+    msg_size: usize,
+    port: u16,
+    source: Source,
+    tuning: edge_transport::Tuning,
+) -> anyhow::Result<RoleResult> {
     let config = edge_transport::client_config(&pki.device.client_tls("localhost"), &tuning)?;
     let endpoint = edge_transport::client_endpoint("127.0.0.1:0".parse()?, &tuning)?;
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;

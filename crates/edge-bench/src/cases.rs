@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use crate::baseline::{self, Kind, Source};
+use crate::baseline::{self, Kind, Source, TransportVariant};
 use crate::peers;
 use crate::sys::{self, Stat};
 use crate::world::{self, Bins, JetStreamTarget, Load, World, WorldOptions};
@@ -506,7 +506,7 @@ async fn baselines(ctx: &Ctx, res: &mut Results, sizes: &[usize], total: u64) ->
             for (kind, source) in
                 [(Kind::Quic, Source::Distinct), (Kind::Tls, Source::Distinct)].into_iter().chain(one_buffer)
             {
-                let b = baseline::run(kind, &pki, total, size, source).await?;
+                let b = baseline::run(kind, &pki, total, size, source, TransportVariant::Default).await?;
                 let name = match (kind, source) {
                     (Kind::Quic, Source::OneBuffer) => RAW_QUINN_10K_ONE_BUFFER.to_owned(),
                     (Kind::Quic, Source::Distinct) => format!("raw quinn, {} KiB messages", size / KIB),
@@ -604,8 +604,10 @@ fn attach(cmd: &[String], agent: u32, ingest: u32) -> anyhow::Result<std::proces
     Ok(child)
 }
 
-/// Configuration sweep of the knobs that need no code change: live (10 KiB, one record per
-/// request) and the drain of a 256 MiB spool, for each variant.
+/// Configuration sweep of the knobs that need no code change: raw quinn with each transport
+/// variant (GSO, MTU discovery, socket buffers, windows), then live (10 KiB, one record per
+/// request) and the drain of a 256 MiB spool for each variant of the agent's configuration
+/// (durability, chunk size, chunks in flight, linger, zstd).
 pub async fn sweep(ctx: &Ctx) -> anyhow::Result<Results> {
     let mut res = Results::default();
     let base = WorldOptions::default();
@@ -628,11 +630,37 @@ pub async fn sweep(ctx: &Ctx) -> anyhow::Result<Results> {
         WorldOptions { label: "16MiB in flight".into(), max_in_flight_bytes: "16MiB".into(), ..base.clone() },
         WorldOptions { label: "max_in_flight 8".into(), max_in_flight: 8, ..base.clone() },
         WorldOptions { label: "max_in_flight 128".into(), max_in_flight: 128, ..base.clone() },
+        WorldOptions { label: "linger 5ms".into(), linger: "5ms", ..base.clone() },
+        WorldOptions { label: "linger 100ms".into(), linger: "100ms", ..base.clone() },
+        WorldOptions { label: "zstd level 1".into(), compression: "zstd", zstd_level: 1, ..base.clone() },
+        WorldOptions { label: "zstd level 3".into(), compression: "zstd", zstd_level: 3, ..base.clone() },
     ];
+    // The transport knobs, on raw quinn (the agent's configuration does not expose them): both
+    // parties with `edge-transport`'s tuning, one knob changed at a time.
+    let pki = baseline::pki_dir(&ctx.work);
+    if !pki.join("server/server.pem").exists() {
+        baseline::Pki::write(&pki)?;
+    }
     // Repetition by repetition, every variant in turn: the machine's speed drifts over minutes,
     // and variant by variant that drift would read as a difference between variants.
     let one = Ctx { reps: 1, ..ctx.clone() };
     for rep in 0..ctx.reps {
+        for t in TransportVariant::ALL {
+            let b = baseline::run(Kind::Quic, &pki, 512 * MIB, 10 * KIB, Source::Distinct, t).await?;
+            ctx.progress(format!(
+                "sweep rep {} of {}: raw quinn, transport {}: {:.0} MB/s, sender {:.2} / receiver {:.2} CPU-s/GiB",
+                rep + 1,
+                ctx.reps,
+                t.name(),
+                b.mb_s,
+                b.sender_cpu_s_per_gib,
+                b.receiver_cpu_s_per_gib
+            ));
+            let case = format!("sweep raw quinn, transport {}: 10 KiB messages", t.name());
+            res.add("sweep", case.clone(), MB_S, 0, b.mb_s);
+            res.add("sweep", case.clone(), SENDER_CPU, 2, b.sender_cpu_s_per_gib);
+            res.add("sweep", case, RECEIVER_CPU, 2, b.receiver_cpu_s_per_gib);
+        }
         for v in &variants {
             ctx.progress(format!("sweep rep {} of {}: {}", rep + 1, ctx.reps, v.label));
             let case = format!("sweep {}: live 10 KiB, 1 per request", v.label);

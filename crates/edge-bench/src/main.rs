@@ -101,7 +101,9 @@ enum Cmd {
         #[arg(long)]
         allow_stale: bool,
     },
-    /// Configuration sweep (durability, chunk size, chunks in flight): live and drain per variant.
+    /// Configuration sweep: raw quinn per transport knob (GSO, MTU discovery, socket buffers,
+    /// windows); live and drain per agent setting (durability, chunk size, chunks in flight,
+    /// linger, zstd).
     Sweep {
         #[arg(long, default_value_t = 1)]
         reps: usize,
@@ -146,6 +148,9 @@ enum Cmd {
         /// Client: send one message-long buffer again and again instead of distinct bytes.
         #[arg(long)]
         one_buffer: bool,
+        /// raw quinn: the transport tuning of both parties (the same on both sides).
+        #[arg(long, value_enum, default_value = "default")]
+        transport: baseline::TransportVariant,
     },
 }
 
@@ -160,10 +165,19 @@ enum Side {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Role { side, kind, pki, bytes, msg_size, port, one_buffer } => match side {
+        Cmd::Role { side, kind, pki, bytes, msg_size, port, one_buffer, transport } => match side {
             Side::Server | Side::Client => {
                 let source = if one_buffer { baseline::Source::OneBuffer } else { baseline::Source::Distinct };
-                baseline::role(side == Side::Server, kind, &pki, bytes, msg_size, port, source)
+                let r = baseline::Role {
+                    server: side == Side::Server,
+                    kind,
+                    bytes,
+                    msg_size,
+                    port,
+                    source,
+                    variant: transport,
+                };
+                baseline::role(r, &pki)
             }
             Side::HandshakeServer | Side::HandshakeClient => {
                 baseline::handshake_role(side == Side::HandshakeServer, &pki, bytes, port)

@@ -88,6 +88,11 @@ pub struct WorldOptions {
     pub max_in_flight: u32,
     pub max_in_flight_bytes: String,
     pub durability: &'static str,
+    /// `spool.linger`: how long an open batch may wait for more records (group commits).
+    pub linger: &'static str,
+    /// `spool.compression` and `spool.zstd_level`.
+    pub compression: &'static str,
+    pub zstd_level: i32,
     /// Name of a sweep variant; empty for the default configuration.
     pub label: String,
     /// The ingest writes to this JetStream stream instead of its file store.
@@ -120,6 +125,9 @@ impl Default for WorldOptions {
             max_in_flight: 32,
             max_in_flight_bytes: "4MiB".into(),
             durability: "full",
+            linger: "20ms",
+            compression: "none",
+            zstd_level: 3,
             label: String::new(),
             jetstream: None,
         }
@@ -177,7 +185,8 @@ impl World {
             ),
         };
         let agent_toml = format!(
-            "[intake]\nsocket = {}\n\n[spool]\npath = {}\nmax_bytes = {}\ndurability = \"{}\"\nchunk_target = \"{}\"\n\n\
+            "[intake]\nsocket = {}\n\n[spool]\npath = {}\nmax_bytes = {}\ndurability = \"{}\"\nchunk_target = \"{}\"\n\
+             linger = \"{}\"\ncompression = \"{}\"\nzstd_level = {}\n\n\
              [upload]\nserver = \"127.0.0.1:{port}\"\nserver_name = \"localhost\"\nca = {}\ncert = {}\nkey = {}\n\
              max_in_flight = {}\nmax_in_flight_bytes = \"{}\"\nbackoff_min = \"20ms\"\nbackoff_max = \"100ms\"\n\n\
              [metrics]\nlisten = \"127.0.0.1:{agent_metrics}\"\n\n[log]\nlevel = \"warn\"\n",
@@ -186,6 +195,9 @@ impl World {
             opts.spool_max_bytes,
             opts.durability,
             opts.chunk_target,
+            opts.linger,
+            opts.compression,
+            opts.zstd_level,
             q(&device.ca_cert),
             q(&device.cert),
             q(&device.key),

@@ -59,6 +59,9 @@ pub struct Tuning {
     /// RTT assumed before the first measurement. Default 333 ms, quinn's (and RFC 9002's)
     /// value.
     pub initial_rtt: Duration,
+    /// Hand the kernel several packets per `sendmsg` (UDP GSO) where it supports it. Default on,
+    /// as in quinn; off only to measure what it is worth (`edge-bench sweep`).
+    pub segmentation_offload: bool,
 }
 
 impl Default for Tuning {
@@ -73,6 +76,7 @@ impl Default for Tuning {
             mtu_discovery: true,
             socket_buffer_bytes: 4 * MIB as usize,
             initial_rtt: Duration::from_millis(333),
+            segmentation_offload: true,
         }
     }
 }
@@ -169,8 +173,8 @@ impl Tuning {
             .keep_alive_interval((!self.keep_alive_interval.is_zero()).then_some(self.keep_alive_interval))
             .mtu_discovery_config(self.mtu_discovery.then(MtuDiscoveryConfig::default))
             .initial_rtt(self.initial_rtt)
-            // GSO is quinn's default; say so explicitly because it is the knob that matters most.
-            .enable_segmentation_offload(true)
+            // GSO is quinn's default; said explicitly because it is the knob that matters most.
+            .enable_segmentation_offload(self.segmentation_offload)
             // The protocol uses no datagrams: do not advertise a datagram buffer to peers.
             .datagram_receive_buffer_size(None);
         Ok(transport)
@@ -211,6 +215,7 @@ mod tests {
         assert!(t.mtu_discovery);
         assert_eq!(t.socket_buffer_bytes, 4 * 1024 * 1024);
         assert_eq!(t.initial_rtt, Duration::from_millis(333));
+        assert!(t.segmentation_offload);
         t.validate().expect("defaults are valid");
     }
 
