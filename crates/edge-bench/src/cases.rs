@@ -560,10 +560,10 @@ pub async fn profile(
         w.start_ingest()?;
     }
     w.start_agent()?;
-    let mut accepted = 0;
+    let mut accepted = world::Produced::default();
     if drain {
         ctx.progress(format!("profile: filling the spool with {} MiB, the ingest down", bytes / MIB));
-        accepted = world::produce(&w.socket, &load).await?.bytes;
+        accepted = world::produce(&w.socket, &load).await?;
         // As in the drain case: let the linger seal the last open batches.
         tokio::time::sleep(Duration::from_millis(300)).await;
         w.start_ingest()?;
@@ -575,12 +575,12 @@ pub async fn profile(
     let t0 = Instant::now();
     if !drain {
         ctx.progress(format!("profile: pushing {} MiB, {per_request} record(s) per request", bytes / MIB));
-        accepted = world::produce(&w.socket, &load).await?.bytes;
+        accepted = world::produce(&w.socket, &load).await?;
     }
-    w.wait_drained(accepted, Duration::from_secs(1200))?;
+    w.wait_drained(accepted.records, Duration::from_secs(1200))?;
     ctx.progress(format!(
         "profile: {} MiB {} and stored in {:.1} s",
-        accepted / MIB,
+        accepted.bytes / MIB,
         if drain { "drained" } else { "accepted" },
         t0.elapsed().as_secs_f64()
     ));
@@ -608,7 +608,8 @@ fn attach(cmd: &[String], agent: u32, ingest: u32) -> anyhow::Result<std::proces
 /// variant (GSO, MTU discovery, socket buffers, windows), then live (10 KiB, one record per
 /// request) and the drain of a 256 MiB spool for each variant of the agent's configuration
 /// (durability, chunk size, chunks in flight, linger, zstd).
-pub async fn sweep(ctx: &Ctx) -> anyhow::Result<Results> {
+pub async fn sweep(ctx: &Ctx, only: &[String]) -> anyhow::Result<Results> {
+    let wanted = |name: &str| only.is_empty() || only.iter().any(|o| name.contains(o.as_str()));
     let mut res = Results::default();
     let base = WorldOptions::default();
     let variants = [
@@ -646,6 +647,9 @@ pub async fn sweep(ctx: &Ctx) -> anyhow::Result<Results> {
     let one = Ctx { reps: 1, ..ctx.clone() };
     for rep in 0..ctx.reps {
         for t in TransportVariant::ALL {
+            if !wanted(&format!("raw quinn, transport {}", t.name())) {
+                continue;
+            }
             let b = baseline::run(Kind::Quic, &pki, 512 * MIB, 10 * KIB, Source::Distinct, t).await?;
             ctx.progress(format!(
                 "sweep rep {} of {}: raw quinn, transport {}: {:.0} MB/s, sender {:.2} / receiver {:.2} CPU-s/GiB",
@@ -661,7 +665,7 @@ pub async fn sweep(ctx: &Ctx) -> anyhow::Result<Results> {
             res.add("sweep", case.clone(), SENDER_CPU, 2, b.sender_cpu_s_per_gib);
             res.add("sweep", case, RECEIVER_CPU, 2, b.receiver_cpu_s_per_gib);
         }
-        for v in &variants {
+        for v in variants.iter().filter(|v| wanted(&v.label)) {
             ctx.progress(format!("sweep rep {} of {}: {}", rep + 1, ctx.reps, v.label));
             let case = format!("sweep {}: live 10 KiB, 1 per request", v.label);
             live_with(&one, &mut res, &case, 10 * KIB, 1, Duration::from_secs(6), v).await?;
@@ -826,7 +830,7 @@ async fn drain_once(
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     };
-    let t1 = w.wait_drained(p.bytes, Duration::from_secs(600))?;
+    let t1 = w.wait_drained(p.records, Duration::from_secs(600))?;
     let secs = t1.duration_since(t0).as_secs_f64();
     let mb_s = p.bytes as f64 / secs / 1e6;
     let cpu = sys::cpu_seconds(pid)? - cpu0;
@@ -899,7 +903,7 @@ async fn live_with(
         let t0 = Instant::now();
         let load = live_load(record, per_request, Some(duration), None);
         let p = world::produce(&w.socket, &load).await?;
-        let t1 = w.wait_drained(p.bytes, Duration::from_secs(600))?;
+        let t1 = w.wait_drained(p.records, Duration::from_secs(600))?;
         let secs = t1.duration_since(t0).as_secs_f64();
         let mb_s = p.bytes as f64 / secs / 1e6;
         let gib = p.bytes as f64 / GIB;
@@ -960,7 +964,7 @@ async fn latency(ctx: &Ctx, res: &mut Results, rate_mb_s: f64, duration: Duratio
             window: None,
         };
         let p = world::produce(&w.socket, &load).await?;
-        w.wait_drained(p.bytes, Duration::from_secs(120))?;
+        w.wait_drained(p.records, Duration::from_secs(120))?;
         let after = w.agent_scrape()?;
         let q = |n: &str, q: f64| world::quantile(&before.buckets(n), &after.buckets(n), q).map(|s| s * 1e3);
         let (p50, p99) = (q(name, 0.5), q(name, 0.99));

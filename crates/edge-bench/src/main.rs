@@ -109,6 +109,10 @@ enum Cmd {
         reps: usize,
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Only the variants whose name contains one of these (comma-separated), e.g.
+        /// `default,zstd`; the raw quinn variants are named `raw quinn, transport NAME`.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
         #[arg(long)]
         allow_stale: bool,
     },
@@ -235,11 +239,14 @@ fn main() -> anyhow::Result<()> {
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
-        Cmd::Sweep { reps, out, allow_stale } => {
+        Cmd::Sweep { reps, out, only, allow_stale } => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
             ctx.command = format!("cargo run --release -p edge-bench -- sweep --reps {}", ctx.reps);
-            let results = rt.block_on(cases::sweep(&ctx))?;
+            if !only.is_empty() {
+                ctx.command.push_str(&format!(" --only {}", only.join(",")));
+            }
+            let results = rt.block_on(cases::sweep(&ctx, &only))?;
             let md = results.markdown(&ctx);
             println!("{md}");
             if let Some(out) = out {

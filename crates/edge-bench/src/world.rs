@@ -289,18 +289,19 @@ impl World {
         scrape(self.ingest_metrics)
     }
 
-    /// Waits until the agent's spool is empty and the ingest has stored at least `stored_bytes`
-    /// payload bytes; returns the instant it saw that, within about 3 ms.
+    /// Waits until the agent's spool is empty and the ingest has stored at least `records`
+    /// records (not payload bytes, which zstd makes fewer); returns the instant it saw that,
+    /// within about 3 ms.
     ///
     /// Each scrape costs the scraped daemon CPU that the case measures (it formats every metric
     /// family): at one every 5 ms they were 3.8 % of the ingest's samples in a 1 GiB drain.
     /// So the ingest is asked again after a third of the time the rest should take at the rate
     /// seen so far (2 to 100 ms): a few dozen scrapes per case, and still one every 2 ms at
     /// the end.
-    pub fn wait_drained(&mut self, stored_bytes: u64, timeout: Duration) -> anyhow::Result<Instant> {
+    pub fn wait_drained(&mut self, records: u64, timeout: Duration) -> anyhow::Result<Instant> {
         let started = Instant::now();
         let deadline = started + timeout;
-        // (ingest bytes, when they last moved): a stall is reported after 20 s without progress.
+        // (ingest records, when they last moved): a stall is reported after 20 s without progress.
         let mut last_progress = (-1.0f64, Instant::now());
         // The ingest's count when the wait began, for the rate.
         let mut first: Option<f64> = None;
@@ -308,24 +309,25 @@ impl World {
             // The agent's metrics are scraped only once the ingest has everything (or for an
             // error message): every scrape costs the measured agent CPU (it reads /proc and
             // formats every family), and a real Prometheus scrapes every 15 s, not every 5 ms.
-            let stored = self.ingest_scrape()?.sum("edge_ingest_bytes_total");
+            // Records, not payload bytes: with zstd on, the payload the ingest counts is compressed.
+            let stored = self.ingest_scrape()?.sum("edge_ingest_records_total");
             let stalled = stored == last_progress.0 && last_progress.1.elapsed() > Duration::from_secs(20);
             let late = Instant::now() > deadline;
             if stored != last_progress.0 {
                 last_progress = (stored, Instant::now());
             }
-            if stored >= stored_bytes as f64 || stalled || late {
+            if stored >= records as f64 || stalled || late {
                 let a = self.agent_scrape()?;
                 let (spool_bytes, spool_chunks) =
                     (a.sum("edge_uploader_spool_bytes"), a.sum("edge_uploader_spool_chunks"));
-                if spool_bytes == 0.0 && spool_chunks == 0.0 && stored >= stored_bytes as f64 {
+                if spool_bytes == 0.0 && spool_chunks == 0.0 && stored >= records as f64 {
                     return Ok(Instant::now());
                 }
                 if stalled {
                     bail!(
                         "upload stalled: no progress for 20 s with {spool_chunks} sealed chunks ({spool_bytes} bytes) \
-                         in the spool, {} chunks in flight, connected = {}; ingest stored {stored} of {stored_bytes} \
-                         bytes",
+                         in the spool, {} chunks in flight, connected = {}; ingest stored {stored} of {records} \
+                         records",
                         a.sum("edge_uploader_chunks_in_flight"),
                         a.sum("edge_uploader_connected"),
                     );
@@ -333,7 +335,7 @@ impl World {
                 if late {
                     bail!(
                         "not drained after {timeout:?}: spool {spool_bytes} bytes, {spool_chunks} chunks; ingest \
-                         stored {stored} of {stored_bytes} bytes"
+                         stored {stored} of {records} records"
                     );
                 }
             }
@@ -344,7 +346,7 @@ impl World {
                 d.check_alive()?;
             }
             let from = *first.get_or_insert(stored);
-            std::thread::sleep(next_poll(stored - from, started.elapsed(), stored_bytes as f64 - stored));
+            std::thread::sleep(next_poll(stored - from, started.elapsed(), records as f64 - stored));
         }
     }
 
@@ -497,8 +499,8 @@ pub struct Produced {
     pub refused: u64,
 }
 
-/// How long [`World::wait_drained`] waits before it asks again: a third of the time `left` bytes
-/// take at the rate `done` bytes in `elapsed` show, between 2 and 100 ms (5 ms before any
+/// How long [`World::wait_drained`] waits before it asks again: a third of the time `left`
+/// records take at the rate `done` records in `elapsed` show, between 2 and 100 ms (5 ms before any
 /// progress, 2 ms once nothing is left to store but the agent's spool is not empty yet).
 fn next_poll(done: f64, elapsed: Duration, left: f64) -> Duration {
     const MIN: Duration = Duration::from_millis(2);
