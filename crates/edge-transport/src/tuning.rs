@@ -2,10 +2,11 @@
 //! defaults taken from the loopback measurements of quinn 0.11 on the development VM, and the
 //! translation into quinn `TransportConfig`s for each side.
 //!
-//! What the measurements say, in short: GSO is the most important knob (off doubles the CPU
-//! per byte), MTU discovery is worth 10-15 %, 4 MiB socket buffers remove kernel UDP drops,
-//! and the windows do not matter on loopback but cap throughput on a WAN (a window `W` caps a
-//! path with round-trip time `RTT` at `W / RTT`). quinn's connection-level receive window is
+//! What the measurements say, in short (`edge-bench sweep`, BENCHMARKS.md "The sweep"): GSO is
+//! the most important knob (off, raw quinn moved 0.43 × the bytes at 2.3 × the sender's CPU
+//! per byte), MTU discovery is worth about 10 % of CPU per byte, 4 MiB socket buffers remove
+//! kernel UDP drops under bursts, and the windows do not matter on loopback but cap
+//! throughput on a WAN (a window `W` caps a path with round-trip time `RTT` at `W / RTT`). quinn's connection-level receive window is
 //! unbounded by default; we bound it so one connection cannot pin unbounded server memory.
 
 use std::time::Duration;
