@@ -445,6 +445,25 @@ mod tests {
         SpoolHandle::spawn(spool).expect("spawn spool thread")
     }
 
+    /// A spool thread whose linger never seals anything during a test, and a reader.
+    fn spawn_with_reader(dir: &std::path::Path) -> (SpoolHandle, SpoolThread, edge_spool::SpoolReader) {
+        let mut opts = SpoolOptions::new(dir.join("spool.db"));
+        opts.linger = Duration::from_secs(3600);
+        let (spool, _) = Spool::open(opts).expect("open spool");
+        let reader = spool.reader().expect("reader");
+        let (handle, thread) = SpoolHandle::spawn(spool).expect("spawn spool thread");
+        (handle, thread, reader)
+    }
+
+    /// Waits (10 s at most) until every sealed chunk is acked and committed.
+    async fn until_no_sealed_chunks(handle: &SpoolHandle) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while handle.stats().sealed_chunks != 0 {
+            assert!(std::time::Instant::now() < deadline, "acks never committed: {:?}", handle.stats());
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
     fn request() -> AppendRequest {
         AppendRequest { batches: vec![Batch { stream: "s".into(), data: vec![0, 0, 0, 1, 7], records: 1 }] }
     }
@@ -475,11 +494,7 @@ mod tests {
     #[tokio::test]
     async fn acks_handed_over_one_by_one_are_all_committed() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut opts = SpoolOptions::new(dir.path().join("spool.db"));
-        opts.linger = Duration::from_secs(3600);
-        let (spool, _) = Spool::open(opts).expect("open spool");
-        let mut reader = spool.reader().expect("reader");
-        let (handle, thread) = SpoolHandle::spawn(spool).expect("spawn spool thread");
+        let (handle, thread, mut reader) = spawn_with_reader(dir.path());
         // More chunks than one ack group, one stream each so that every seal makes a chunk.
         let n = ACK_GROUP + 6;
         for i in 0..n {
@@ -494,11 +509,7 @@ mod tests {
         for c in &chunks {
             handle.ack(vec![c.id]);
         }
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while handle.stats().sealed_chunks != 0 {
-            assert!(std::time::Instant::now() < deadline, "acks never committed: {:?}", handle.stats());
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        until_no_sealed_chunks(&handle).await;
         assert!(reader.sealed_after(None, usize::MAX).expect("list").is_empty());
         assert!(lock(&handle.pending_acks).is_empty());
 
@@ -509,11 +520,7 @@ mod tests {
     #[tokio::test]
     async fn an_ack_with_nothing_else_to_commit_is_committed_after_its_linger() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut opts = SpoolOptions::new(dir.path().join("spool.db"));
-        opts.linger = Duration::from_secs(3600);
-        let (spool, _) = Spool::open(opts).expect("open spool");
-        let mut reader = spool.reader().expect("reader");
-        let (handle, thread) = SpoolHandle::spawn(spool).expect("spawn spool thread");
+        let (handle, thread, mut reader) = spawn_with_reader(dir.path());
         handle.append(request()).await.expect("append");
         handle.seal_all().await;
         let chunks = reader.sealed_after(None, usize::MAX).expect("list");
@@ -521,11 +528,7 @@ mod tests {
 
         // No appends, seals or further acks follow: the held ack must still reach the spool.
         handle.ack(vec![chunks[0].id]);
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while handle.stats().sealed_chunks != 0 {
-            assert!(std::time::Instant::now() < deadline, "ack never committed: {:?}", handle.stats());
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        until_no_sealed_chunks(&handle).await;
         assert!(reader.sealed_after(None, usize::MAX).expect("list").is_empty());
 
         drop(handle);
