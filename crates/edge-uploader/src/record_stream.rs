@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::debug;
 
-use crate::intake::{Intake, Rejection};
+use crate::intake::{Intake, Rejection, fits, next_batch_capacity};
 use crate::spool_task::AppendFailure;
 
 /// Records gathered per connection while its previous append commits, in framed bytes; reading
@@ -105,22 +105,24 @@ struct Gathered {
     cur: Vec<u8>,
     cur_stream: String,
     cur_records: u32,
+    /// The capacity given to the last batch's buffer (see [`next_batch_capacity`]).
+    last_capacity: usize,
     records: u64,
     framed_bytes: usize,
 }
 
 impl Gathered {
     fn push(&mut self, stream: &StreamName, record: &[u8], batch_target: usize) {
-        if self.cur_records > 0
-            && (self.cur.len() + record.len() + RECORD_OVERHEAD > batch_target || self.cur_stream != stream.as_str())
-        {
+        let framed = record.len() + RECORD_OVERHEAD;
+        if self.cur_records > 0 && (!fits(&self.cur, framed, batch_target) || self.cur_stream != stream.as_str()) {
             self.close_batch();
         }
         if self.cur_records == 0 {
             stream.as_str().clone_into(&mut self.cur_stream);
         }
         if self.cur.capacity() == 0 {
-            self.cur.reserve((record.len() + RECORD_OVERHEAD).max(batch_target.min(64 << 10)));
+            self.last_capacity = next_batch_capacity(self.last_capacity, batch_target);
+            self.cur.reserve_exact(framed.max(self.last_capacity));
         }
         encode_record(&mut self.cur, record);
         self.cur_records += 1;
