@@ -9,6 +9,11 @@ Each sample goes to the first rule below that matches any frame of its stack, se
 the caller-most project frame down: the project's own work is named by the outermost
 `edge_*` function that is one of the known stages, and everything else by the library the
 leaf-most named frame belongs to. Prints the share of samples per group, and per thread.
+
+    python3 crates/edge-bench/scripts/perf_groups.py drain.txt --under 'record_stream::Parser::parse'
+
+counts instead the samples whose stack has a frame matching the pattern (a regular
+expression), split by the frame that one called (the outermost match counts).
 """
 
 import collections
@@ -18,8 +23,12 @@ import sys
 # (group, pattern on a frame's symbol), tried in order against the whole stack.
 STAGES = [
     ("spool: reading chunks (SpoolReader)", re.compile(r"edge_spool::reader::")),
-    ("spool: writer thread (commits, acks, seals)", re.compile(r"edge_uploader::spool_task::writer_loop")),
+    (
+        "spool: writer thread (commits, acks, seals)",
+        re.compile(r"edge_uploader::spool_task::writer_loop|edge_spool::spool::Spool::"),
+    ),
     ("intake (HTTP)", re.compile(r"edge_uploader::intake::")),
+    ("intake (record stream)", re.compile(r"edge_uploader::record_stream::")),
     ("ingest store", re.compile(r"edge_ingest::store::")),
 ]
 # Otherwise, by the leaf-most frame that names one of these.
@@ -65,7 +74,34 @@ def classify(frames):
     return "other"
 
 
+def under(path, pattern):
+    """Samples under the outermost frame matching `pattern`, by the frame it called."""
+    pat = re.compile(pattern)
+    callees, total, matched = collections.Counter(), 0, 0
+    for _comm, frames in samples(path):
+        total += 1
+        hits = [i for i, fr in enumerate(frames) if pat.search(fr)]
+        if not hits:
+            continue
+        matched += 1
+        i = hits[-1]
+        callee = frames[i - 1] if i > 0 else "(itself)"
+        # "ADDR symbol (dso)": keep the symbol, without generic parameters.
+        callee = callee.rsplit(" (", 1)[0]
+        while (shorter := re.sub(r"<[^<>]*>", "", callee)) != callee:
+            callee = shorter
+        callees[callee] += 1
+    if total == 0:
+        sys.exit("no samples")
+    print(f"{matched} of {total} samples under {pattern!r}\n\n| called | samples |\n|---|---|")
+    for name, n in callees.most_common(15):
+        print(f"| {name[:100]} | {n} |")
+
+
 def main():
+    if len(sys.argv) == 4 and sys.argv[2] == "--under":
+        under(sys.argv[1], sys.argv[3])
+        return
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     groups, threads, total = collections.Counter(), collections.Counter(), 0

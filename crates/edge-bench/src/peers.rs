@@ -127,6 +127,8 @@ pub fn rumqttd_bin(target: &Path) -> anyhow::Result<PathBuf> {
     if !status.success() || !bin.is_file() {
         bail!("cargo install rumqttd {RUMQTTD_VERSION} failed ({status})");
     }
+    // The build's files go to disk now rather than during the first measurements.
+    let _ = Command::new("sync").status();
     Ok(bin)
 }
 
