@@ -87,8 +87,14 @@ async fn records_beyond_the_gathering_cap_are_acked_without_more_bytes_or_the_en
     // agent holds unframed at its cap must be framed after the commit, not after the next read.
     let record = vec![b'r'; 10 << 10];
     let n = (8 * edge_uploader::record_stream::PENDING_CAP / record.len()) as u64;
-    for _ in 0..n {
-        c.record(&name("s"), &record);
+    // Numbered, so the order across batches (an append spans several) is checked below.
+    let numbered = |i: u64| {
+        let mut r = record.clone();
+        r[..8].copy_from_slice(&i.to_le_bytes());
+        r
+    };
+    for i in 0..n {
+        c.record(&name("s"), &numbered(i));
     }
     c.flush().await.expect("writes");
     let mut acked = 0;
@@ -120,6 +126,7 @@ async fn records_beyond_the_gathering_cap_are_acked_without_more_bytes_or_the_en
     }
     let stored = f.stop_and_read().await;
     assert_eq!(stored.get("s").map(Vec::len), Some(n as usize));
+    assert!(stored["s"].iter().zip(0..n).all(|(r, i)| *r == numbered(i)), "stream s stored out of order");
     for k in 0..4 {
         assert_eq!(stored.get(&format!("p{k}")).map(Vec::len), Some(3 * n as usize));
     }
