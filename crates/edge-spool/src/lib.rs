@@ -437,9 +437,10 @@ pub struct CommitReport {
     pub appends: Result<Vec<AppendOutcome>, SpoolError>,
     /// The acks.
     pub acks: AckReport,
-    /// Chunks sealed by the call: by size during the appends, and by `seal`. Not a net count:
-    /// the acks of the same call may have deleted as many chunks.
-    pub sealed: u32,
+    /// Chunks sealed by the call, in sealing (and id) order: by size during the appends, and by
+    /// `seal`. Not a net change: the acks of the same call may have deleted as many chunks.
+    /// Each chunk is exactly the open batches its stream had when it was sealed.
+    pub sealed: Vec<ChunkMeta>,
 }
 
 /// Counters of the spool, kept in memory and true to disk after every call.

@@ -18,7 +18,7 @@ use crate::schema::{BATCH_LEN, META_DROPPED_CHUNKS, META_DROPPED_RECORDS, META_R
 use crate::segment::{SegmentUse, SegmentWriter};
 use crate::state::{State, StreamState, min_opt};
 use crate::{
-    AckReport, AppendOutcome, AppendRequest, Batch, ChunkId, CommitReport, FullPolicy, OpenReport, SealWhat,
+    AckReport, AppendOutcome, AppendRequest, Batch, ChunkId, ChunkMeta, CommitReport, FullPolicy, OpenReport, SealWhat,
     SpoolError, SpoolId, SpoolOptions, SpoolStats, len_u64,
 };
 
@@ -150,7 +150,7 @@ impl Spool {
     /// # Errors
     /// On `Err` nothing was sealed.
     pub fn seal_due(&mut self, now_ms: u64) -> Result<u32, SpoolError> {
-        Ok(self.commit(&[], &[], SealWhat::Due, now_ms)?.sealed)
+        Ok(sealed_count(&self.commit(&[], &[], SealWhat::Due, now_ms)?))
     }
 
     /// Seals every stream that has open batches (e.g. at shutdown). Returns the chunks sealed.
@@ -158,7 +158,7 @@ impl Spool {
     /// # Errors
     /// On `Err` nothing was sealed.
     pub fn seal_all(&mut self, now_ms: u64) -> Result<u32, SpoolError> {
-        Ok(self.commit(&[], &[], SealWhat::All, now_ms)?.sealed)
+        Ok(sealed_count(&self.commit(&[], &[], SealWhat::All, now_ms)?))
     }
 
     /// Deletes the acknowledged chunks and their batches in one transaction. Ids not in the
@@ -194,10 +194,10 @@ impl Spool {
         acks: &[ChunkId],
         seal: SealWhat,
         now_ms: u64,
-    ) -> Result<(Vec<AppendOutcome>, AckReport, u32), SpoolError> {
+    ) -> Result<(Vec<AppendOutcome>, AckReport, Vec<ChunkMeta>), SpoolError> {
         let linger_ms = u64::try_from(self.opts.linger.as_millis()).unwrap_or(u64::MAX);
         if reqs.is_empty() && acks.is_empty() && seal_names(&self.state, seal, linger_ms, now_ms).is_empty() {
-            return Ok((Vec::new(), AckReport::default(), 0));
+            return Ok((Vec::new(), AckReport::default(), Vec::new()));
         }
         let target = if reqs.is_empty() { None } else { Some(self.segments.prepare()?) };
         let result = self.commit_tx(reqs, acks, seal, now_ms, target);
@@ -228,7 +228,7 @@ impl Spool {
         seal: SealWhat,
         now_ms: u64,
         target: Option<(i64, u64)>,
-    ) -> Result<(State, (Vec<AppendOutcome>, AckReport, u32)), SpoolError> {
+    ) -> Result<(State, (Vec<AppendOutcome>, AckReport, Vec<ChunkMeta>)), SpoolError> {
         let linger_ms = u64::try_from(self.opts.linger.as_millis()).unwrap_or(u64::MAX);
         let mut st = self.state.clone();
         let segments = &mut self.segments;
@@ -244,7 +244,7 @@ impl Spool {
                 None => report.unknown += 1,
             }
         }
-        let mut sealed = 0u32;
+        let mut sealed = Vec::new();
         let mut outcomes = Vec::with_capacity(reqs.len());
         let mut dropped = Dropped::default();
         // The batches this call appends to a stream, back to back, become one row (see
@@ -264,7 +264,7 @@ impl Spool {
                 if stream.open_records + u64::from(batch.records) > u64::from(u32::MAX) {
                     // Keeps a chunk's record count within ChunkMeta::records (u32).
                     pending.flush(&tx, &mut st, now_ms)?;
-                    sealed += u32::from(seal_stream(&tx, &mut st, &batch.stream, now_ms)?);
+                    sealed.extend(seal_stream(&tx, &mut st, &batch.stream, now_ms)?);
                 }
                 let stream = stream_entry(&tx, &mut st, &batch.stream)?;
                 stream.open_records += u64::from(batch.records);
@@ -274,14 +274,14 @@ impl Spool {
                 pending.push(batch);
                 if full {
                     pending.flush(&tx, &mut st, now_ms)?;
-                    sealed += u32::from(seal_stream(&tx, &mut st, &batch.stream, now_ms)?);
+                    sealed.extend(seal_stream(&tx, &mut st, &batch.stream, now_ms)?);
                 }
             }
             outcomes.push(AppendOutcome::Accepted);
         }
         pending.flush(&tx, &mut st, now_ms)?;
         for name in seal_names(&st, seal, linger_ms, now_ms) {
-            sealed += u32::from(seal_stream(&tx, &mut st, &name, now_ms)?);
+            sealed.extend(seal_stream(&tx, &mut st, &name, now_ms)?);
         }
         if dropped.chunks > 0 {
             for (key, n) in [(META_DROPPED_CHUNKS, dropped.chunks), (META_DROPPED_RECORDS, dropped.records)] {
@@ -307,7 +307,7 @@ impl Spool {
         if !acks.is_empty() {
             crate::crash_point!("spool::ack::before_commit");
         }
-        if sealed > 0 {
+        if !sealed.is_empty() {
             crate::crash_point!("spool::seal::before_commit");
         }
         tx.commit().map_err(ctx("committing a writer transaction"))?;
@@ -317,7 +317,7 @@ impl Spool {
         if !acks.is_empty() {
             crate::crash_point!("spool::ack::after_commit");
         }
-        if sealed > 0 {
+        if !sealed.is_empty() {
             crate::crash_point!("spool::seal::after_commit");
         }
         if dropped.chunks > 0 {
@@ -408,6 +408,12 @@ impl Spool {
     pub fn set_limits(&mut self, max_bytes: u64, full_policy: FullPolicy) {
         self.opts.max_bytes = max_bytes;
         self.opts.full_policy = full_policy;
+    }
+
+    /// The bytes of the open (not yet sealed) batches of `stream`, from memory (no I/O); 0 for
+    /// a stream the spool does not know.
+    pub fn open_bytes(&self, stream: &str) -> u64 {
+        self.state.streams.get(stream).map_or(0, |s| s.open_bytes)
     }
 
     /// Counters, from memory (no I/O). True to disk after every call.
@@ -821,11 +827,12 @@ fn stream_by_id(st: &mut State, id: i64) -> Result<&mut StreamState, SpoolError>
 }
 
 /// Seals the open batches of stream `name` into one chunk with the stream's next seq. Returns
-/// false if the stream had no open batches. The chunk's sizes come from the rows themselves.
-fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) -> Result<bool, SpoolError> {
+/// the chunk, or `None` if the stream had no open batches. The chunk's sizes come from the rows
+/// themselves.
+fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) -> Result<Option<ChunkMeta>, SpoolError> {
     let chunk_id = st.next_chunk_id;
     let Some(stream) = st.streams.get_mut(name) else {
-        return Ok(false);
+        return Ok(None);
     };
     type Open = (u64, u64, u64, Option<u64>, Option<i64>, Option<i64>);
     let (batches, records, bytes, first_ms, first_batch, last_batch): Open = tx
@@ -841,7 +848,7 @@ fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) ->
         })
         .map_err(ctx("summing open batches"))?;
     let (Some(first_ms), Some(first_batch), Some(last_batch)) = (first_ms, first_batch, last_batch) else {
-        return Ok(false);
+        return Ok(None);
     };
     let seq = stream.next_seq;
     let row = ChunkRow {
@@ -899,7 +906,20 @@ fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) ->
     stream.open_bytes = 0;
     stream.oldest_open_ms = None;
     st.next_chunk_id = chunk_id.saturating_add(1);
-    Ok(true)
+    Ok(Some(ChunkMeta {
+        id: ChunkId(chunk_id),
+        stream: name.to_owned(),
+        seq,
+        records: u32::try_from(records).unwrap_or(u32::MAX),
+        bytes,
+        first_ms,
+        sealed_ms: now_ms,
+    }))
+}
+
+/// The number of chunks a commit sealed, as the `seal_*` calls return it.
+fn sealed_count(report: &CommitReport) -> u32 {
+    u32::try_from(report.sealed.len()).unwrap_or(u32::MAX)
 }
 
 #[cfg(test)]
@@ -1126,7 +1146,7 @@ mod tests {
         let r = spool.commit(&reqs, &[first[0].id, ChunkId(999)], SealWhat::All, 2).expect("commit");
         assert_eq!(r.appends.expect("appends"), vec![AppendOutcome::Accepted; 2]);
         assert_eq!(r.acks, AckReport { acked: 1, unknown: 1 });
-        assert_eq!(r.sealed, 3, "a, b and c were sealed although the chunk count grew by only 2");
+        assert_eq!(r.sealed.len(), 3, "a, b and c were sealed although the chunk count grew by only 2");
         assert_eq!(wal_commits(&dir, wal_len).0, 1, "one transaction, one commit frame");
         let chunks = all_sealed(&spool);
         let got: Vec<_> = chunks.iter().map(|c| (c.stream.as_str(), c.seq, c.bytes)).collect();
@@ -1144,7 +1164,7 @@ mod tests {
         spool.append(&[req(vec![batch("a", b"x")])], 1_000).expect("append");
         let (_, wal_len) = wal_commits(&dir, 0);
         let r = spool.commit(&[], &[], SealWhat::Due, 1_001).expect("commit");
-        assert_eq!((r.appends.expect("appends").len(), r.acks, r.sealed), (0, AckReport::default(), 0));
+        assert_eq!((r.appends.expect("appends").len(), r.acks, r.sealed.len()), (0, AckReport::default(), 0));
         assert_eq!(wal_commits(&dir, 0).1, wal_len);
     }
 
@@ -1162,7 +1182,7 @@ mod tests {
         let big = [req(vec![batch("c", &[3; 100_000])])];
         let r = spool.commit(&big, &[acked], SealWhat::All, 3).expect("acks and seals still commit");
         assert!(matches!(r.appends, Err(SpoolError::DiskFull)), "{:?}", r.appends);
-        assert_eq!((r.acks.acked, r.sealed), (1, 1));
+        assert_eq!((r.acks.acked, r.sealed.len()), (1, 1));
         let chunks = all_sealed(&spool);
         assert_eq!((chunks.len(), chunks[0].stream.as_str(), chunks[0].bytes), (1, "b", 50));
         let stats = spool.stats();

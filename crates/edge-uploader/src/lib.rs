@@ -9,6 +9,7 @@ pub mod agent;
 pub mod client;
 pub mod config;
 pub mod demo;
+pub mod handoff;
 pub mod intake;
 pub mod metrics;
 pub mod record_stream;

@@ -86,9 +86,11 @@ pub const DROPPED_RECORDS_TOTAL: &str = "edge_uploader_dropped_records_total";
 pub const SPOOL_CORRUPT_CHUNKS_TOTAL: &str = "edge_uploader_spool_corrupt_chunks_total";
 /// Chunks held in quarantine in the spool (corrupt, or refused by the server).
 pub const SPOOL_QUARANTINED_CHUNKS: &str = "edge_uploader_spool_quarantined_chunks";
+/// Chunks sent as the spool thread handed them over, not read back from the spool.
+pub const UPLOAD_CHUNKS_FROM_MEMORY_TOTAL: &str = "edge_uploader_upload_chunks_from_memory_total";
 
 /// Every metric name above.
-pub const ALL: [&str; 23] = [
+pub const ALL: [&str; 24] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
@@ -112,6 +114,7 @@ pub const ALL: [&str; 23] = [
     DROPPED_RECORDS_TOTAL,
     SPOOL_CORRUPT_CHUNKS_TOTAL,
     SPOOL_QUARANTINED_CHUNKS,
+    UPLOAD_CHUNKS_FROM_MEMORY_TOTAL,
 ];
 
 /// Distinct `stream` label values before further streams are folded into [`OTHER_STREAM`].
@@ -376,7 +379,13 @@ const LIVE_QUARANTINED: Live = Live::gauge(
     SPOOL_QUARANTINED_CHUNKS,
     "Chunks held in quarantine in the spool (corrupt, or refused by the server), kept for inspection.",
 );
-const LIVE_ALL: [&Live; 15] = [
+const LIVE_FROM_MEMORY: Live = Live::counter(
+    UPLOAD_CHUNKS_FROM_MEMORY_TOTAL,
+    "Chunks sent as the spool thread handed them over when it sealed them, without reading them back \
+           from the spool (the uploader keeps up). The other chunks sent were read from the spool (a backlog, \
+           a reconnect).",
+);
+const LIVE_ALL: [&Live; 16] = [
     &LIVE_STREAM_BUFFER,
     &LIVE_SPOOL_BYTES,
     &LIVE_SPOOL_DISK_BYTES,
@@ -392,6 +401,7 @@ const LIVE_ALL: [&Live; 15] = [
     &LIVE_BYTES_IN_FLIGHT,
     &LIVE_CORRUPT,
     &LIVE_QUARANTINED,
+    &LIVE_FROM_MEMORY,
 ];
 
 /// The [`LIVE_ALL`] families from the spool statistics and the intake and upload atomics, at
@@ -424,6 +434,7 @@ fn live_families(spool: &SpoolStatsView, intake: &IntakeCounters, u: &UploadCoun
         LIVE_BYTES_IN_FLIGHT.family(&[("", u.in_flight_bytes.load(Relaxed) as f64)]),
         LIVE_CORRUPT.family(&[("", u.spool_corrupt_chunks.load(Relaxed) as f64)]),
         LIVE_QUARANTINED.family(&[("", s.quarantined_chunks as f64)]),
+        LIVE_FROM_MEMORY.family(&[("", u.chunks_from_memory.load(Relaxed) as f64)]),
     ]
 }
 

@@ -20,6 +20,8 @@ use edge_spool::{
 use tokio::sync::{Notify, oneshot};
 use tracing::{error, warn};
 
+use crate::handoff::{Handoff, Retained};
+
 /// Largest amount of request bytes put in one transaction.
 const MAX_GROUP_BYTES: u64 = 64 << 20;
 
@@ -86,6 +88,8 @@ pub struct SpoolHandle {
     id: SpoolId,
     /// The spool database's path, for [`SpoolHandle::disk_bytes`].
     path: Arc<std::path::Path>,
+    /// Sealed chunks handed to the uploader in memory (see `handoff.rs`).
+    handoff: Arc<Handoff>,
 }
 
 /// Joins the spool thread when the last handle is gone.
@@ -115,6 +119,7 @@ impl SpoolHandle {
         let uploader_idle = Arc::new(AtomicBool::new(false));
         let pending_acks = Arc::new(Mutex::new(Vec::new()));
         let path: Arc<std::path::Path> = Arc::from(spool.options().path.as_path());
+        let handoff = Arc::new(Handoff::default());
         let handle = SpoolHandle {
             tx,
             stats: stats.clone(),
@@ -123,10 +128,11 @@ impl SpoolHandle {
             pending_acks: pending_acks.clone(),
             id,
             path,
+            handoff: handoff.clone(),
         };
-        let join = std::thread::Builder::new()
-            .name("edge-spool".into())
-            .spawn(move || writer_loop(spool, rx, stats, sealed, uploader_idle, pending_acks))?;
+        let shared = Shared { stats, sealed, uploader_idle, pending_acks, handoff };
+        let join =
+            std::thread::Builder::new().name("edge-spool".into()).spawn(move || writer_loop(spool, rx, shared))?;
         Ok((handle, SpoolThread { join: Some(join) }))
     }
 
@@ -203,6 +209,11 @@ impl SpoolHandle {
         disk_bytes(&self.path)
     }
 
+    /// The queue of sealed chunks handed to the uploader in memory.
+    pub fn handoff(&self) -> &Handoff {
+        &self.handoff
+    }
+
     /// Resolves when new chunks were sealed since the last call.
     pub async fn sealed(&self) {
         self.sealed.notified().await;
@@ -261,14 +272,19 @@ fn now_ms() -> u64 {
     .unwrap_or(u64::MAX)
 }
 
-fn writer_loop(
-    mut spool: Spool,
-    rx: mpsc::Receiver<Cmd>,
+/// What the spool thread shares with the handles.
+struct Shared {
     stats: Arc<Mutex<SpoolStats>>,
     sealed: Arc<Notify>,
     uploader_idle: Arc<AtomicBool>,
     pending_acks: Arc<Mutex<Vec<ChunkId>>>,
-) {
+    handoff: Arc<Handoff>,
+}
+
+fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared) {
+    let Shared { stats, sealed, uploader_idle, pending_acks, handoff } = shared;
+    let mut retained = Retained::default();
+    let mut dropped_chunks = spool.stats().dropped_chunks;
     let tick = (spool.options().linger / 2).clamp(Duration::from_millis(1), Duration::from_millis(50));
     let mut appends: Vec<(AppendRequest, oneshot::Sender<Result<(), AppendFailure>>)> = Vec::new();
     // When the thread first saw the acks now in `pending_acks`.
@@ -328,6 +344,7 @@ fn writer_loop(
         let ids = std::mem::take(&mut *lock(&pending_acks));
         let early = uploader_idle.load(Ordering::Relaxed);
         let seal = if seal_waiters.is_empty() && open && !early { SealWhat::Due } else { SealWhat::All };
+        retained.track(&reqs, &spool);
         // One transaction, one fsync: acks, appends, seals.
         let (answer, sealed_now) = match spool.commit(&reqs, &ids, seal, now) {
             Ok(report) => (report.appends.map_err(append_failure), report.sealed),
@@ -335,13 +352,13 @@ fn writer_loop(
                 // Nothing was committed. Unacked chunks stay in the spool and are offered
                 // again (the server dedups them); open batches are sealed next time.
                 warn!(error = %e, chunks = ids.len(), "writer commit failed: no acks, seals or appends recorded");
-                (Err(append_failure(e)), 0)
+                (Err(append_failure(e)), Vec::new())
             }
         };
         // Publish the new state before answering, so a producer that got its 200 never sees
         // statistics from before its own commit.
-        publish(&spool, &stats);
-        match answer {
+        let dropped_before = std::mem::replace(&mut dropped_chunks, publish(&spool, &stats));
+        match &answer {
             Ok(outcomes) => {
                 for (reply, outcome) in replies.into_iter().zip(outcomes) {
                     let r = match outcome {
@@ -363,9 +380,21 @@ fn writer_loop(
         for w in seal_waiters.drain(..) {
             let _gone = w.send(());
         }
+        // After the answers, so that producers do not wait for it: the committed batches are
+        // kept for the chunks they will be sealed into, and the chunks sealed now are handed
+        // to the uploader if it follows.
+        let accepted = answer.as_deref().unwrap_or_default();
+        let handed = retained.committed(reqs, accepted, &sealed_now, &spool);
+        if dropped_chunks != dropped_before {
+            // The cap dropped chunks the handoff may hold: the uploader reads the spool again.
+            handoff.invalidate();
+        }
+        if !handed.is_empty() {
+            handoff.sealed(handed);
+        }
         // Wake the uploader for every chunk sealed, not for a net growth of the sealed count:
         // acks in the same commit may delete as many chunks as were sealed.
-        if sealed_now > 0 {
+        if !sealed_now.is_empty() {
             if early {
                 // The uploader has work now; it says when it is idle again.
                 uploader_idle.store(false, Ordering::Relaxed);
@@ -426,9 +455,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Replaces the shared statistics snapshot with the spool's current one.
-fn publish(spool: &Spool, stats: &Mutex<SpoolStats>) {
-    *stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = spool.stats();
+/// Replaces the shared statistics snapshot with the spool's current one; returns the count of
+/// chunks the cap has dropped so far.
+fn publish(spool: &Spool, stats: &Mutex<SpoolStats>) -> u64 {
+    let now = spool.stats();
+    let dropped = now.dropped_chunks;
+    *stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = now;
+    dropped
 }
 
 #[cfg(test)]

@@ -23,13 +23,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use edge_proto::client::{ClientEvent, ClientSession};
 use edge_proto::{AckStatus, ChunkHeader, Codec, ErrorCode, Limits, RetryReason, STOP_ANSWERED, StreamName};
-use edge_spool::{ChunkId, ChunkMeta, ChunkPayload, SpoolError};
+use edge_spool::{ChunkId, ChunkMeta, SpoolError};
 use rand::Rng;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use crate::config::Compression;
+use crate::handoff::{Next, Payload};
 use crate::spool_task::{ReaderHandle, SpoolHandle};
 
 /// Everything the uploader needs, already validated.
@@ -79,6 +80,9 @@ pub struct UploadCounters {
     pub records_acked_total: AtomicU64,
     /// Chunks found corrupt when read from the spool; quarantined, never sent.
     pub spool_corrupt_chunks: AtomicU64,
+    /// Chunks sent as the spool thread handed them over, without reading them back from the
+    /// spool (see `handoff.rs`).
+    pub chunks_from_memory: AtomicU64,
     /// Bytes put on the wire for chunk payloads.
     pub wire_bytes_total: AtomicU64,
     /// Chunks sent and waiting for their ack.
@@ -374,6 +378,13 @@ impl<'a> Connection<'a> {
         Self { conn, opts, spool, reader, counters, cancel }
     }
 
+    /// The first sealed chunk after `after`, read from the spool, with its payload or the read
+    /// error; none if there is none.
+    async fn read(&self, after: Option<ChunkId>) -> Result<Vec<(ChunkMeta, Result<Payload, SpoolError>)>, SpoolError> {
+        let fetched = self.reader.next(after, 1).await?;
+        Ok(fetched.into_iter().map(|(meta, data)| (meta, data.map(Payload::from))).collect())
+    }
+
     /// Returns `Ok(true)` if at least one chunk was acked on this connection.
     async fn run(self) -> Result<bool, ConnError> {
         let (mut ctl_send, mut ctl_recv) = self.conn.open_bi().await?;
@@ -485,18 +496,46 @@ impl<'a> Connection<'a> {
             let room = in_flight.has_room(window().min(allowed), self.opts.max_in_flight_bytes.load(Ordering::Relaxed));
             if !draining && retry_at.is_none() && room && (!redo.is_empty() || !exhausted) {
                 let fetched = if let Some(id) = redo.pop_first() {
-                    let mut fetched = self.reader.next(Some(ChunkId(id.0.saturating_sub(1))), 1).await?;
+                    let mut fetched = self.read(Some(ChunkId(id.0.saturating_sub(1)))).await?;
                     // Anything else means the chunk left the spool meanwhile (dropped by the
                     // cap): the read of the chunk after it was in vain, and is discarded.
                     fetched.retain(|(meta, _)| meta.id == id);
                     fetched
                 } else {
-                    let fetched = self.reader.next(cursor, 1).await?;
-                    match fetched.last() {
-                        Some((meta, _)) => cursor = Some(meta.id),
-                        None => exhausted = true,
+                    match self.spool.handoff().next() {
+                        // Sealed since the uploader last found the spool read through, handed
+                        // over in memory: the front of the queue is the next chunk after `cursor`.
+                        Next::Chunk(meta, Some(payload)) => {
+                            cursor = Some(meta.id);
+                            self.counters.chunks_from_memory.fetch_add(1, Ordering::Relaxed);
+                            vec![(meta, Ok(payload))]
+                        }
+                        Next::Chunk(meta, None) => {
+                            let id = meta.id;
+                            cursor = Some(id);
+                            let mut fetched = self.read(Some(ChunkId(id.0.saturating_sub(1)))).await?;
+                            fetched.retain(|(meta, _)| meta.id == id);
+                            fetched
+                        }
+                        Next::CaughtUp => {
+                            exhausted = true;
+                            Vec::new()
+                        }
+                        Next::Spool => {
+                            // Taken before the read: if nothing is sealed in between, a read
+                            // that finds nothing more has seen every seal before it.
+                            let generation = self.spool.handoff().generation();
+                            let fetched = self.read(cursor).await?;
+                            match fetched.last() {
+                                Some((meta, _)) => cursor = Some(meta.id),
+                                None => {
+                                    exhausted = true;
+                                    self.spool.handoff().follow(generation);
+                                }
+                            }
+                            fetched
+                        }
                     }
-                    fetched
                 };
                 for (meta, data) in fetched {
                     if in_flight.contains(meta.id) {
@@ -615,8 +654,10 @@ impl<'a> Connection<'a> {
                 }
             }
         };
-        // Disconnected: data waits for the chunk target or `linger` again.
+        // Disconnected: data waits for the chunk target or `linger` again, and the next
+        // connection starts from the spool.
         self.spool.set_uploader_idle(false);
+        self.spool.handoff().stop();
         tasks.abort_all();
         control.abort();
         InFlight::default().publish(self.counters);
@@ -677,7 +718,7 @@ async fn send_chunk(
     conn: quinn::Connection,
     state: Arc<Mutex<CtlState>>,
     meta: ChunkMeta,
-    raw: ChunkPayload,
+    raw: Payload,
     compression: Compression,
     counters: Arc<UploadCounters>,
 ) -> (ChunkMeta, SendOutcome) {
@@ -689,7 +730,7 @@ async fn send_chunk_inner(
     conn: &quinn::Connection,
     state: &Mutex<CtlState>,
     meta: &ChunkMeta,
-    raw: ChunkPayload,
+    raw: Payload,
     compression: Compression,
     counters: &UploadCounters,
 ) -> SendOutcome {
@@ -700,20 +741,25 @@ async fn send_chunk_inner(
     let Ok(raw_len) = u32::try_from(raw.len()) else {
         return SendOutcome::Unsendable(format!("chunk of {} bytes is over 4 GiB", raw.len()));
     };
-    // Uncompressed, the payload's CRC-32C is the one the spool computed while reading it.
-    let (codec, checksum, payload) = match compression {
-        Compression::Zstd(level) => match edge_proto::records::compress_payload(&raw.data, level) {
-            Ok(c) if c.len() < raw.len() => (Codec::Zstd, edge_proto::crc32c(&c), c),
-            _ => (Codec::None, raw.crc32c, raw.data),
-        },
-        Compression::None => (Codec::None, raw.crc32c, raw.data),
+    // Uncompressed, the payload's CRC-32C is the one the spool checked while reading it (or
+    // one over the pieces handed over in memory), and its pieces go out as they are.
+    let compressed = match compression {
+        Compression::Zstd(level) => {
+            edge_proto::records::compress_payload(&raw.contiguous(), level).ok().filter(|c| c.len() < raw.len())
+        }
+        Compression::None => None,
     };
+    let (codec, checksum, mut payload) = match compressed {
+        Some(c) => (Codec::Zstd, edge_proto::crc32c(&c), vec![Bytes::from(c)]),
+        None => (Codec::None, raw.crc32c(), raw.parts),
+    };
+    let wire: usize = payload.iter().map(Bytes::len).sum();
     let header = ChunkHeader {
         stream: stream.clone(),
         seq: meta.seq,
         records: meta.records,
         raw_len,
-        payload_len: u32::try_from(payload.len()).unwrap_or(u32::MAX),
+        payload_len: u32::try_from(wire).unwrap_or(u32::MAX),
         codec,
         checksum,
         created_ms: meta.first_ms,
@@ -729,11 +775,12 @@ async fn send_chunk_inner(
     };
     let mut head = Vec::with_capacity(64);
     header.encode(&mut head);
-    let wire = payload.len() as u64;
+    let mut pieces = Vec::with_capacity(1 + payload.len());
+    pieces.push(Bytes::from(head));
+    pieces.append(&mut payload);
     let sent = async {
         let mut s = conn.open_uni().await.map_err(quinn::WriteError::ConnectionLost)?;
-        s.write_chunk(Bytes::from(head)).await?;
-        s.write_chunk(Bytes::from(payload)).await?;
+        s.write_all_chunks(&mut pieces).await?;
         s.finish().map_err(|_closed| quinn::WriteError::ClosedStream)?;
         Ok::<quinn::SendStream, quinn::WriteError>(s)
     }
@@ -750,7 +797,7 @@ async fn send_chunk_inner(
     // from the server having every byte (`None`, after which only the ack decides).
     let stop = match sent {
         Ok(s) => {
-            counters.wire_bytes_total.fetch_add(wire, Ordering::Relaxed);
+            counters.wire_bytes_total.fetch_add(wire as u64, Ordering::Relaxed);
             tokio::select! {
                 r = &mut rx => return ack_outcome(r),
                 st = s.stopped() => match st {

@@ -291,3 +291,99 @@ async fn after_an_outage_the_agent_connects_within_two_fresh_attempts() {
     bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
     assert_eq!(counters.connects_total.load(Ordering::Relaxed), 1);
 }
+
+/// Takes the next chunk stream whole, checks its payload against its header's length and
+/// CRC-32C, acks it `Stored`, and returns the payload.
+async fn store_next_chunk(
+    conn: &quinn::Connection,
+    ctl: &mut quinn::SendStream,
+    session: &mut ServerSession,
+) -> Vec<u8> {
+    let mut stream = bounded("a chunk stream", conn.accept_uni()).await.expect("chunk stream");
+    let bytes = bounded("chunk bytes", stream.read_to_end(4 << 20)).await.expect("whole chunk");
+    let (header, consumed) =
+        ChunkHeader::decode(&bytes, &Limits::default()).expect("valid header").expect("complete header");
+    let payload = bytes[consumed..].to_vec();
+    assert_eq!(payload.len(), header.payload_len as usize, "the whole payload came");
+    assert_eq!(edge_proto::crc32c(&payload), header.checksum, "chunk {} checksum", header.seq);
+    session.accept_chunk(&header).expect("within the window");
+    session.ack(&header.stream, header.seq, AckStatus::Stored).expect("ack");
+    flush(ctl, session).await;
+    payload
+}
+
+/// `n` framed records of `size` bytes in a buffer of `capacity` bytes, as the intake hands them.
+fn records(n: u32, size: usize, capacity: usize, seed: u8) -> Batch {
+    let mut data = Vec::with_capacity(capacity);
+    for r in 0..n {
+        let body: Vec<u8> = (0..size).map(|i| (i as u8).wrapping_mul(seed).wrapping_add(r as u8)).collect();
+        edge_proto::records::encode_record(&mut data, &body);
+    }
+    Batch { stream: STREAM.into(), data, records: n }
+}
+
+#[tokio::test]
+async fn chunks_sealed_while_the_uploader_keeps_up_are_sent_from_memory_as_the_spool_holds_them() {
+    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+    let agent = AgentSide::new(&pki, 10 << 10);
+    let endpoint = server(&pki, &Tuning::default(), localhost());
+    let addr = endpoint.local_addr().expect("server address");
+    let counters = Arc::new(UploadCounters::default());
+    let cancel = CancellationToken::new();
+    let uploader = tokio::spawn(edge_uploader::uploader::run(
+        agent.options(addr),
+        agent.spool.clone(),
+        agent.reader.clone(),
+        counters.clone(),
+        cancel.clone(),
+    ));
+    let conn = bounded("connection", async { endpoint.accept().await.expect("endpoint open").await })
+        .await
+        .expect("handshake");
+    let (mut ctl, mut session) = welcome(&conn).await;
+
+    // The chunk sealed before the agent started is read from the spool.
+    store_next_chunk(&conn, &mut ctl, &mut session).await;
+    assert_eq!(counters.chunks_from_memory.load(Ordering::Relaxed), 0);
+    // Having read the spool through, the uploader follows the seals.
+    bounded("the uploader following the seals", async {
+        while !agent.spool.handoff().following() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+
+    // Chunks of several shapes: one full buffer (moved), small records in mostly empty buffers
+    // (copied), and records appended in two commits (one chunk, or two if the idle uploader
+    // had the first commit sealed at once).
+    let shapes: Vec<Vec<Vec<Batch>>> = vec![
+        vec![vec![records(10, 10_000, 0, 3)]],
+        vec![vec![records(1, 10_000, 64 << 10, 5), records(1, 3_000, 64 << 10, 7), records(2, 100, 64 << 10, 9)]],
+        vec![vec![records(3, 5_000, 0, 11)], vec![records(1, 20_000, 64 << 10, 13), records(4, 7, 0, 17)]],
+    ];
+    let mut chunks = 1;
+    for commits in shapes {
+        let mut expected = Vec::new();
+        for batches in commits {
+            expected.extend(batches.iter().flat_map(|b| b.data.iter().copied()));
+            agent.spool.append(AppendRequest { batches }).await.expect("append");
+        }
+        agent.spool.seal_all().await;
+        let mut got = Vec::new();
+        while got.len() < expected.len() {
+            got.extend(store_next_chunk(&conn, &mut ctl, &mut session).await);
+            chunks += 1;
+        }
+        assert_eq!(got, expected, "the chunks carry the appended records in order");
+        assert_eq!(
+            counters.chunks_from_memory.load(Ordering::Relaxed),
+            chunks - 1,
+            "every chunk since the first from memory"
+        );
+    }
+
+    cancel.cancel();
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+    assert_eq!(counters.stored.chunks(), chunks);
+    assert_eq!(agent.sealed_left(), 0, "every acked chunk left the spool");
+}

@@ -1,0 +1,549 @@
+//! Sealed chunks handed from the spool thread to the uploader in memory, so that an uploader
+//! that keeps up does not read back from the spool what the spool thread wrote moments before.
+//!
+//! The spool stays the only source of truth: every chunk handed over here is committed and
+//! sealed in the spool first, is deleted only by the uploader's ack as before, and its bytes
+//! are the very buffers the spool thread wrote to the segment file. What this module saves is
+//! the read back: the `pread` out of the page cache, the batch rows, the CRC-32C check of the
+//! spool's copy and the hop through the blocking pool, for each chunk sent live.
+//!
+//! Two halves:
+//!
+//! * [`Retained`], owned by the spool thread: the bytes of each *tracked* stream's open
+//!   batches, moved out of the committed append requests (a batch whose buffer is mostly empty
+//!   is copied into a shared tail buffer instead, so a 10 KiB record does not keep a 64 KiB
+//!   allocation alive). A stream is tracked from a commit before which it had nothing open,
+//!   and stays tracked while the retained bytes equal its open bytes in the spool, checked
+//!   after every commit. When a tracked stream is sealed, the chunk's bytes are the retained
+//!   parts up to the chunk's length. Untracked streams (open batches from before a restart,
+//!   the memory cap reached) seal chunks without bytes; those are read from the spool.
+//! * [`Handoff`], shared by the spool thread and the uploader: a queue of the chunks sealed
+//!   since the uploader said it had read everything sealed ([`Handoff::follow`]). While the
+//!   uploader follows, every seal is queued, in id order, so the queue's front is always the
+//!   next sealed chunk after the uploader's cursor. The queue holds at most
+//!   [`QUEUED_BYTES_CAP`] bytes; a seal that would go over it ends the following, and the
+//!   uploader reads the rest from the spool, as it does after a reconnect.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+use bytes::{Bytes, BytesMut};
+use edge_spool::{AppendOutcome, AppendRequest, ChunkMeta, ChunkPayload, Spool};
+
+/// At most this many bytes of sealed chunks wait in the queue for the uploader. Beyond it the
+/// uploader is not keeping up, and reading from the spool costs it nothing it would notice.
+pub const QUEUED_BYTES_CAP: usize = 4 << 20;
+
+/// At most this many bytes of open batches are retained, over all streams. A stream whose next
+/// batch would go over it is no longer tracked (its next chunk is read from the spool).
+pub const RETAINED_BYTES_CAP: usize = 8 << 20;
+
+/// Small batches are copied into tail buffers of this size (or the batch's, if larger).
+const TAIL_CAPACITY: usize = 256 << 10;
+
+/// A chunk's payload as the uploader sends it: one or more pieces, back to back.
+#[derive(Debug, Clone)]
+pub struct Payload {
+    /// The pieces, in order; their concatenation is the chunk's payload.
+    pub parts: Vec<Bytes>,
+    len: usize,
+    crc32c: Option<u32>,
+}
+
+impl Payload {
+    fn from_parts(parts: Vec<Bytes>) -> Self {
+        let len = parts.iter().map(Bytes::len).sum();
+        Payload { parts, len, crc32c: None }
+    }
+
+    /// Payload bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the payload has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// CRC-32C of the payload: the one the spool checked the bytes against when it read them,
+    /// or computed over the pieces for a payload handed over in memory.
+    pub fn crc32c(&self) -> u32 {
+        self.crc32c.unwrap_or_else(|| self.parts.iter().fold(0, |crc, p| edge_proto::crc32c_append(crc, p)))
+    }
+
+    /// The payload in one buffer (a copy only when there are several pieces).
+    pub fn contiguous(&self) -> Bytes {
+        match self.parts.as_slice() {
+            [] => Bytes::new(),
+            [one] => one.clone(),
+            parts => {
+                let mut all = BytesMut::with_capacity(self.len);
+                for p in parts {
+                    all.extend_from_slice(p);
+                }
+                all.freeze()
+            }
+        }
+    }
+}
+
+impl From<ChunkPayload> for Payload {
+    fn from(p: ChunkPayload) -> Self {
+        let len = p.data.len();
+        Payload { parts: vec![Bytes::from(p.data)], len, crc32c: Some(p.crc32c) }
+    }
+}
+
+/// The open batches of one tracked stream.
+#[derive(Debug, Default)]
+struct Open {
+    parts: VecDeque<Bytes>,
+    /// Where small batches are copied; frozen into `parts` before anything else is.
+    tail: BytesMut,
+    /// The capacity of the next tail buffer: doubles from [`FIRST_TAIL`] to [`TAIL_CAPACITY`],
+    /// so a stream with little open data holds little memory.
+    next_tail: usize,
+    /// Open bytes retained (the spool's open bytes of the stream, while it is tracked).
+    bytes: usize,
+    /// Allocated but unused bytes of the buffers holding them, charged against the cap until the
+    /// stream has nothing open again.
+    slack: usize,
+}
+
+/// The first tail buffer of a stream.
+const FIRST_TAIL: usize = 16 << 10;
+
+impl Open {
+    /// Retains `data`, moving its buffer, or copying it into the tail buffer when the buffer
+    /// is less than half used. Returns the bytes this charges against the cap: the capacity of
+    /// a buffer it takes or allocates.
+    fn push(&mut self, data: Vec<u8>) -> usize {
+        let len = data.len();
+        self.bytes += len;
+        if data.capacity() / 2 <= len {
+            self.freeze_tail();
+            let capacity = data.capacity();
+            self.slack += capacity - len;
+            self.parts.push_back(Bytes::from(data));
+            return capacity;
+        }
+        let mut charge = 0;
+        if self.tail.capacity() - self.tail.len() < len {
+            self.freeze_tail();
+            let capacity = len.max(self.next_tail.max(FIRST_TAIL));
+            self.next_tail = (capacity * 2).min(TAIL_CAPACITY);
+            self.tail = BytesMut::with_capacity(capacity);
+            self.slack += self.tail.capacity();
+            charge = self.tail.capacity();
+        }
+        self.tail.extend_from_slice(&data);
+        self.slack -= len;
+        charge
+    }
+
+    fn freeze_tail(&mut self) {
+        if !self.tail.is_empty() {
+            self.parts.push_back(self.tail.split().freeze());
+        }
+    }
+
+    /// Cuts the first `n` retained bytes off, or `None` if fewer are retained. Returns the
+    /// pieces and the bytes this releases from the cap.
+    fn take(&mut self, n: usize) -> Option<(Vec<Bytes>, usize)> {
+        if n > self.bytes {
+            return None;
+        }
+        self.freeze_tail();
+        let mut out = Vec::new();
+        let mut left = n;
+        while left > 0 {
+            let front = self.parts.front_mut()?;
+            if front.len() <= left {
+                left -= front.len();
+                out.extend(self.parts.pop_front());
+            } else {
+                // The seal fell inside a piece (sealed by size in the middle of a commit).
+                out.push(front.split_to(left));
+                left = 0;
+            }
+        }
+        self.bytes -= n;
+        let mut released = n;
+        if self.bytes == 0 {
+            released += std::mem::take(&mut self.slack);
+            self.tail = BytesMut::new();
+        }
+        Some((out, released))
+    }
+
+    fn charged(&self) -> usize {
+        self.bytes + self.slack
+    }
+}
+
+/// The spool thread's half: the open batches of tracked streams. See the module doc.
+#[derive(Debug, Default)]
+pub struct Retained {
+    streams: HashMap<String, Open>,
+    /// Charged against [`RETAINED_BYTES_CAP`]: retained bytes and their buffers' slack.
+    charged: usize,
+}
+
+impl Retained {
+    /// Before a commit: every stream the requests append to that has no open batch in the spool
+    /// is tracked from now on (its retained bytes, none, are exactly its open bytes).
+    pub fn track(&mut self, reqs: &[AppendRequest], spool: &Spool) {
+        for b in reqs.iter().flat_map(|r| &r.batches) {
+            if !self.streams.contains_key(&b.stream) && spool.open_bytes(&b.stream) == 0 {
+                self.streams.insert(b.stream.clone(), Open::default());
+            }
+        }
+    }
+
+    /// After a commit: takes the batches of the accepted requests (in order), then cuts the
+    /// chunks `sealed` (in order) off the front of their streams' bytes. Returns each sealed
+    /// chunk with its payload, or without one for a stream that is not tracked. Finally drops
+    /// the streams whose retained bytes no longer equal their open bytes in the spool.
+    pub fn committed(
+        &mut self,
+        reqs: Vec<AppendRequest>,
+        outcomes: &[AppendOutcome],
+        sealed: &[ChunkMeta],
+        spool: &Spool,
+    ) -> Vec<(ChunkMeta, Option<Payload>)> {
+        let mut touched: Vec<String> = Vec::new();
+        for (req, outcome) in reqs.into_iter().zip(outcomes) {
+            if *outcome != AppendOutcome::Accepted {
+                continue;
+            }
+            for b in req.batches {
+                let Some(open) = self.streams.get_mut(&b.stream) else { continue };
+                if self.charged + b.data.capacity() > RETAINED_BYTES_CAP {
+                    self.untrack(&b.stream);
+                    continue;
+                }
+                self.charged += open.push(b.data);
+                if touched.last() != Some(&b.stream) {
+                    touched.push(b.stream);
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(sealed.len());
+        for meta in sealed {
+            let len = usize::try_from(meta.bytes).unwrap_or(usize::MAX);
+            match self.streams.get_mut(&meta.stream).and_then(|open| open.take(len)) {
+                Some((parts, released)) => {
+                    self.charged -= released;
+                    out.push((meta.clone(), Some(Payload::from_parts(parts))));
+                }
+                None => {
+                    self.untrack(&meta.stream);
+                    out.push((meta.clone(), None));
+                }
+            }
+            touched.push(meta.stream.clone());
+        }
+        for name in touched {
+            let exact = self.streams.get(&name).map(|open| open.bytes as u64 == spool.open_bytes(&name));
+            if exact == Some(false) {
+                self.untrack(&name);
+            }
+        }
+        out
+    }
+
+    fn untrack(&mut self, stream: &str) {
+        if let Some(open) = self.streams.remove(stream) {
+            self.charged -= open.charged();
+        }
+    }
+
+    /// Bytes charged against [`RETAINED_BYTES_CAP`] now.
+    pub fn charged(&self) -> usize {
+        self.charged
+    }
+}
+
+/// What the uploader sends next, as far as the handoff knows.
+#[derive(Debug)]
+pub enum Next {
+    /// The next sealed chunk after the uploader's cursor, with its payload, or without one
+    /// (read it from the spool by id).
+    Chunk(ChunkMeta, Option<Payload>),
+    /// Following, and nothing sealed since the last chunk taken.
+    CaughtUp,
+    /// Not following: read from the spool after the cursor.
+    Spool,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Seals reported so far (a generation: [`Handoff::follow`] compares it).
+    seals: u64,
+    following: bool,
+    queue: VecDeque<(ChunkMeta, Option<Payload>)>,
+    queued_bytes: usize,
+}
+
+/// The queue between the spool thread and the uploader. See the module doc.
+#[derive(Debug, Default)]
+pub struct Handoff {
+    state: Mutex<State>,
+}
+
+impl Handoff {
+    /// The seals so far. Taken before the uploader reads the spool, and passed to
+    /// [`Handoff::follow`] if that read found nothing more.
+    pub fn generation(&self) -> u64 {
+        self.lock().seals
+    }
+
+    /// The uploader has sent everything that was sealed at `generation`: from now on, queue
+    /// every seal for it. Refused (returns false) if anything was sealed since, which the read
+    /// may have missed.
+    pub fn follow(&self, generation: u64) -> bool {
+        let mut st = self.lock();
+        st.following = st.seals == generation;
+        st.following
+    }
+
+    /// Takes the next chunk, if the handoff knows it.
+    pub fn next(&self) -> Next {
+        let mut st = self.lock();
+        match st.queue.pop_front() {
+            Some((meta, payload)) => {
+                st.queued_bytes -= payload.as_ref().map_or(0, Payload::len);
+                Next::Chunk(meta, payload)
+            }
+            None if st.following => Next::CaughtUp,
+            None => Next::Spool,
+        }
+    }
+
+    /// The uploader stops following (its connection ended): the queue is emptied.
+    pub fn stop(&self) {
+        let mut st = self.lock();
+        st.following = false;
+        st.queue.clear();
+        st.queued_bytes = 0;
+    }
+
+    /// Spool thread: chunks were sealed (in id order, all of one commit). Queued while the
+    /// uploader follows and the queue has room; the first that does not fit ends the following.
+    pub fn sealed(&self, chunks: Vec<(ChunkMeta, Option<Payload>)>) {
+        let mut st = self.lock();
+        st.seals += chunks.len() as u64;
+        if !st.following {
+            return;
+        }
+        for (meta, payload) in chunks {
+            let len = payload.as_ref().map_or(0, Payload::len);
+            if st.queued_bytes + len > QUEUED_BYTES_CAP {
+                st.following = false;
+                return;
+            }
+            st.queued_bytes += len;
+            st.queue.push_back((meta, payload));
+        }
+    }
+
+    /// Spool thread: chunks were deleted other than by the uploader's acks (the cap dropped
+    /// the oldest): queued chunks may be among them, so the uploader goes back to the spool.
+    pub fn invalidate(&self) {
+        self.stop();
+    }
+
+    /// Whether the uploader follows: every seal is queued for it.
+    pub fn following(&self) -> bool {
+        self.lock().following
+    }
+
+    /// Bytes of sealed chunks waiting in the queue.
+    pub fn queued_bytes(&self) -> usize {
+        self.lock().queued_bytes
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // Every holder leaves the state consistent (no panics between its updates).
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edge_spool::{Batch, SealWhat, SpoolOptions};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    fn meta(id: i64, bytes: u64) -> ChunkMeta {
+        ChunkMeta {
+            id: edge_spool::ChunkId(id),
+            stream: "s".into(),
+            seq: id as u64,
+            records: 1,
+            bytes,
+            first_ms: 0,
+            sealed_ms: 0,
+        }
+    }
+
+    fn payload(len: usize) -> Option<Payload> {
+        Some(Payload::from_parts(vec![Bytes::from(vec![7u8; len])]))
+    }
+
+    /// A batch of `records` framed records of `size` bytes each, in a buffer of `capacity`
+    /// (at least what they need), every byte depending on `seed`.
+    fn batch(stream: &str, records: u32, size: usize, capacity: usize, seed: u8) -> Batch {
+        let mut data = Vec::with_capacity(capacity);
+        for r in 0..records {
+            let body: Vec<u8> =
+                (0..size).map(|i| seed.wrapping_add(r as u8).wrapping_mul(31).wrapping_add(i as u8)).collect();
+            edge_proto::records::encode_record(&mut data, &body);
+        }
+        Batch { stream: stream.into(), data, records }
+    }
+
+    #[test]
+    fn handed_over_payloads_are_byte_for_byte_what_the_spool_reads_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut opts = SpoolOptions::new(dir.path().join("spool.db"));
+        opts.chunk_target_bytes = 64 << 10;
+        opts.linger = std::time::Duration::from_secs(3600);
+        let (mut spool, _) = Spool::open(opts).expect("open spool");
+        let mut reader = spool.reader().expect("reader");
+        let mut retained = Retained::default();
+        let mut rng = StdRng::seed_from_u64(0x5eed_4a4d);
+        let (mut with_bytes, mut without, mut acked) = (0, 0, Vec::new());
+        for round in 0..300u32 {
+            let mut reqs = Vec::new();
+            for _ in 0..rng.random_range(0..4) {
+                let batches = (0..rng.random_range(1..3))
+                    .map(|_| {
+                        let stream = ["a", "b", "c"][rng.random_range(0..3)];
+                        let (records, size) = (rng.random_range(1..6), rng.random_range(1..9000));
+                        // Some buffers mostly empty (copied into a tail), some full (moved).
+                        let need = records as usize * (size + 4);
+                        let capacity = if rng.random_bool(0.5) { need } else { need * 4 + 65536 };
+                        batch(stream, records, size, capacity, round as u8)
+                    })
+                    .collect();
+                reqs.push(AppendRequest { batches });
+            }
+            let seal = match rng.random_range(0..10) {
+                0 => SealWhat::All,
+                1 => SealWhat::Due,
+                _ => SealWhat::Nothing,
+            };
+            let acks = std::mem::take(&mut acked);
+            retained.track(&reqs, &spool);
+            let report = spool.commit(&reqs, &acks, seal, u64::from(round)).expect("commit");
+            let outcomes = report.appends.expect("appends");
+            for (meta, payload) in retained.committed(reqs, &outcomes, &report.sealed, &spool) {
+                let from_disk = reader.read_payload(&meta).expect("read back");
+                match payload {
+                    Some(p) => {
+                        with_bytes += 1;
+                        assert_eq!(p.len() as u64, meta.bytes);
+                        assert_eq!(p.contiguous().as_ref(), from_disk.data.as_slice(), "chunk {:?}", meta.id);
+                        assert_eq!(p.crc32c(), from_disk.crc32c);
+                    }
+                    None => without += 1,
+                }
+                acked.push(meta.id);
+            }
+            // Every tracked stream holds exactly its open bytes.
+            for (name, open) in &retained.streams {
+                assert_eq!(open.bytes as u64, spool.open_bytes(name), "stream {name} after round {round}");
+            }
+            assert!(retained.charged() <= RETAINED_BYTES_CAP);
+        }
+        // Every stream starts empty, so none is ever untracked here: all chunks had their bytes.
+        assert!(with_bytes > 100, "{with_bytes} chunks handed over");
+        assert_eq!(without, 0);
+    }
+
+    #[test]
+    fn a_stream_with_open_batches_from_before_is_read_from_the_spool_until_it_had_nothing_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut opts = SpoolOptions::new(dir.path().join("spool.db"));
+        opts.linger = std::time::Duration::from_secs(3600);
+        let (mut spool, _) = Spool::open(opts).expect("open spool");
+        // Open bytes the retention never saw (as after a restart).
+        let before = AppendRequest { batches: vec![batch("s", 2, 100, 0, 1)] };
+        spool.append(&[before], 0).expect("append");
+
+        let mut retained = Retained::default();
+        let mut commit = |retained: &mut Retained, reqs: Vec<AppendRequest>, seal| {
+            retained.track(&reqs, &spool);
+            let report = spool.commit(&reqs, &[], seal, 1).expect("commit");
+            let outcomes = report.appends.expect("appends");
+            retained.committed(reqs, &outcomes, &report.sealed, &spool)
+        };
+        let more = || vec![AppendRequest { batches: vec![batch("s", 1, 50, 0, 2)] }];
+        let handed = commit(&mut retained, more(), SealWhat::All);
+        assert_eq!(handed.len(), 1);
+        assert!(handed[0].1.is_none(), "the chunk holds bytes from before: read it from the spool");
+        // Nothing open now: the next batches are retained from their first byte.
+        let handed = commit(&mut retained, more(), SealWhat::All);
+        assert_eq!(handed.len(), 1);
+        assert_eq!(handed[0].1.as_ref().map(Payload::len), Some(54));
+    }
+
+    #[test]
+    fn a_stream_over_the_memory_cap_is_no_longer_retained() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut opts = SpoolOptions::new(dir.path().join("spool.db"));
+        opts.linger = std::time::Duration::from_secs(3600);
+        opts.chunk_target_bytes = 64 << 20;
+        let (mut spool, _) = Spool::open(opts).expect("open spool");
+        let mut retained = Retained::default();
+        let reqs = vec![AppendRequest { batches: vec![batch("s", 1, RETAINED_BYTES_CAP / 2, 0, 3)] }; 3];
+        retained.track(&reqs, &spool);
+        let report = spool.commit(&reqs, &[], SealWhat::All, 1).expect("commit");
+        let outcomes = report.appends.expect("appends");
+        let handed = retained.committed(reqs, &outcomes, &report.sealed, &spool);
+        assert_eq!((handed.len(), handed[0].1.is_none()), (1, true));
+        assert_eq!(retained.charged(), 0, "nothing is held for an untracked stream");
+    }
+
+    #[test]
+    fn following_is_refused_when_a_seal_came_after_the_generation_was_taken() {
+        let h = Handoff::default();
+        let g = h.generation();
+        h.sealed(vec![(meta(1, 10), payload(10))]);
+        assert!(!h.follow(g), "chunk 1 may not have been seen by the read");
+        assert!(matches!(h.next(), Next::Spool));
+        assert!(h.follow(h.generation()));
+        assert!(matches!(h.next(), Next::CaughtUp));
+    }
+
+    #[test]
+    fn a_follower_gets_every_seal_in_order_until_the_queue_is_full() {
+        let h = Handoff::default();
+        assert!(h.follow(h.generation()));
+        h.sealed(vec![(meta(1, 10), payload(10)), (meta(2, 0), None)]);
+        let big = QUEUED_BYTES_CAP - 10;
+        h.sealed(vec![(meta(3, big as u64), payload(big)), (meta(4, 1), payload(1))]);
+        assert_eq!(h.queued_bytes(), 10 + big);
+        let ids: Vec<_> = std::iter::from_fn(|| match h.next() {
+            Next::Chunk(m, p) => Some((m.id.0, p.is_some())),
+            _ => None,
+        })
+        .collect();
+        assert_eq!(ids, [(1, true), (2, false), (3, true)], "chunk 4 did not fit");
+        assert!(matches!(h.next(), Next::Spool), "chunk 4 is read from the spool");
+        assert_eq!(h.queued_bytes(), 0);
+    }
+
+    #[test]
+    fn stopping_empties_the_queue() {
+        let h = Handoff::default();
+        assert!(h.follow(h.generation()));
+        h.sealed(vec![(meta(1, 10), payload(10))]);
+        h.stop();
+        assert!(matches!(h.next(), Next::Spool));
+        assert_eq!(h.queued_bytes(), 0);
+    }
+}
