@@ -10,9 +10,8 @@
 //! Two halves:
 //!
 //! * [`Retained`], owned by the spool thread: the bytes of each *tracked* stream's open
-//!   batches, moved out of the committed append requests (a batch whose buffer is mostly empty
-//!   is copied into a shared tail buffer instead, so a 10 KiB record does not keep a 64 KiB
-//!   allocation alive). A stream is tracked from a commit before which it had nothing open,
+//!   batches, moved out of the committed append requests (each buffer shrunk to its length, so
+//!   a 10 KiB record does not keep the intake's 64 KiB batch buffer alive). A stream is tracked from a commit before which it had nothing open,
 //!   and stays tracked while the retained bytes equal its open bytes in the spool, checked
 //!   after every commit. When a tracked stream is sealed, the chunk's bytes are the retained
 //!   parts up to the chunk's length. Untracked streams (open batches from before a restart,
@@ -21,8 +20,9 @@
 //!   since the uploader said it had read everything sealed ([`Handoff::follow`]). While the
 //!   uploader follows, every seal is queued, in id order, so the queue's front is always the
 //!   next sealed chunk after the uploader's cursor. The queue holds at most
-//!   [`QUEUED_BYTES_CAP`] bytes; a seal that would go over it ends the following, and the
-//!   uploader reads the rest from the spool, as it does after a reconnect.
+//!   [`QUEUED_BYTES_CAP`] bytes: a chunk that would go over it is queued without them (the
+//!   uploader reads it by id). A seal past [`QUEUED_CHUNKS_CAP`] chunks ends the following, and
+//!   the uploader reads the rest from the spool, as it does after a reconnect.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
@@ -30,16 +30,18 @@ use std::sync::Mutex;
 use bytes::{Bytes, BytesMut};
 use edge_spool::{AppendOutcome, AppendRequest, ChunkMeta, ChunkPayload, Spool};
 
-/// At most this many bytes of sealed chunks wait in the queue for the uploader. Beyond it the
-/// uploader is not keeping up, and reading from the spool costs it nothing it would notice.
+/// At most this many bytes of sealed chunks wait in the queue for the uploader; a chunk that
+/// does not fit is queued without its bytes, which the uploader then reads from the spool (a
+/// burst while its in-flight window is full).
 pub const QUEUED_BYTES_CAP: usize = 4 << 20;
+
+/// At most this many chunks wait in the queue; a seal beyond it ends the following (the
+/// uploader is behind, and reads the spool as after a reconnect).
+pub const QUEUED_CHUNKS_CAP: usize = 1024;
 
 /// At most this many bytes of open batches are retained, over all streams. A stream whose next
 /// batch would go over it is no longer tracked (its next chunk is read from the spool).
 pub const RETAINED_BYTES_CAP: usize = 8 << 20;
-
-/// Small batches are copied into tail buffers of this size (or the batch's, if larger).
-const TAIL_CAPACITY: usize = 256 << 10;
 
 /// A chunk's payload as the uploader sends it: one or more pieces, back to back.
 #[derive(Debug, Clone)]
@@ -99,62 +101,25 @@ impl From<ChunkPayload> for Payload {
 #[derive(Debug, Default)]
 struct Open {
     parts: VecDeque<Bytes>,
-    /// Where small batches are copied; frozen into `parts` before anything else is.
-    tail: BytesMut,
-    /// The capacity of the next tail buffer: doubles from [`FIRST_TAIL`] to [`TAIL_CAPACITY`],
-    /// so a stream with little open data holds little memory.
-    next_tail: usize,
     /// Open bytes retained (the spool's open bytes of the stream, while it is tracked).
     bytes: usize,
-    /// Allocated but unused bytes of the buffers holding them, charged against the cap until the
-    /// stream has nothing open again.
-    slack: usize,
 }
 
-/// The first tail buffer of a stream.
-const FIRST_TAIL: usize = 16 << 10;
-
 impl Open {
-    /// Retains `data`, moving its buffer, or copying it into the tail buffer when the buffer
-    /// is less than half used. Returns the bytes this charges against the cap: the capacity of
-    /// a buffer it takes or allocates.
-    fn push(&mut self, data: Vec<u8>) -> usize {
-        let len = data.len();
-        self.bytes += len;
-        if data.capacity() / 2 <= len {
-            self.freeze_tail();
-            let capacity = data.capacity();
-            self.slack += capacity - len;
-            self.parts.push_back(Bytes::from(data));
-            return capacity;
-        }
-        let mut charge = 0;
-        if self.tail.capacity() - self.tail.len() < len {
-            self.freeze_tail();
-            let capacity = len.max(self.next_tail.max(FIRST_TAIL));
-            self.next_tail = (capacity * 2).min(TAIL_CAPACITY);
-            self.tail = BytesMut::with_capacity(capacity);
-            self.slack += self.tail.capacity();
-            charge = self.tail.capacity();
-        }
-        self.tail.extend_from_slice(&data);
-        self.slack -= len;
-        charge
+    /// Retains `data`, moving its buffer (shrunk to its length first: jemalloc shrinks a large
+    /// allocation in place, so the batch buffer the intake sized for more records than came
+    /// gives its unused pages back without a copy).
+    fn push(&mut self, mut data: Vec<u8>) {
+        data.shrink_to_fit();
+        self.bytes += data.len();
+        self.parts.push_back(Bytes::from(data));
     }
 
-    fn freeze_tail(&mut self) {
-        if !self.tail.is_empty() {
-            self.parts.push_back(self.tail.split().freeze());
-        }
-    }
-
-    /// Cuts the first `n` retained bytes off, or `None` if fewer are retained. Returns the
-    /// pieces and the bytes this releases from the cap.
-    fn take(&mut self, n: usize) -> Option<(Vec<Bytes>, usize)> {
+    /// Cuts the first `n` retained bytes off, or `None` if fewer are retained.
+    fn take(&mut self, n: usize) -> Option<Vec<Bytes>> {
         if n > self.bytes {
             return None;
         }
-        self.freeze_tail();
         let mut out = Vec::new();
         let mut left = n;
         while left > 0 {
@@ -169,16 +134,7 @@ impl Open {
             }
         }
         self.bytes -= n;
-        let mut released = n;
-        if self.bytes == 0 {
-            released += std::mem::take(&mut self.slack);
-            self.tail = BytesMut::new();
-        }
-        Some((out, released))
-    }
-
-    fn charged(&self) -> usize {
-        self.bytes + self.slack
+        Some(out)
     }
 }
 
@@ -186,8 +142,8 @@ impl Open {
 #[derive(Debug, Default)]
 pub struct Retained {
     streams: HashMap<String, Open>,
-    /// Charged against [`RETAINED_BYTES_CAP`]: retained bytes and their buffers' slack.
-    charged: usize,
+    /// Retained over all streams, held under [`RETAINED_BYTES_CAP`].
+    bytes: usize,
 }
 
 impl Retained {
@@ -219,11 +175,12 @@ impl Retained {
             }
             for b in req.batches {
                 let Some(open) = self.streams.get_mut(&b.stream) else { continue };
-                if self.charged + b.data.capacity() > RETAINED_BYTES_CAP {
+                if self.bytes + b.data.len() > RETAINED_BYTES_CAP {
                     self.untrack(&b.stream);
                     continue;
                 }
-                self.charged += open.push(b.data);
+                self.bytes += b.data.len();
+                open.push(b.data);
                 if touched.last() != Some(&b.stream) {
                     touched.push(b.stream);
                 }
@@ -233,8 +190,8 @@ impl Retained {
         for meta in sealed {
             let len = usize::try_from(meta.bytes).unwrap_or(usize::MAX);
             match self.streams.get_mut(&meta.stream).and_then(|open| open.take(len)) {
-                Some((parts, released)) => {
-                    self.charged -= released;
+                Some(parts) => {
+                    self.bytes -= len;
                     out.push((meta.clone(), Some(Payload::from_parts(parts))));
                 }
                 None => {
@@ -255,13 +212,13 @@ impl Retained {
 
     fn untrack(&mut self, stream: &str) {
         if let Some(open) = self.streams.remove(stream) {
-            self.charged -= open.charged();
+            self.bytes -= open.bytes;
         }
     }
 
-    /// Bytes charged against [`RETAINED_BYTES_CAP`] now.
-    pub fn charged(&self) -> usize {
-        self.charged
+    /// Bytes retained over all streams.
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 }
 
@@ -330,20 +287,26 @@ impl Handoff {
     }
 
     /// Spool thread: chunks were sealed (in id order, all of one commit). Queued while the
-    /// uploader follows and the queue has room; the first that does not fit ends the following.
+    /// uploader follows: with their bytes while those fit under [`QUEUED_BYTES_CAP`], without
+    /// them otherwise; the first past [`QUEUED_CHUNKS_CAP`] ends the following.
     pub fn sealed(&self, chunks: Vec<(ChunkMeta, Option<Payload>)>) {
         let mut st = self.lock();
         st.seals += chunks.len() as u64;
         if !st.following {
             return;
         }
-        for (meta, payload) in chunks {
-            let len = payload.as_ref().map_or(0, Payload::len);
-            if st.queued_bytes + len > QUEUED_BYTES_CAP {
+        for (meta, mut payload) in chunks {
+            if st.queue.len() >= QUEUED_CHUNKS_CAP {
+                // What is queued stays: the uploader takes it, then reads the spool after it.
                 st.following = false;
                 return;
             }
-            st.queued_bytes += len;
+            let len = payload.as_ref().map_or(0, Payload::len);
+            if st.queued_bytes + len > QUEUED_BYTES_CAP {
+                payload = None;
+            } else {
+                st.queued_bytes += len;
+            }
             st.queue.push_back((meta, payload));
         }
     }
@@ -423,7 +386,7 @@ mod tests {
                     .map(|_| {
                         let stream = ["a", "b", "c"][rng.random_range(0..3)];
                         let (records, size) = (rng.random_range(1..6), rng.random_range(1..9000));
-                        // Some buffers mostly empty (copied into a tail), some full (moved).
+                        // Some buffers mostly empty (shrunk when retained), some full.
                         let need = records as usize * (size + 4);
                         let capacity = if rng.random_bool(0.5) { need } else { need * 4 + 65536 };
                         batch(stream, records, size, capacity, round as u8)
@@ -457,7 +420,7 @@ mod tests {
             for (name, open) in &retained.streams {
                 assert_eq!(open.bytes as u64, spool.open_bytes(name), "stream {name} after round {round}");
             }
-            assert!(retained.charged() <= RETAINED_BYTES_CAP);
+            assert!(retained.bytes() <= RETAINED_BYTES_CAP);
         }
         // Every stream starts empty, so none is ever untracked here: all chunks had their bytes.
         assert!(with_bytes > 100, "{with_bytes} chunks handed over");
@@ -505,7 +468,7 @@ mod tests {
         let outcomes = report.appends.expect("appends");
         let handed = retained.committed(reqs, &outcomes, &report.sealed, &spool);
         assert_eq!((handed.len(), handed[0].1.is_none()), (1, true));
-        assert_eq!(retained.charged(), 0, "nothing is held for an untracked stream");
+        assert_eq!(retained.bytes(), 0, "nothing is held for an untracked stream");
     }
 
     #[test]
@@ -519,22 +482,37 @@ mod tests {
         assert!(matches!(h.next(), Next::CaughtUp));
     }
 
+    fn taken(h: &Handoff) -> Vec<(i64, bool)> {
+        std::iter::from_fn(|| match h.next() {
+            Next::Chunk(m, p) => Some((m.id.0, p.is_some())),
+            _ => None,
+        })
+        .collect()
+    }
+
     #[test]
-    fn a_follower_gets_every_seal_in_order_until_the_queue_is_full() {
+    fn a_follower_gets_every_seal_in_order_and_the_bytes_that_fit() {
         let h = Handoff::default();
         assert!(h.follow(h.generation()));
         h.sealed(vec![(meta(1, 10), payload(10)), (meta(2, 0), None)]);
         let big = QUEUED_BYTES_CAP - 10;
         h.sealed(vec![(meta(3, big as u64), payload(big)), (meta(4, 1), payload(1))]);
         assert_eq!(h.queued_bytes(), 10 + big);
-        let ids: Vec<_> = std::iter::from_fn(|| match h.next() {
-            Next::Chunk(m, p) => Some((m.id.0, p.is_some())),
-            _ => None,
-        })
-        .collect();
-        assert_eq!(ids, [(1, true), (2, false), (3, true)], "chunk 4 did not fit");
-        assert!(matches!(h.next(), Next::Spool), "chunk 4 is read from the spool");
+        assert_eq!(taken(&h), [(1, true), (2, false), (3, true), (4, false)], "chunk 4's bytes did not fit");
+        assert!(matches!(h.next(), Next::CaughtUp));
         assert_eq!(h.queued_bytes(), 0);
+    }
+
+    #[test]
+    fn a_seal_past_the_chunk_cap_ends_the_following() {
+        let h = Handoff::default();
+        assert!(h.follow(h.generation()));
+        h.sealed((1..=QUEUED_CHUNKS_CAP as i64).map(|id| (meta(id, 1), payload(1))).collect());
+        assert_eq!(h.queued_bytes(), QUEUED_CHUNKS_CAP);
+        h.sealed(vec![(meta(QUEUED_CHUNKS_CAP as i64 + 1, 1), payload(1))]);
+        assert!(!h.following());
+        assert_eq!(taken(&h).len(), QUEUED_CHUNKS_CAP, "what was queued is still handed over");
+        assert!(matches!(h.next(), Next::Spool), "then the uploader reads the spool after the last one");
     }
 
     #[test]

@@ -353,8 +353,8 @@ async fn chunks_sealed_while_the_uploader_keeps_up_are_sent_from_memory_as_the_s
     })
     .await;
 
-    // Chunks of several shapes: one full buffer (moved), small records in mostly empty buffers
-    // (copied), and records appended in two commits (one chunk, or two if the idle uploader
+    // Chunks of several shapes: one full buffer, small records in mostly empty buffers (shrunk
+    // when kept), and records appended in two commits (one chunk, or two if the idle uploader
     // had the first commit sealed at once).
     let shapes: Vec<Vec<Vec<Batch>>> = vec![
         vec![vec![records(10, 10_000, 0, 3)]],

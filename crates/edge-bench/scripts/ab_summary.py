@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Summarises the pipeline reports of ab.sh: per build (A, B), the median [min-max] of each
+figure over its runs, as a Markdown table.
+
+    python3 crates/edge-bench/scripts/ab_summary.py /tmp/ab
+"""
+import re
+import statistics
+import sys
+from pathlib import Path
+
+FIGURES = [
+    ("raw quinn, 10 KiB messages", "MB/s", "raw quinn MB/s"),
+    ("raw quinn, 10 KiB messages", "CPU-s/GiB sender", "raw quinn sender CPU-s/GiB"),
+    ("drain of a prefilled spool", "MB/s", "drain MB/s"),
+    ("drain of a prefilled spool", "CPU-s/GiB agent", "drain: agent CPU-s/GiB"),
+    ("drain of a prefilled spool", "CPU-s/GiB ingest", "drain: ingest CPU-s/GiB"),
+    ("live, 10 KiB records, 1 per request", "MB/s", "live HTTP MB/s"),
+    ("live, 10 KiB records, 1 per request", "CPU-s/GiB agent", "live HTTP: agent CPU-s/GiB"),
+    ("live, 10 KiB records, 1 per request", "MiB agent peak RSS", "live HTTP: agent peak RSS MiB"),
+    ("live, 10 KiB records, record-stream intake", "MB/s", "record stream MB/s"),
+    ("live, 10 KiB records, record-stream intake", "CPU-s/GiB agent", "record stream: agent CPU-s/GiB"),
+    ("live, 10 KiB records, record-stream intake", "CPU-s/GiB ingest", "record stream: ingest CPU-s/GiB"),
+    ("live, 10 KiB records, record-stream intake", "MiB agent peak RSS", "record stream: agent peak RSS MiB"),
+]
+
+
+def figures(path):
+    """{(case, unit): value} of one pipeline report's figure table."""
+    out = {}
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4:
+            continue
+        m = re.match(r"([0-9.]+) (.*)", cells[2])
+        if m:
+            out[(cells[1], m.group(2))] = float(m.group(1))
+    return out
+
+
+def main():
+    folder = Path(sys.argv[1])
+    runs = {"A": [], "B": []}
+    for p in sorted(folder.glob("*.md")):
+        label = p.stem.rsplit("-", 1)[-1]
+        if label in runs:
+            runs[label].append(figures(p))
+    n = {k: len(v) for k, v in runs.items()}
+    print(f"| figure | A (n={n['A']}) | B (n={n['B']}) | B ÷ A (medians) |")
+    print("|---|---|---|---|")
+    for case, unit, name in FIGURES:
+        cols = []
+        meds = []
+        for k in ("A", "B"):
+            vals = [f[(case, unit)] for f in runs[k] if (case, unit) in f]
+            if not vals:
+                cols.append("-")
+                meds.append(None)
+                continue
+            med = statistics.median(vals)
+            meds.append(med)
+            cols.append(f"{med:.3g} [{min(vals):.3g}-{max(vals):.3g}]")
+        ratio = f"{meds[1] / meds[0]:.3f}" if None not in meds and meds[0] else "-"
+        print(f"| {name} | {cols[0]} | {cols[1]} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
