@@ -15,6 +15,7 @@ FIGURES = [
     ("drain of a prefilled spool", "MB/s", "drain MB/s"),
     ("drain of a prefilled spool", "CPU-s/GiB agent", "drain: agent CPU-s/GiB"),
     ("drain of a prefilled spool", "CPU-s/GiB ingest", "drain: ingest CPU-s/GiB"),
+    ("drain of a prefilled spool", "MiB agent peak RSS", "drain: agent peak RSS MiB"),
     ("live, 10 KiB records, 1 per request", "MB/s", "live HTTP MB/s"),
     ("live, 10 KiB records, 1 per request", "CPU-s/GiB agent", "live HTTP: agent CPU-s/GiB"),
     ("live, 10 KiB records, 1 per request", "MiB agent peak RSS", "live HTTP: agent peak RSS MiB"),

@@ -11,7 +11,8 @@
 //!
 //! * [`Retained`], owned by the spool thread: the bytes of each *tracked* stream's open
 //!   batches, moved out of the committed append requests (each buffer shrunk to its length, so
-//!   a 10 KiB record does not keep the intake's 64 KiB batch buffer alive). A stream is tracked from a commit before which it had nothing open,
+//!   a 10 KiB record does not keep the intake's 64 KiB batch buffer alive), kept only while the
+//!   uploader follows. A stream is tracked from a commit before which it had nothing open,
 //!   and stays tracked while the retained bytes equal its open bytes in the spool, checked
 //!   after every commit. When a tracked stream is sealed, the chunk's bytes are the retained
 //!   parts up to the chunk's length. Untracked streams (open batches from before a restart,
@@ -208,6 +209,12 @@ impl Retained {
             }
         }
         out
+    }
+
+    /// Stops tracking every stream (the uploader does not follow).
+    pub fn clear(&mut self) {
+        self.streams.clear();
+        self.bytes = 0;
     }
 
     fn untrack(&mut self, stream: &str) {

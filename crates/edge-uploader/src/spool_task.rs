@@ -344,7 +344,14 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared) {
         let ids = std::mem::take(&mut *lock(&pending_acks));
         let early = uploader_idle.load(Ordering::Relaxed);
         let seal = if seal_waiters.is_empty() && open && !early { SealWhat::Due } else { SealWhat::All };
-        retained.track(&reqs, &spool);
+        // Batches are kept only for an uploader that follows the seals: one that is behind or
+        // disconnected reads the spool anyway (and a stream is tracked again from its next
+        // seal on, once it follows).
+        if handoff.following() {
+            retained.track(&reqs, &spool);
+        } else {
+            retained.clear();
+        }
         // One transaction, one fsync: acks, appends, seals.
         let (answer, sealed_now) = match spool.commit(&reqs, &ids, seal, now) {
             Ok(report) => (report.appends.map_err(append_failure), report.sealed),
