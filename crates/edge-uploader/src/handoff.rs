@@ -20,9 +20,10 @@
 //! * [`Handoff`], shared by the spool thread and the uploader: a queue of the chunks sealed
 //!   since the uploader said it had read everything sealed ([`Handoff::follow`]). While the
 //!   uploader follows, every seal is queued, in id order, so the queue's front is always the
-//!   next sealed chunk after the uploader's cursor. The queue holds at most
-//!   [`QUEUED_BYTES_CAP`] bytes: a chunk that would go over it is queued without them (the
-//!   uploader reads it by id). A seal past [`QUEUED_CHUNKS_CAP`] chunks ends the following, and
+//!   next sealed chunk after the uploader's cursor. The queue holds chunk bytes only within
+//!   the room the uploader's in-flight byte budget leaves ([`Handoff::set_room`]), so what is
+//!   queued and what is in flight together stay within `upload.max_in_flight_bytes`: a chunk
+//!   that does not fit is queued without its bytes (the uploader reads it by id). A seal past [`QUEUED_CHUNKS_CAP`] chunks ends the following, and
 //!   the uploader reads the rest from the spool, as it does after a reconnect.
 
 use std::collections::{HashMap, VecDeque};
@@ -30,11 +31,6 @@ use std::sync::Mutex;
 
 use bytes::{Bytes, BytesMut};
 use edge_spool::{AppendOutcome, AppendRequest, ChunkMeta, ChunkPayload, Spool};
-
-/// At most this many bytes of sealed chunks wait in the queue for the uploader; a chunk that
-/// does not fit is queued without its bytes, which the uploader then reads from the spool (a
-/// burst while its in-flight window is full).
-pub const QUEUED_BYTES_CAP: usize = 4 << 20;
 
 /// At most this many chunks wait in the queue; a seal beyond it ends the following (the
 /// uploader is behind, and reads the spool as after a reconnect).
@@ -248,6 +244,8 @@ struct State {
     following: bool,
     queue: VecDeque<(ChunkMeta, Option<Payload>)>,
     queued_bytes: usize,
+    /// What the uploader's in-flight byte budget has left (see [`Handoff::set_room`]).
+    room: usize,
 }
 
 /// The queue between the spool thread and the uploader. See the module doc.
@@ -293,9 +291,15 @@ impl Handoff {
         st.queued_bytes = 0;
     }
 
+    /// The uploader: its in-flight byte budget has `bytes` left. Chunk bytes are queued only
+    /// within it.
+    pub fn set_room(&self, bytes: u64) {
+        self.lock().room = usize::try_from(bytes).unwrap_or(usize::MAX);
+    }
+
     /// Spool thread: chunks were sealed (in id order, all of one commit). Queued while the
-    /// uploader follows: with their bytes while those fit under [`QUEUED_BYTES_CAP`], without
-    /// them otherwise; the first past [`QUEUED_CHUNKS_CAP`] ends the following.
+    /// uploader follows: with their bytes while those fit in the room its in-flight budget
+    /// leaves, without them otherwise; the first past [`QUEUED_CHUNKS_CAP`] ends the following.
     pub fn sealed(&self, chunks: Vec<(ChunkMeta, Option<Payload>)>) {
         let mut st = self.lock();
         st.seals += chunks.len() as u64;
@@ -309,7 +313,7 @@ impl Handoff {
                 return;
             }
             let len = payload.as_ref().map_or(0, Payload::len);
-            if st.queued_bytes + len > QUEUED_BYTES_CAP {
+            if st.queued_bytes + len > st.room {
                 payload = None;
             } else {
                 st.queued_bytes += len;
@@ -498,11 +502,13 @@ mod tests {
     }
 
     #[test]
-    fn a_follower_gets_every_seal_in_order_and_the_bytes_that_fit() {
+    fn a_follower_gets_every_seal_in_order_and_the_bytes_that_fit_its_budget() {
         let h = Handoff::default();
         assert!(h.follow(h.generation()));
+        const ROOM: usize = 4 << 20;
+        h.set_room(ROOM as u64);
         h.sealed(vec![(meta(1, 10), payload(10)), (meta(2, 0), None)]);
-        let big = QUEUED_BYTES_CAP - 10;
+        let big = ROOM - 10;
         h.sealed(vec![(meta(3, big as u64), payload(big)), (meta(4, 1), payload(1))]);
         assert_eq!(h.queued_bytes(), 10 + big);
         assert_eq!(taken(&h), [(1, true), (2, false), (3, true), (4, false)], "chunk 4's bytes did not fit");
@@ -514,6 +520,7 @@ mod tests {
     fn a_seal_past_the_chunk_cap_ends_the_following() {
         let h = Handoff::default();
         assert!(h.follow(h.generation()));
+        h.set_room(u64::MAX);
         h.sealed((1..=QUEUED_CHUNKS_CAP as i64).map(|id| (meta(id, 1), payload(1))).collect());
         assert_eq!(h.queued_bytes(), QUEUED_CHUNKS_CAP);
         h.sealed(vec![(meta(QUEUED_CHUNKS_CAP as i64 + 1, 1), payload(1))]);
@@ -526,6 +533,7 @@ mod tests {
     fn stopping_empties_the_queue() {
         let h = Handoff::default();
         assert!(h.follow(h.generation()));
+        h.set_room(100);
         h.sealed(vec![(meta(1, 10), payload(10))]);
         h.stop();
         assert!(matches!(h.next(), Next::Spool));

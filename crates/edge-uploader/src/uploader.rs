@@ -378,6 +378,14 @@ impl<'a> Connection<'a> {
         Self { conn, opts, spool, reader, counters, cancel }
     }
 
+    /// Shows the chunks and bytes in flight (see [`InFlight::publish`]), and tells the handoff
+    /// how many more bytes the budget allows.
+    fn publish(&self, in_flight: &InFlight) {
+        in_flight.publish(self.counters);
+        let budget = self.opts.max_in_flight_bytes.load(Ordering::Relaxed);
+        self.spool.handoff().set_room(budget.saturating_sub(in_flight.bytes));
+    }
+
     /// The first sealed chunk after `after`, read from the spool, with its payload or the read
     /// error; none if there is none.
     async fn read(&self, after: Option<ChunkId>) -> Result<Vec<(ChunkMeta, Result<Payload, SpoolError>)>, SpoolError> {
@@ -530,6 +538,7 @@ impl<'a> Connection<'a> {
                                 Some((meta, _)) => cursor = Some(meta.id),
                                 None => {
                                     exhausted = true;
+                                    self.publish(&in_flight);
                                     self.spool.handoff().follow(generation);
                                 }
                             }
@@ -570,7 +579,7 @@ impl<'a> Connection<'a> {
                         continue;
                     }
                     in_flight.insert(meta.id, raw.len() as u64);
-                    in_flight.publish(self.counters);
+                    self.publish(&in_flight);
                     tasks.spawn(send_chunk(
                         self.conn.clone(),
                         state.clone(),
@@ -610,7 +619,7 @@ impl<'a> Connection<'a> {
                 Some(joined) = tasks.join_next() => {
                     let Ok((meta, outcome)) = joined else { continue };
                     in_flight.remove(meta.id);
-                    in_flight.publish(self.counters);
+                    self.publish(&in_flight);
                     match outcome {
                         SendOutcome::Acked(status @ (AckStatus::Stored | AckStatus::Duplicate)) => {
                             allowed = allowed.min(window()).saturating_add(1);
