@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Summarises the pipeline reports of ab.sh: per build (A, B), the median [min-max] of each
-figure over its runs, as a Markdown table.
+figure over its runs, as a Markdown table; then the agent's CPU per GiB divided by the raw
+quinn sender's of the same run (as the goals of issue 5 divide them), which takes out how fast
+the shared machine was during each run.
 
     python3 crates/edge-bench/scripts/ab_summary.py /tmp/ab
 """
@@ -23,6 +25,15 @@ FIGURES = [
     ("live, 10 KiB records, record-stream intake", "CPU-s/GiB agent", "record stream: agent CPU-s/GiB"),
     ("live, 10 KiB records, record-stream intake", "CPU-s/GiB ingest", "record stream: ingest CPU-s/GiB"),
     ("live, 10 KiB records, record-stream intake", "MiB agent peak RSS", "record stream: agent peak RSS MiB"),
+]
+
+
+SENDER = ("raw quinn, 10 KiB messages", "CPU-s/GiB sender")
+# Ratios of a figure to the raw quinn sender's CPU per GiB of the same run.
+RATIOS = [
+    ("drain of a prefilled spool", "CPU-s/GiB agent", "drain: agent ÷ raw quinn sender"),
+    ("live, 10 KiB records, 1 per request", "CPU-s/GiB agent", "live HTTP: agent ÷ raw quinn sender"),
+    ("live, 10 KiB records, record-stream intake", "CPU-s/GiB agent", "record stream: agent ÷ raw quinn sender"),
 ]
 
 
@@ -49,11 +60,16 @@ def main():
     n = {k: len(v) for k, v in runs.items()}
     print(f"| figure | A (n={n['A']}) | B (n={n['B']}) | B ÷ A (medians) |")
     print("|---|---|---|---|")
-    for case, unit, name in FIGURES:
+    rows = [(name, lambda f, c=case, u=unit: f.get((c, u))) for case, unit, name in FIGURES]
+    rows += [
+        (name, lambda f, c=case, u=unit: f[(c, u)] / f[SENDER] if (c, u) in f and f.get(SENDER) else None)
+        for case, unit, name in RATIOS
+    ]
+    for name, value in rows:
         cols = []
         meds = []
         for k in ("A", "B"):
-            vals = [f[(case, unit)] for f in runs[k] if (case, unit) in f]
+            vals = [v for v in map(value, runs[k]) if v is not None]
             if not vals:
                 cols.append("-")
                 meds.append(None)
