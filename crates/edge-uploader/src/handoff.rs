@@ -15,16 +15,18 @@
 //!   uploader follows. A stream is tracked from a commit before which it had nothing open,
 //!   and stays tracked while the retained bytes equal its open bytes in the spool, checked
 //!   after every commit. When a tracked stream is sealed, the chunk's bytes are the retained
-//!   parts up to the chunk's length. Untracked streams (open batches from before a restart,
-//!   the memory cap reached) seal chunks without bytes; those are read from the spool.
+//!   parts up to the chunk's length. Untracked streams (open batches from before a restart or
+//!   from before the uploader followed, the memory cap reached) seal chunks without bytes;
+//!   those are read from the spool.
 //! * [`Handoff`], shared by the spool thread and the uploader: a queue of the chunks sealed
 //!   since the uploader said it had read everything sealed ([`Handoff::follow`]). While the
 //!   uploader follows, every seal is queued, in id order, so the queue's front is always the
 //!   next sealed chunk after the uploader's cursor. The queue holds chunk bytes only within
 //!   the room the uploader's in-flight byte budget leaves ([`Handoff::set_room`]), so what is
 //!   queued and what is in flight together stay within `upload.max_in_flight_bytes`: a chunk
-//!   that does not fit is queued without its bytes (the uploader reads it by id). A seal past [`QUEUED_CHUNKS_CAP`] chunks ends the following, and
-//!   the uploader reads the rest from the spool, as it does after a reconnect.
+//!   that does not fit is queued without its bytes (the uploader reads it by id). A seal past
+//!   [`QUEUED_CHUNKS_CAP`] chunks ends the following, and the uploader reads the rest from the
+//!   spool, as it does after a reconnect.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
