@@ -121,10 +121,8 @@ async fn flush(send: &mut quinn::SendStream, session: &mut ServerSession) {
     }
 }
 
-/// One agent with one sealed 256 KiB chunk, connected to a scripted server whose stream window
-/// is 64 KiB: the agent cannot have finished the chunk's stream when the server stops it, so the
-/// stop always reaches it.
-struct StopRig {
+/// One agent with one sealed chunk, its uploader running, connected to a scripted server.
+struct Rig {
     agent: AgentSide,
     _endpoint: quinn::Endpoint,
     conn: quinn::Connection,
@@ -133,11 +131,12 @@ struct StopRig {
     uploader: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
-impl StopRig {
-    async fn start() -> Self {
+impl Rig {
+    /// The sealed chunk holds at least `chunk_bytes`; the server runs with `tuning`.
+    async fn start(chunk_bytes: usize, tuning: &Tuning) -> Self {
         let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
-        let agent = AgentSide::new(&pki, 256 << 10);
-        let endpoint = server(&pki, &Tuning { stream_receive_window: 64 << 10, ..Tuning::default() }, localhost());
+        let agent = AgentSide::new(&pki, chunk_bytes);
+        let endpoint = server(&pki, tuning, localhost());
         let addr = endpoint.local_addr().expect("server address");
         let counters = Arc::new(UploadCounters::default());
         let cancel = CancellationToken::new();
@@ -151,7 +150,13 @@ impl StopRig {
         let conn = bounded("connection", async { endpoint.accept().await.expect("endpoint open").await })
             .await
             .expect("handshake");
-        StopRig { agent, _endpoint: endpoint, conn, counters, cancel, uploader }
+        Rig { agent, _endpoint: endpoint, conn, counters, cancel, uploader }
+    }
+
+    /// A 256 KiB chunk and a server whose stream window is 64 KiB: the agent cannot have
+    /// finished the chunk's stream when the server stops it, so the stop always reaches it.
+    async fn for_stops() -> Self {
+        Rig::start(256 << 10, &Tuning { stream_receive_window: 64 << 10, ..Tuning::default() }).await
     }
 
     /// Takes the chunk offered again on a new stream and acks it `Stored`, then shuts the
@@ -178,7 +183,7 @@ impl StopRig {
 
 #[tokio::test]
 async fn a_chunk_whose_stream_the_server_stopped_is_sent_again_on_the_same_connection() {
-    let rig = StopRig::start().await;
+    let rig = Rig::for_stops().await;
     let conn = rig.conn.clone();
     let (mut ctl, mut session) = welcome(&conn).await;
 
@@ -192,7 +197,7 @@ async fn a_chunk_whose_stream_the_server_stopped_is_sent_again_on_the_same_conne
 
 #[tokio::test]
 async fn a_chunk_stopped_with_stop_answered_waits_for_its_ack_before_it_is_sent_again() {
-    let rig = StopRig::start().await;
+    let rig = Rig::for_stops().await;
     let conn = rig.conn.clone();
     let (mut ctl, mut session) = welcome(&conn).await;
 
@@ -324,22 +329,7 @@ fn records(n: u32, size: usize, capacity: usize, seed: u8) -> Batch {
 
 #[tokio::test]
 async fn chunks_sealed_while_the_uploader_keeps_up_are_sent_from_memory_as_the_spool_holds_them() {
-    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
-    let agent = AgentSide::new(&pki, 10 << 10);
-    let endpoint = server(&pki, &Tuning::default(), localhost());
-    let addr = endpoint.local_addr().expect("server address");
-    let counters = Arc::new(UploadCounters::default());
-    let cancel = CancellationToken::new();
-    let uploader = tokio::spawn(edge_uploader::uploader::run(
-        agent.options(addr),
-        agent.spool.clone(),
-        agent.reader.clone(),
-        counters.clone(),
-        cancel.clone(),
-    ));
-    let conn = bounded("connection", async { endpoint.accept().await.expect("endpoint open").await })
-        .await
-        .expect("handshake");
+    let Rig { agent, _endpoint, conn, counters, cancel, uploader } = Rig::start(10 << 10, &Tuning::default()).await;
     let (mut ctl, mut session) = welcome(&conn).await;
 
     // The chunk sealed before the agent started is read from the spool.
