@@ -4,15 +4,17 @@
 # drifts slower or faster during the run weighs on both builds alike. Each build is a folder
 # holding the two binaries (copy them out of target/release/ after each build). The bench
 # binary is target/release/edge-bench; the last build measured stays in target/release/.
-# Writes one pipeline report per run into OUT; ab_summary.py reads them.
+# Writes one report per run into OUT; ab_summary.py reads them. CASES replaces the bench's
+# subcommand `pipeline --reps 1`, e.g. `quick` (which adds the latency case).
 #
 #   crates/edge-bench/scripts/ab.sh /tmp/base-bin /tmp/new-bin 8 /tmp/ab
 #   python3 crates/edge-bench/scripts/ab_summary.py /tmp/ab
 set -euo pipefail
-a=${1:?usage: ab.sh DIR_A DIR_B ROUNDS OUT}
+a=${1:?usage: ab.sh DIR_A DIR_B ROUNDS OUT [CASES]}
 b=${2:?}
 rounds=${3:?}
 out=${4:?}
+read -r -a cases <<<"${5:-pipeline --reps 1}"
 cd "$(dirname "$0")/../../.."
 mkdir -p "$out"
 run=0
@@ -21,7 +23,7 @@ measure() {
     run=$((run + 1))
     cp "$dir/edge-uploader" "$dir/edge-ingest" target/release/
     echo "run $run: $label ($(date -u +%H:%M:%S))" >&2
-    target/release/edge-bench pipeline --reps 1 --allow-stale >"$out/$(printf %02d $run)-$label.md" 2>>"$out/progress.log"
+    target/release/edge-bench "${cases[@]}" --allow-stale >"$out/$(printf %02d $run)-$label.md" 2>>"$out/progress.log"
 }
 for ((i = 0; i < rounds; i += 2)); do
     measure A "$a"

@@ -25,6 +25,9 @@ FIGURES = [
     ("live, 10 KiB records, record-stream intake", "CPU-s/GiB agent", "record stream: agent CPU-s/GiB"),
     ("live, 10 KiB records, record-stream intake", "CPU-s/GiB ingest", "record stream: ingest CPU-s/GiB"),
     ("live, 10 KiB records, record-stream intake", "MiB agent peak RSS", "record stream: agent peak RSS MiB"),
+    # `quick` only:
+    ("latency at half the live maximum (10 KiB)", "ms p50", "latency p50 ms (intake commit → ack)"),
+    ("latency at half the live maximum (10 KiB)", "ms p99", "latency p99 ms (intake commit → ack)"),
 ]
 
 
@@ -66,6 +69,8 @@ def main():
         for case, unit, name in RATIOS
     ]
     for name, value in rows:
+        if not any(value(f) is not None for k in runs for f in runs[k]):
+            continue
         cols = []
         meds = []
         for k in ("A", "B"):
