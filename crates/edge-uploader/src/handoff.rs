@@ -417,6 +417,12 @@ mod tests {
             let report = spool.commit(&reqs, &acks, seal, u64::from(round)).expect("commit");
             let outcomes = report.appends.expect("appends");
             for (meta, payload) in retained.committed(reqs, &outcomes, &report.sealed, &spool) {
+                let listed = reader.sealed_after(Some(edge_spool::ChunkId(meta.id.0 - 1)), 1).expect("list");
+                assert_eq!(
+                    listed,
+                    std::slice::from_ref(&meta),
+                    "the sealing report's chunk is the one the spool lists"
+                );
                 let from_disk = reader.read_payload(&meta).expect("read back");
                 match payload {
                     Some(p) => {
