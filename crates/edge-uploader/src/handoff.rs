@@ -285,7 +285,9 @@ impl Handoff {
         }
     }
 
-    /// The uploader stops following (its connection ended): the queue is emptied.
+    /// Ends the following and empties the queue: the uploader's connection ended, or the spool
+    /// thread saw chunks deleted other than by acks (the cap dropped the oldest), which queued
+    /// chunks may be among. The uploader then reads the spool after its cursor.
     pub fn stop(&self) {
         let mut st = self.lock();
         st.following = false;
@@ -322,12 +324,6 @@ impl Handoff {
             }
             st.queue.push_back((meta, payload));
         }
-    }
-
-    /// Spool thread: chunks were deleted other than by the uploader's acks (the cap dropped
-    /// the oldest): queued chunks may be among them, so the uploader goes back to the spool.
-    pub fn invalidate(&self) {
-        self.stop();
     }
 
     /// Whether the uploader follows: every seal is queued for it.

@@ -394,7 +394,7 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared) {
         let handed = retained.committed(reqs, accepted, &sealed_now, &spool);
         if dropped_chunks != dropped_before {
             // The cap dropped chunks the handoff may hold: the uploader reads the spool again.
-            handoff.invalidate();
+            handoff.stop();
         }
         if !handed.is_empty() {
             handoff.sealed(handed);
@@ -552,6 +552,39 @@ mod tests {
         until_no_sealed_chunks(&handle).await;
         assert!(reader.sealed_after(None, usize::MAX).expect("list").is_empty());
         assert!(lock(&handle.pending_acks).is_empty());
+
+        drop(handle);
+        thread.join();
+    }
+
+    #[tokio::test]
+    async fn chunks_dropped_by_the_cap_end_the_uploaders_following() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut opts = SpoolOptions::new(dir.path().join("spool.db"));
+        opts.linger = Duration::from_secs(3600);
+        opts.chunk_target_bytes = 8 << 10;
+        opts.max_bytes = 64 << 10;
+        opts.full_policy = FullPolicy::DropOldest;
+        let (spool, _) = Spool::open(opts).expect("open spool");
+        let (handle, thread) = SpoolHandle::spawn(spool).expect("spawn spool thread");
+        let handoff = handle.handoff();
+        handoff.set_room(u64::MAX);
+        assert!(handoff.follow(handoff.generation()));
+
+        // Each append seals a chunk, queued for the follower; past 64 KiB the oldest are dropped.
+        for _ in 0..4 {
+            let batch = Batch { stream: "s".into(), data: vec![0; 10 << 10], records: 1 };
+            handle.append(AppendRequest { batches: vec![batch] }).await.expect("append");
+        }
+        assert!(handoff.following() && handoff.queued_bytes() > 0);
+        for _ in 0..8 {
+            let batch = Batch { stream: "s".into(), data: vec![0; 10 << 10], records: 1 };
+            handle.append(AppendRequest { batches: vec![batch] }).await.expect("append");
+        }
+        assert!(handle.stats().dropped_chunks > 0);
+        // Queued chunks may be among the dropped ones: the uploader goes back to the spool.
+        assert!(!handoff.following());
+        assert_eq!(handoff.queued_bytes(), 0);
 
         drop(handle);
         thread.join();
