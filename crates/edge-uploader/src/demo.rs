@@ -239,7 +239,7 @@ pub async fn run(opts: DemoOptions) -> anyhow::Result<Summary> {
     }
     let seconds = started.elapsed().as_secs_f64();
     let (p50, p99) = {
-        let l = agent.upload().latency_ms.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let l = crate::lock(&agent.upload().latency_ms);
         (l.quantile(0.5), l.quantile(0.99))
     };
     let chunks_acked = agent.upload().chunks_acked();
@@ -248,7 +248,7 @@ pub async fn run(opts: DemoOptions) -> anyhow::Result<Summary> {
     drop(store);
 
     // Verify through the export path.
-    let acked = std::mem::take(&mut *acked.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+    let acked = std::mem::take(&mut *crate::lock(&acked));
     let check = verify(&data_dir, &acked)?;
     let records_sent = sent.load(Ordering::Relaxed);
     let bytes = sent_bytes.load(Ordering::Relaxed);
@@ -322,7 +322,7 @@ impl Producer {
             i = if stream == TEMPERATURE { indices.last().copied().unwrap_or(i) + 1 } else { i + step };
             mine.extend(indices);
         }
-        self.acked.lock().unwrap_or_else(std::sync::PoisonError::into_inner).entry(stream).or_default().extend(mine);
+        crate::lock(&self.acked).entry(stream).or_default().extend(mine);
         Ok(())
     }
 }

@@ -260,21 +260,21 @@ impl Handoff {
     /// The seals so far. Taken before the uploader reads the spool, and passed to
     /// [`Handoff::follow`] if that read found nothing more.
     pub fn generation(&self) -> u64 {
-        self.lock().seals
+        crate::lock(&self.state).seals
     }
 
     /// The uploader has sent everything that was sealed at `generation`: from now on, queue
     /// every seal for it. Refused (returns false) if anything was sealed since, which the read
     /// may have missed.
     pub fn follow(&self, generation: u64) -> bool {
-        let mut st = self.lock();
+        let mut st = crate::lock(&self.state);
         st.following = st.seals == generation;
         st.following
     }
 
     /// Takes the next chunk, if the handoff knows it.
     pub fn next(&self) -> Next {
-        let mut st = self.lock();
+        let mut st = crate::lock(&self.state);
         match st.queue.pop_front() {
             Some((meta, payload)) => {
                 st.queued_bytes -= payload.as_ref().map_or(0, Payload::len);
@@ -289,7 +289,7 @@ impl Handoff {
     /// thread saw chunks deleted other than by acks (the cap dropped the oldest), which queued
     /// chunks may be among. The uploader then reads the spool after its cursor.
     pub fn stop(&self) {
-        let mut st = self.lock();
+        let mut st = crate::lock(&self.state);
         st.following = false;
         st.queue.clear();
         st.queued_bytes = 0;
@@ -298,14 +298,14 @@ impl Handoff {
     /// The uploader: its in-flight byte budget has `bytes` left. Chunk bytes are queued only
     /// within it.
     pub fn set_room(&self, bytes: u64) {
-        self.lock().room = usize::try_from(bytes).unwrap_or(usize::MAX);
+        crate::lock(&self.state).room = usize::try_from(bytes).unwrap_or(usize::MAX);
     }
 
     /// Spool thread: chunks were sealed (in id order, all of one commit). Queued while the
     /// uploader follows: with their bytes while those fit in the room its in-flight budget
     /// leaves, without them otherwise; the first past [`QUEUED_CHUNKS_CAP`] ends the following.
     pub fn sealed(&self, chunks: Vec<(ChunkMeta, Option<Payload>)>) {
-        let mut st = self.lock();
+        let mut st = crate::lock(&self.state);
         st.seals += chunks.len() as u64;
         if !st.following {
             return;
@@ -328,17 +328,12 @@ impl Handoff {
 
     /// Whether the uploader follows: every seal is queued for it.
     pub fn following(&self) -> bool {
-        self.lock().following
+        crate::lock(&self.state).following
     }
 
     /// Bytes of sealed chunks waiting in the queue.
     pub fn queued_bytes(&self) -> usize {
-        self.lock().queued_bytes
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        // Every holder leaves the state consistent (no panics between its updates).
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::lock(&self.state).queued_bytes
     }
 }
 

@@ -71,7 +71,7 @@ impl Intake {
             edge_spool::FullPolicy::Reject => "reject",
             edge_spool::FullPolicy::DropOldest => "drop_oldest",
         };
-        *self.settings.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = json!({
+        *crate::lock(&self.settings) = json!({
             "log_level": config.log_level,
             "spool_max_bytes": config.spool.max_bytes,
             "spool_full_policy": policy,
@@ -242,12 +242,12 @@ pub fn status_json(intake: &Intake) -> serde_json::Value {
     let s = intake.spool.stats();
     let u = &intake.upload;
     let (p50, p99) = {
-        let l = u.latency_ms.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let l = crate::lock(&u.latency_ms);
         (l.quantile(0.5), l.quantile(0.99))
     };
-    let last_error = u.last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-    let settings = intake.settings.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
-    let session = u.session.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    let last_error = crate::lock(&u.last_error).clone();
+    let settings = crate::lock(&intake.settings).clone();
+    let session = crate::lock(&u.session).clone();
     let now = crate::status::now_ms();
     let rates = intake.rates.rates(now, intake.rate_counters());
     let rtt = u.metrics.rtt_seconds();

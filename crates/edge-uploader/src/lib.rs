@@ -18,5 +18,13 @@ pub mod spool_task;
 pub mod status;
 pub mod uploader;
 
+/// Locks `m` even if a thread panicked while holding it. Every lock of this crate guards state
+/// that each holder leaves consistent (no panic can come between two updates that belong
+/// together), so a poisoned lock holds nothing half done, and refusing it would only stop the
+/// agent.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Exit code for configuration errors (`EX_CONFIG`); systemd is told not to restart on it.
 pub const EXIT_CONFIG: i32 = 78;

@@ -179,7 +179,7 @@ impl IntakeMetrics {
 
     /// The stream's own name while there is room for it, [`OTHER_STREAM`] after that.
     fn stream_label<'a>(&self, stream: &'a str) -> &'a str {
-        let mut seen = self.streams.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut seen = crate::lock(&self.streams);
         if seen.contains(stream) {
             return stream;
         }

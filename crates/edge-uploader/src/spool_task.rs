@@ -164,7 +164,7 @@ impl SpoolHandle {
     /// Deletes acknowledged chunks (batched with whatever else is queued).
     pub fn ack(&self, ids: Vec<ChunkId>) {
         let wake = {
-            let mut pending = lock(&self.pending_acks);
+            let mut pending = crate::lock(&self.pending_acks);
             let before = pending.len();
             pending.extend(ids);
             before == 0 || (before < ACK_GROUP && pending.len() >= ACK_GROUP)
@@ -194,7 +194,7 @@ impl SpoolHandle {
 
     /// The latest statistics snapshot (refreshed after every group commit).
     pub fn stats(&self) -> SpoolStats {
-        self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+        crate::lock(&self.stats).clone()
     }
 
     /// A read-only view of the statistics for observers (the metrics collector). Unlike a
@@ -244,7 +244,7 @@ pub struct SpoolStatsView {
 impl SpoolStatsView {
     /// The latest statistics snapshot, as [`SpoolHandle::stats`].
     pub fn get(&self) -> SpoolStats {
-        self.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+        crate::lock(&self.stats).clone()
     }
 
     /// As [`SpoolHandle::disk_bytes`].
@@ -326,7 +326,7 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared) {
                 }
             }
         }
-        let acks = lock(&pending_acks).len();
+        let acks = crate::lock(&pending_acks).len();
         if acks == 0 {
             acks_since = None;
         } else {
@@ -341,7 +341,7 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared) {
         }
         let now = now_ms();
         let (reqs, replies): (Vec<_>, Vec<_>) = std::mem::take(&mut appends).into_iter().unzip();
-        let ids = std::mem::take(&mut *lock(&pending_acks));
+        let ids = std::mem::take(&mut *crate::lock(&pending_acks));
         let early = uploader_idle.load(Ordering::Relaxed);
         let seal = if seal_waiters.is_empty() && open && !early { SealWhat::Due } else { SealWhat::All };
         // Batches are kept only for an uploader that follows the seals: one that is behind or
@@ -439,7 +439,7 @@ impl ReaderHandle {
     ) -> Result<Vec<(edge_spool::ChunkMeta, Result<ChunkPayload, SpoolError>)>, SpoolError> {
         let reader = self.reader.clone();
         tokio::task::spawn_blocking(move || {
-            let mut r = reader.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut r = crate::lock(&reader);
             let metas = r.sealed_after(after, limit)?;
             Ok(metas
                 .into_iter()
@@ -456,18 +456,12 @@ impl ReaderHandle {
     }
 }
 
-/// Locks `pending_acks`; a holder that panicked left it consistent (ids are pushed or taken
-/// whole), so poisoning is ignored.
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// Replaces the shared statistics snapshot with the spool's current one; returns the count of
 /// chunks the cap has dropped so far.
 fn publish(spool: &Spool, stats: &Mutex<SpoolStats>) -> u64 {
     let now = spool.stats();
     let dropped = now.dropped_chunks;
-    *stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = now;
+    *crate::lock(stats) = now;
     dropped
 }
 
@@ -551,7 +545,7 @@ mod tests {
         }
         until_no_sealed_chunks(&handle).await;
         assert!(reader.sealed_after(None, usize::MAX).expect("list").is_empty());
-        assert!(lock(&handle.pending_acks).is_empty());
+        assert!(crate::lock(&handle.pending_acks).is_empty());
 
         drop(handle);
         thread.join();

@@ -45,7 +45,7 @@ impl RateWindow {
 
     /// Adds a sample of the four counters taken at `now_ms`; keeps one window of history.
     pub fn sample(&self, now_ms: u64, values: [u64; 4]) {
-        let mut s = self.samples.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut s = crate::lock(&self.samples);
         s.push_back((now_ms, values));
         while s.len() > 2 && s.get(1).is_some_and(|(t, _)| now_ms.saturating_sub(*t) >= Self::WINDOW_MS) {
             s.pop_front();
@@ -54,7 +54,7 @@ impl RateWindow {
 
     /// Rates between the oldest sample in the window and `current` at `now_ms`.
     pub fn rates(&self, now_ms: u64, current: [u64; 4]) -> Option<Rates> {
-        let s = self.samples.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let s = crate::lock(&self.samples);
         let &(t0, v0) = s.front()?;
         let dt = now_ms.checked_sub(t0).filter(|dt| *dt > 0)? as f64 / 1000.0;
         let mut per_s = [0.0; 4];

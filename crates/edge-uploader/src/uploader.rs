@@ -135,12 +135,12 @@ impl AckCounter {
 
 impl UploadCounters {
     fn set_session(&self, server: &str, remote: Option<String>) {
-        let mut s = self.session.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut s = crate::lock(&self.session);
         *s = SessionInfo { server: server.to_owned(), remote, since_ms: now_ms() };
     }
 
     fn set_error(&self, e: impl Into<String>) {
-        *self.last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e.into());
+        *crate::lock(&self.last_error) = Some(e.into());
     }
 
     /// Chunks the server holds durably on our behalf: answered `Stored` or `Duplicate`.
@@ -159,10 +159,7 @@ impl UploadCounters {
         self.records_acked_total.fetch_add(u64::from(meta.records), Ordering::Relaxed);
         let now = now_ms();
         let lat = now.saturating_sub(meta.first_ms);
-        self.latency_ms
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .record(u32::try_from(lat).unwrap_or(u32::MAX));
+        crate::lock(&self.latency_ms).record(u32::try_from(lat).unwrap_or(u32::MAX));
         self.metrics.acked(meta, now);
     }
 }
@@ -444,7 +441,7 @@ impl<'a> Connection<'a> {
             let result: Result<(), ConnError> = loop {
                 match ctl_recv.read(&mut buf).await {
                     Ok(Some(n)) => {
-                        let mut st = lock(&ctl_state);
+                        let mut st = crate::lock(&ctl_state);
                         if let Err(e) = st.session.handle_control_bytes(Instant::now(), &buf[..n]) {
                             break Err(e.into());
                         }
@@ -469,7 +466,7 @@ impl<'a> Connection<'a> {
                 }
             };
             // Wake every sender: their acks will not come on this connection.
-            lock(&ctl_state).waiters.clear();
+            crate::lock(&ctl_state).waiters.clear();
             result
         });
 
@@ -492,7 +489,7 @@ impl<'a> Connection<'a> {
         // and again, and nothing would ever be stored.
         let mut allowed = usize::MAX;
         let end: Result<(), ConnError> = loop {
-            if drain_deadline.is_none() && (self.cancel.is_cancelled() || lock(&state).goaway) {
+            if drain_deadline.is_none() && (self.cancel.is_cancelled() || crate::lock(&state).goaway) {
                 drain_deadline = Some(tokio::time::Instant::now() + self.opts.drain_grace);
             }
             let draining = drain_deadline.is_some();
@@ -774,7 +771,7 @@ async fn send_chunk_inner(
         created_ms: meta.first_ms,
     };
     let rx = {
-        let mut st = lock(state);
+        let mut st = crate::lock(state);
         if let Err(e) = st.session.chunk_sent(&stream, meta.seq) {
             return SendOutcome::Lost(e.to_string());
         }
@@ -795,7 +792,7 @@ async fn send_chunk_inner(
     }
     .await;
     let abandon = |why: String| {
-        let mut st = lock(state);
+        let mut st = crate::lock(state);
         st.session.chunk_abandoned(&header.stream, meta.seq);
         st.waiters.remove(&(header.stream.clone(), meta.seq));
         SendOutcome::Lost(why)
@@ -833,10 +830,6 @@ fn ack_outcome(acked: Result<AckStatus, tokio::sync::oneshot::error::RecvError>)
         Ok(status) => SendOutcome::Acked(status),
         Err(_) => SendOutcome::Lost("connection ended before the ack".into()),
     }
-}
-
-fn lock(state: &Mutex<CtlState>) -> std::sync::MutexGuard<'_, CtlState> {
-    state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]
