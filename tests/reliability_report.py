@@ -3,9 +3,12 @@
 test, written by edge_testkit::report) as the results table of RELIABILITY.md.
 
     python3 tests/reliability_report.py                      # print the table
-    python3 tests/reliability_report.py --write RELIABILITY.md  # replace the table in the file
+    python3 tests/reliability_report.py --write RELIABILITY.md  # merge into the table in the file
 
-The table sits between the markers <!-- results:begin --> and <!-- results:end -->.
+The table sits between the markers <!-- results:begin --> and <!-- results:end -->. --write
+replaces the rows of the tests (by test and tier) that have a file, and keeps the other rows:
+a run of part of the tiers, or on a new checkout whose target/ holds only the tests just run,
+does not drop the rows of the tests it did not run.
 
 EDGE_REPORT_DIR overrides the directory. It may list several, separated by ":", each
 optionally followed by "@COMMIT", the commit its files were measured on when they do not say
@@ -33,13 +36,14 @@ def fmt(v):
     return str(v)
 
 
-def table(report_dirs):
+def rows(report_dirs):
+    """The rendered rows of the files in `report_dirs`, by (test, tier)."""
     files = {}
     for spec in report_dirs.split(":"):
         directory, _, commit = spec.partition("@")
         for path in glob.glob(os.path.join(directory, "*.json")):
             files[os.path.basename(path)] = (path, commit or None)
-    rows = []
+    out = {}
     for name in sorted(files):
         path, dir_commit = files[name]
         with open(path) as f:
@@ -48,15 +52,33 @@ def table(report_dirs):
         figures = ", ".join(f"{k}={fmt(v)}" for k, v in doc.items() if k not in META)
         commit = doc.get("commit") or dir_commit
         commit = f"`{commit}`" if commit else "(not recorded)"
-        rows.append(f"| `{doc.get('test', name)}` | {doc.get('tier', '?')} | "
-                    f"{when:%Y-%m-%d %H:%M} | {commit} | {figures.replace('|', '/')} |")
-    head = ["| test | tier | run (UTC) | commit | figures |", "|---|---|---|---|---|"]
-    return "\n".join(head + rows) + "\n"
+        test, tier = doc.get("test", name), doc.get("tier", "?")
+        out[(test, tier)] = (f"| `{test}` | {tier} | "
+                             f"{when:%Y-%m-%d %H:%M} | {commit} | {figures.replace('|', '/')} |")
+    return out
+
+
+HEAD = ["| test | tier | run (UTC) | commit | figures |", "|---|---|---|---|---|"]
+
+
+def render(by_key):
+    return "\n".join(HEAD + [by_key[k] for k in sorted(by_key)]) + "\n"
+
+
+def existing_rows(table_text):
+    """The rows of a rendered table, by (test, tier)."""
+    out = {}
+    for line in table_text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line in HEAD or len(cells) < 5:
+            continue
+        out[(cells[0].strip("`"), cells[1])] = line
+    return out
 
 
 def main():
     report_dir = os.environ.get("EDGE_REPORT_DIR", os.path.join(ROOT, "target", "reliability"))
-    out = table(report_dir)
+    new = rows(report_dir)
     if len(sys.argv) == 3 and sys.argv[1] == "--write":
         path = sys.argv[2]
         text = open(path).read()
@@ -64,11 +86,14 @@ def main():
         if begin not in text or end not in text:
             sys.exit(f"{path}: markers {begin} / {end} not found")
         head, rest = text.split(begin, 1)
-        _, tail = rest.split(end, 1)
-        open(path, "w").write(f"{head}{begin}\n{out}{end}{tail}")
-        print(f"{path}: results table rewritten from {report_dir}")
+        old, tail = rest.split(end, 1)
+        merged = existing_rows(old)
+        kept = len(merged.keys() - new.keys())
+        merged.update(new)
+        open(path, "w").write(f"{head}{begin}\n{render(merged)}{end}{tail}")
+        print(f"{path}: {len(new)} row(s) from {report_dir}, {kept} kept from the table")
     elif len(sys.argv) == 1:
-        sys.stdout.write(out)
+        sys.stdout.write(render(new))
     else:
         sys.exit(__doc__)
 
