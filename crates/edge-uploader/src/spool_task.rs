@@ -566,14 +566,16 @@ mod tests {
         assert!(handoff.follow(handoff.generation()));
 
         // Each append seals a chunk, queued for the follower; past 64 KiB the oldest are dropped.
-        for _ in 0..4 {
+        let append_10k = || {
             let batch = Batch { stream: "s".into(), data: vec![0; 10 << 10], records: 1 };
-            handle.append(AppendRequest { batches: vec![batch] }).await.expect("append");
+            handle.append(AppendRequest { batches: vec![batch] })
+        };
+        for _ in 0..4 {
+            append_10k().await.expect("append");
         }
         assert!(handoff.following() && handoff.queued_bytes() > 0);
         for _ in 0..8 {
-            let batch = Batch { stream: "s".into(), data: vec![0; 10 << 10], records: 1 };
-            handle.append(AppendRequest { batches: vec![batch] }).await.expect("append");
+            append_10k().await.expect("append");
         }
         assert!(handle.stats().dropped_chunks > 0);
         // Queued chunks may be among the dropped ones: the uploader goes back to the spool.
