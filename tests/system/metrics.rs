@@ -136,6 +136,10 @@ fn counters_of_both_daemons_agree_with_what_was_sent_and_stored() -> anyhow::Res
         assert!(m[&format!("{h}_sum")] > 0.0, "{h}: some time passed");
     }
 
+    // The one connection's attempt reached its session once.
+    assert_eq!(get(&a, "edge_uploader_connect_seconds_count")?, 1);
+    assert!(a["edge_uploader_connect_seconds_sum"] > 0.0, "the handshake took some time");
+
     // Group commit: at least one fsync, never more than one per chunk.
     let fsyncs = get(&i, "edge_ingest_store_fsyncs_total")?;
     assert!((1..=chunks).contains(&fsyncs), "{fsyncs} fsyncs for {chunks} chunks");

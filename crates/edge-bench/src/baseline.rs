@@ -283,7 +283,7 @@ pub fn role(r: Role, pki_dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn message(msg_size: usize) -> Bytes {
+pub(crate) fn message(msg_size: usize) -> Bytes {
     use rand::RngCore;
     let mut v = vec![0u8; msg_size];
     rand::rng().fill_bytes(&mut v);

@@ -493,6 +493,7 @@ pub async fn all(ctx: &Ctx) -> anyhow::Result<Results> {
     small(ctx, &mut res, Duration::from_secs(6)).await?;
     peer_cases(ctx, &mut res, &[10 * KIB, 100 * KIB], Duration::from_secs(5), Extra::Yes).await?;
     reconnect(ctx, &mut res).await?;
+    agent_reconnect(ctx, &mut res).await?;
     let r = drain_once(ctx, &mut res, "edge-uploader", DRAIN_4G, 4 << 30, &WorldOptions::default()).await;
     res.failed(DRAIN_4G, 0, r);
     baselines_again(ctx, &mut res, 512 * MIB).await?;
@@ -738,6 +739,46 @@ async fn reconnect(ctx: &Ctx, res: &mut Results) -> anyhow::Result<()> {
         res.add("transport", "reconnect: 0-RTT chunk written after connect()", "ms", 2, r.zero_rtt_written_ms);
         res.add("transport", "reconnect: 0-RTT accepted of 50", "conns", 0, f64::from(r.zero_rtt_accepted));
     }
+    Ok(())
+}
+
+/// One-way delays of the agent's reconnect case: loopback through the proxy, and a 40 ms
+/// round trip, a good cellular uplink's.
+const RECONNECT_DELAYS: [Duration; 2] = [Duration::ZERO, Duration::from_millis(20)];
+/// Connections per handshake kind and repetition (after two unrecorded ones).
+const RECONNECT_CONNS: usize = 10;
+
+/// The agent's own reconnect (see `reconnect.rs`): its uploader in this process, the ingest
+/// daemon behind a delaying proxy, new connections with a full and with a resumed handshake,
+/// each timed from the attempt's start to the session, the first chunk sent and its ack.
+pub async fn agent_reconnect(ctx: &Ctx, res: &mut Results) -> anyhow::Result<()> {
+    res.mark_load("agent reconnect");
+    let mut w = World::new(&ctx.bins, &ctx.work.join("reconnect"), &WorldOptions::default())?;
+    w.start_ingest()?;
+    for delay in RECONNECT_DELAYS {
+        let path = crate::reconnect::DelayedPath::new(&w, delay).await?;
+        let rtt = (delay * 2).as_millis();
+        for rep in 0..ctx.reps {
+            for mode in [crate::reconnect::Handshake::Full, crate::reconnect::Handshake::Resumed] {
+                let conns = path.connections(&w.dir.join("agent"), mode, 2, RECONNECT_CONNS).await?;
+                let med = |f: fn(&crate::reconnect::Steps) -> f64| {
+                    Stat::of(&conns.iter().map(f).collect::<Vec<_>>()).map_or(f64::NAN, |s| s.median)
+                };
+                let (est, sent, acked) = (med(|s| s.established_ms), med(|s| s.sent_ms), med(|s| s.acked_ms));
+                ctx.progress(format!(
+                    "agent reconnect, {rtt} ms RTT added, {} (rep {}, median of {RECONNECT_CONNS}): session {est:.2} ms, first chunk sent {sent:.2} ms, acked {acked:.2} ms",
+                    mode.label(),
+                    rep + 1
+                ));
+                let case = format!("agent reconnect, proxy adding {rtt} ms RTT, {}", mode.label());
+                res.add("edge-uploader", format!("{case}: attempt → session established"), "ms", 2, est);
+                res.add("edge-uploader", format!("{case}: attempt → first chunk sent"), "ms", 2, sent);
+                res.add("edge-uploader", format!("{case}: attempt → first chunk acked"), "ms", 2, acked);
+            }
+        }
+        path.shutdown().await;
+    }
+    w.cleanup();
     Ok(())
 }
 

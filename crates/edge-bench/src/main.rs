@@ -14,6 +14,7 @@
 mod baseline;
 mod cases;
 mod peers;
+mod reconnect;
 mod spool;
 mod sys;
 mod world;
@@ -85,6 +86,14 @@ enum Cmd {
     /// The agent's own cases only (drain of 512 MiB, live 10 KiB one per request, raw quinn
     /// for the ratio), repeated: for comparing two builds of the agent.
     Pipeline {
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        #[arg(long)]
+        allow_stale: bool,
+    },
+    /// The agent's reconnect only: new connections through a delaying proxy, full handshake and
+    /// resumed, timed to the session, the first chunk sent and its ack (~30 s).
+    Reconnect {
         #[arg(long, default_value_t = 3)]
         reps: usize,
         #[arg(long)]
@@ -230,6 +239,15 @@ fn main() -> anyhow::Result<()> {
                 (None, None) => anyhow::bail!("give --wrapper or --attach"),
             };
             rt.block_on(cases::profile(&ctx, how, drain, mib << 20, per_request))
+        }
+        Cmd::Reconnect { reps, allow_stale } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
+            ctx.command = format!("cargo run --release -p edge-bench -- reconnect --reps {}", ctx.reps);
+            let mut results = cases::Results::default();
+            rt.block_on(cases::agent_reconnect(&ctx, &mut results))?;
+            println!("{}", results.markdown(&ctx));
+            Ok(())
         }
         Cmd::Sink { reps, mib, allow_stale } => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -144,6 +144,10 @@ pub struct World {
     pub socket: PathBuf,
     pub agent_metrics: u16,
     pub ingest_metrics: u16,
+    /// The ingest's QUIC port on 127.0.0.1.
+    pub ingest_port: u16,
+    /// The agent's TLS files (device certificate and key, the CA that verifies the server).
+    pub device: edge_transport::pki::DevicePaths,
     pub agent: Option<Daemon>,
     pub ingest: Option<Daemon>,
     /// A command the agent is run under (e.g. `valgrind --tool=callgrind ...`); empty: none.
@@ -216,6 +220,8 @@ impl World {
             socket,
             agent_metrics,
             ingest_metrics,
+            ingest_port: port,
+            device,
             agent: None,
             ingest: None,
             agent_wrapper: Vec::new(),

@@ -72,6 +72,8 @@ pub const CONNECTED: &str = "edge_uploader_connected";
 pub const RECONNECTS_TOTAL: &str = "edge_uploader_reconnects_total";
 /// Connection attempts started, successful or not.
 pub const CONNECT_ATTEMPTS_TOTAL: &str = "edge_uploader_connect_attempts_total";
+/// Histogram: connection attempt started → session established (the server's Welcome).
+pub const CONNECT_SECONDS: &str = "edge_uploader_connect_seconds";
 /// Chunk payload bytes sent and waiting for their ack.
 pub const BYTES_IN_FLIGHT: &str = "edge_uploader_bytes_in_flight";
 /// QUIC round-trip time.
@@ -90,7 +92,7 @@ pub const SPOOL_QUARANTINED_CHUNKS: &str = "edge_uploader_spool_quarantined_chun
 pub const UPLOAD_CHUNKS_FROM_MEMORY_TOTAL: &str = "edge_uploader_upload_chunks_from_memory_total";
 
 /// Every metric name above.
-pub const ALL: [&str; 24] = [
+pub const ALL: [&str; 25] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
@@ -107,6 +109,7 @@ pub const ALL: [&str; 24] = [
     CONNECTED,
     RECONNECTS_TOTAL,
     CONNECT_ATTEMPTS_TOTAL,
+    CONNECT_SECONDS,
     BYTES_IN_FLIGHT,
     QUIC_RTT_SECONDS,
     QUIC_LOST_PACKETS_TOTAL,
@@ -202,6 +205,7 @@ impl IntakeMetrics {
 pub struct UploadMetrics {
     chunk_latency: Histogram,
     end_to_end_latency: Histogram,
+    connect: Histogram,
     quic_rtt: Gauge,
     quic_lost: IntCounter,
     quic_cwnd: IntGauge,
@@ -217,6 +221,10 @@ impl Default for UploadMetrics {
             end_to_end_latency: latency_histogram(
                 END_TO_END_LATENCY_SECONDS,
                 "Time from the intake commit of a chunk's oldest record to the server's durable ack of the chunk.",
+            ),
+            connect: latency_histogram(
+                CONNECT_SECONDS,
+                "Time from the start of a connection attempt (name resolution, QUIC handshake) to the session established by the server's Welcome, over the attempts that got there.",
             ),
             quic_rtt: Gauge::new(
                 QUIC_RTT_SECONDS,
@@ -241,6 +249,11 @@ impl UploadMetrics {
         self.end_to_end_latency.observe(ms_to_secs(now_ms.saturating_sub(meta.first_ms)));
     }
 
+    /// Observes a connection attempt that reached an established session after `took`.
+    pub fn session_established(&self, took: Duration) {
+        self.connect.observe(took.as_secs_f64());
+    }
+
     /// The last sampled round-trip time in seconds (0 before the first sample).
     pub fn rtt_seconds(&self) -> f64 {
         self.quic_rtt.get()
@@ -259,6 +272,7 @@ impl UploadMetrics {
     fn register(&self, registry: &Registry) -> prometheus::Result<()> {
         registry.register(Box::new(self.chunk_latency.clone()))?;
         registry.register(Box::new(self.end_to_end_latency.clone()))?;
+        registry.register(Box::new(self.connect.clone()))?;
         registry.register(Box::new(self.quic_rtt.clone()))?;
         registry.register(Box::new(self.quic_lost.clone()))?;
         registry.register(Box::new(self.quic_cwnd.clone()))

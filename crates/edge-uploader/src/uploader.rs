@@ -17,7 +17,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -68,6 +68,8 @@ pub struct UploadCounters {
     pub connects_total: AtomicU64,
     /// Connection attempts started (each bounded by `connect_timeout`).
     pub connect_attempts_total: AtomicU64,
+    /// The latest connection attempt and how far it got.
+    pub attempt: Mutex<Option<Arc<AttemptTimes>>>,
     /// Chunks the server answered `Stored`.
     pub stored: AckCounter,
     /// Chunks the server answered `Duplicate` (it had them already).
@@ -106,6 +108,43 @@ pub struct SessionInfo {
     pub remote: Option<String>,
     /// When the connection state last changed (unix ms).
     pub since_ms: u64,
+}
+
+/// When a connection attempt started and when it reached each step on the way to its first
+/// durable ack: the time a reconnect costs before data flows again (`edge-bench`'s agent
+/// reconnect case reads it; `/metrics` has the session step as a histogram).
+#[derive(Debug)]
+pub struct AttemptTimes {
+    /// The attempt started: before resolving the server's name.
+    pub started: Instant,
+    /// The server's Welcome arrived: the session is established and chunks may go.
+    pub established: OnceLock<Instant>,
+    /// The first chunk's bytes were all handed to QUIC.
+    pub first_sent: OnceLock<Instant>,
+    /// The first chunk was acked as durable (Stored or Duplicate).
+    pub first_acked: OnceLock<Instant>,
+}
+
+impl AttemptTimes {
+    fn start() -> Arc<Self> {
+        Arc::new(Self {
+            started: Instant::now(),
+            established: OnceLock::new(),
+            first_sent: OnceLock::new(),
+            first_acked: OnceLock::new(),
+        })
+    }
+
+    /// How long after the attempt started `step` happened; `None` if it has not.
+    pub fn after_start(&self, step: &OnceLock<Instant>) -> Option<Duration> {
+        step.get().map(|t| t.saturating_duration_since(self.started))
+    }
+
+    /// Marks `step` now, unless it happened already.
+    fn mark(step: &OnceLock<Instant>) {
+        // Only the first time counts; later calls find it set and change nothing.
+        let _first = step.set(Instant::now());
+    }
 }
 
 /// Chunks answered with one ack status, and their raw payload bytes (record framing included,
@@ -219,6 +258,8 @@ pub async fn run(
     let mut backoff = Backoff::new(opts.backoff_min, opts.backoff_max);
     while !cancel.is_cancelled() {
         counters.connect_attempts_total.fetch_add(1, Ordering::Relaxed);
+        let times = AttemptTimes::start();
+        *crate::lock(&counters.attempt) = Some(times.clone());
         // Dropping an unfinished attempt closes it, so it stops sending.
         let attempt = tokio::select! {
             () = cancel.cancelled() => break,
@@ -233,7 +274,7 @@ pub async fn run(
                 counters.set_session(&opts.server, Some(conn.remote_address().to_string()));
                 info!(server = %opts.server, remote = %conn.remote_address(), "connected to ingest");
                 let sampler = crate::metrics::QuicSampler::spawn(conn.clone(), counters.clone());
-                let result = Connection::new(&conn, &opts, &spool, &reader, &counters, &cancel).run().await;
+                let result = Connection::new(&conn, &opts, &spool, &reader, &counters, &cancel, &times).run().await;
                 sampler.stop().await;
                 counters.connected.store(false, Ordering::Release);
                 counters.set_session(&opts.server, None);
@@ -352,6 +393,7 @@ struct Connection<'a> {
     reader: &'a ReaderHandle,
     counters: &'a Arc<UploadCounters>,
     cancel: &'a CancellationToken,
+    times: &'a Arc<AttemptTimes>,
 }
 
 enum SendOutcome {
@@ -371,8 +413,9 @@ impl<'a> Connection<'a> {
         reader: &'a ReaderHandle,
         counters: &'a Arc<UploadCounters>,
         cancel: &'a CancellationToken,
+        times: &'a Arc<AttemptTimes>,
     ) -> Self {
-        Self { conn, opts, spool, reader, counters, cancel }
+        Self { conn, opts, spool, reader, counters, cancel, times }
     }
 
     /// Shows the chunks and bytes in flight (see [`InFlight::publish`]), and tells the handoff
@@ -425,6 +468,10 @@ impl<'a> Connection<'a> {
                 }
             }
             if let Some(w) = welcome {
+                AttemptTimes::mark(&self.times.established);
+                if let Some(took) = self.times.after_start(&self.times.established) {
+                    self.counters.metrics.session_established(took);
+                }
                 break w;
             }
         };
@@ -584,6 +631,7 @@ impl<'a> Connection<'a> {
                         raw,
                         self.opts.compression,
                         self.counters.clone(),
+                        self.times.clone(),
                     ));
                 }
                 continue;
@@ -625,6 +673,7 @@ impl<'a> Connection<'a> {
                             // Counted before the spool learns of the ack, so whoever sees the
                             // spool drained also sees the counters complete.
                             self.counters.acked(&meta, status == AckStatus::Duplicate);
+                            AttemptTimes::mark(&self.times.first_acked);
                             self.spool.ack(vec![meta.id]);
                         }
                         SendOutcome::Acked(AckStatus::Retry(reason)) => {
@@ -727,8 +776,9 @@ async fn send_chunk(
     raw: Payload,
     compression: Compression,
     counters: Arc<UploadCounters>,
+    times: Arc<AttemptTimes>,
 ) -> (ChunkMeta, SendOutcome) {
-    let outcome = send_chunk_inner(&conn, &state, &meta, raw, compression, &counters).await;
+    let outcome = send_chunk_inner(&conn, &state, &meta, raw, compression, &counters, &times).await;
     (meta, outcome)
 }
 
@@ -739,6 +789,7 @@ async fn send_chunk_inner(
     raw: Payload,
     compression: Compression,
     counters: &UploadCounters,
+    times: &AttemptTimes,
 ) -> SendOutcome {
     let stream = match StreamName::new(&meta.stream) {
         Ok(s) => s,
@@ -804,6 +855,7 @@ async fn send_chunk_inner(
     let stop = match sent {
         Ok(s) => {
             counters.wire_bytes_total.fetch_add(wire as u64, Ordering::Relaxed);
+            AttemptTimes::mark(&times.first_sent);
             tokio::select! {
                 r = &mut rx => return ack_outcome(r),
                 st = s.stopped() => match st {
