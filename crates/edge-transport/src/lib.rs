@@ -37,8 +37,7 @@
 //!   (stateful TLS 1.3 tickets; rustls accepts early data only with stateful resumption) and
 //!   sets `max_early_data_size = u32::MAX`, the only non-zero value QUIC allows. The client
 //!   keeps a resumption store and enables early data; 0-RTT is used only where the agent opts
-//!   in with `Connecting::into_0rtt`: its uploader does on every connection that has a ticket
-//!   (unless `upload.zero_rtt = false`), for the session's Hello and its first chunks.
+//!   in with `Connecting::into_0rtt`.
 //!
 //!   Why 0-RTT is safe here: 0-RTT data can be replayed by anyone who captured it. Our
 //!   tickets live only in the memory of the server process that issued them and are redeemed

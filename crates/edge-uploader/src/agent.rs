@@ -133,7 +133,6 @@ impl Agent {
             limits: edge_proto::Limits::default(),
             drain_grace: Duration::from_secs(5),
             tuning: config.upload.tuning.clone(),
-            zero_rtt: config.upload.zero_rtt,
         };
         let uploader =
             tokio::spawn(crate::uploader::run(uopts, spool.clone(), reader, upload.clone(), cancel_upload.clone()));
@@ -186,7 +185,7 @@ impl Agent {
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 16] = [
+        let fixed: [(&'static str, bool); 15] = [
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
             (
@@ -211,7 +210,6 @@ impl Agent {
                 a.upload.backoff_min != b.upload.backoff_min || a.upload.backoff_max != b.upload.backoff_max,
             ),
             ("upload.connect_timeout", a.upload.connect_timeout != b.upload.connect_timeout),
-            ("upload.zero_rtt", a.upload.zero_rtt != b.upload.zero_rtt),
             ("upload.bind", a.upload.bind != b.upload.bind || a.upload.compression != b.upload.compression),
             ("metrics.listen", a.metrics_listen != b.metrics_listen),
         ];

@@ -121,7 +121,6 @@ pub struct RawUpload {
     #[serde(with = "humantime_serde_compat")]
     pub backoff_max: Duration,
     pub bind: String,
-    pub zero_rtt: bool,
 }
 
 impl Default for RawUpload {
@@ -138,7 +137,6 @@ impl Default for RawUpload {
             backoff_min: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
             bind: "0.0.0.0:0".into(),
-            zero_rtt: true,
         }
     }
 }
@@ -220,9 +218,6 @@ pub struct UploadConfig {
     pub bind: SocketAddr,
     pub compression: Compression,
     pub tuning: edge_transport::Tuning,
-    /// On a reconnection with a resumption ticket, send the Hello and the first chunks as
-    /// 0-RTT data (see the uploader).
-    pub zero_rtt: bool,
 }
 
 /// The validated runtime configuration.
@@ -412,7 +407,6 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             bind,
             compression,
             tuning: edge_transport::Tuning::default(),
-            zero_rtt: raw.upload.zero_rtt,
         },
         metrics_listen,
         log_level: raw.log.level,

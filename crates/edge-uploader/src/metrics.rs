@@ -19,7 +19,6 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -73,8 +72,6 @@ pub const CONNECTED: &str = "edge_uploader_connected";
 pub const RECONNECTS_TOTAL: &str = "edge_uploader_reconnects_total";
 /// Connection attempts started, successful or not.
 pub const CONNECT_ATTEMPTS_TOTAL: &str = "edge_uploader_connect_attempts_total";
-/// Connections that sent 0-RTT data, by whether the server took it (`result`).
-pub const ZERO_RTT_TOTAL: &str = "edge_uploader_zero_rtt_total";
 /// Histogram: connection attempt started → session established (the server's Welcome).
 pub const CONNECT_SECONDS: &str = "edge_uploader_connect_seconds";
 /// Chunk payload bytes sent and waiting for their ack.
@@ -95,7 +92,7 @@ pub const SPOOL_QUARANTINED_CHUNKS: &str = "edge_uploader_spool_quarantined_chun
 pub const UPLOAD_CHUNKS_FROM_MEMORY_TOTAL: &str = "edge_uploader_upload_chunks_from_memory_total";
 
 /// Every metric name above.
-pub const ALL: [&str; 26] = [
+pub const ALL: [&str; 25] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
@@ -113,7 +110,6 @@ pub const ALL: [&str; 26] = [
     RECONNECTS_TOTAL,
     CONNECT_ATTEMPTS_TOTAL,
     CONNECT_SECONDS,
-    ZERO_RTT_TOTAL,
     BYTES_IN_FLIGHT,
     QUIC_RTT_SECONDS,
     QUIC_LOST_PACKETS_TOTAL,
@@ -302,17 +298,11 @@ impl QuicSampler {
             loop {
                 tokio::select! {
                     () = stopped.cancelled() => break,
-                    // Not before the handshake is complete (a 0-RTT connection is handed over
-                    // before): a pending attempt's RTT is only the initial guess.
-                    _ = tick.tick() => if counters.connected.load(Ordering::Acquire) {
-                        counters.metrics.sample_path(&conn, &mut last_lost);
-                    },
+                    _ = tick.tick() => counters.metrics.sample_path(&conn, &mut last_lost),
                 }
             }
             // Losses up to the end of the connection count too.
-            if counters.connected.load(Ordering::Acquire) {
-                counters.metrics.sample_path(&conn, &mut last_lost);
-            }
+            counters.metrics.sample_path(&conn, &mut last_lost);
         });
         Self { stop, task }
     }
@@ -409,14 +399,7 @@ const LIVE_FROM_MEMORY: Live = Live::counter(
            from the spool (the uploader keeps up). The other chunks sent were read from the spool (a backlog, \
            a reconnect).",
 );
-const LIVE_ZERO_RTT: Live = Live::counter(
-    ZERO_RTT_TOTAL,
-    "Connections that sent their Hello and first chunks as 0-RTT data (a resumed TLS session), by \
-           the server's verdict: accepted, or rejected (sent again once the handshake completed; a \
-           restarted server no longer knows the session).",
-)
-.labelled("result");
-const LIVE_ALL: [&Live; 17] = [
+const LIVE_ALL: [&Live; 16] = [
     &LIVE_STREAM_BUFFER,
     &LIVE_SPOOL_BYTES,
     &LIVE_SPOOL_DISK_BYTES,
@@ -433,7 +416,6 @@ const LIVE_ALL: [&Live; 17] = [
     &LIVE_CORRUPT,
     &LIVE_QUARANTINED,
     &LIVE_FROM_MEMORY,
-    &LIVE_ZERO_RTT,
 ];
 
 /// The [`LIVE_ALL`] families from the spool statistics and the intake and upload atomics, at
@@ -467,10 +449,6 @@ fn live_families(spool: &SpoolStatsView, intake: &IntakeCounters, u: &UploadCoun
         LIVE_CORRUPT.family(&[("", u.spool_corrupt_chunks.load(Relaxed) as f64)]),
         LIVE_QUARANTINED.family(&[("", s.quarantined_chunks as f64)]),
         LIVE_FROM_MEMORY.family(&[("", u.chunks_from_memory.load(Relaxed) as f64)]),
-        LIVE_ZERO_RTT.family(&[
-            ("accepted", u.zero_rtt_accepted_total.load(Relaxed) as f64),
-            ("rejected", u.zero_rtt_rejected_total.load(Relaxed) as f64),
-        ]),
     ]
 }
 
@@ -573,7 +551,7 @@ mod tests {
         for name in ALL {
             assert!(families.iter().any(|(n, _)| n == name), "{name} is not exported; got {families:?}");
             let unit = name.trim_end_matches("_total");
-            if ["latency", "_age", "quic_rtt"].iter().any(|t| name.contains(t)) {
+            if ["latency", "_age", "_rtt"].iter().any(|t| name.contains(t)) {
                 assert!(unit.ends_with("_seconds"), "{name} measures time: base unit seconds");
             }
         }

@@ -3,12 +3,7 @@
 //! from the spool only after its ack, and reconnects with exponential backoff and jitter.
 //!
 //! Per connection:
-//! 1. open the control bi-stream, run the client session's handshake (Hello → Welcome). With a
-//!    resumption ticket from an earlier connection to the server, the Hello and the first chunks
-//!    (up to [`EARLY_BYTES`], within the last Welcome's limits) go out as 0-RTT data in the
-//!    first flight; the server takes them once the TLS handshake completes. If it rejects the
-//!    0-RTT data (it no longer knows the session), the session starts again on the same, now
-//!    established, connection, and those chunks are read and sent again;
+//! 1. open the control bi-stream, run the client session's handshake (Hello → Welcome);
 //! 2. a control task feeds control bytes to the session and hands each ack to the task waiting
 //!    for it;
 //! 3. the scheduler reads sealed chunks from the spool in sealing order, one at a time and only
@@ -26,7 +21,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use edge_proto::client::{ClientEvent, ClientSession, EarlyLimits};
+use edge_proto::client::{ClientEvent, ClientSession};
 use edge_proto::{AckStatus, ChunkHeader, Codec, ErrorCode, Limits, RetryReason, STOP_ANSWERED, StreamName};
 use edge_spool::{ChunkId, ChunkMeta, SpoolError};
 use rand::Rng;
@@ -37,13 +32,6 @@ use tracing::{debug, error, info, warn};
 use crate::config::Compression;
 use crate::handoff::{Next, Payload};
 use crate::spool_task::{ReaderHandle, SpoolHandle};
-
-/// Chunk payload bytes at most sent as 0-RTT data on a resumed connection, before the handshake
-/// completes (always at least one chunk). The first flight carries only what the initial
-/// congestion window allows (about 14 KB); the rest waits in quinn and goes as soon as the
-/// handshake completes, a round trip before the Welcome. If the server rejects the early data,
-/// all of it is read and sent again, so this is kept small.
-pub const EARLY_BYTES: u64 = 1 << 20;
 
 /// Everything the uploader needs, already validated.
 #[derive(Debug, Clone)]
@@ -69,8 +57,6 @@ pub struct UploaderOptions {
     /// How long shutdown waits for acks of chunks in flight.
     pub drain_grace: Duration,
     pub tuning: edge_transport::Tuning,
-    /// With a resumption ticket, send the Hello and the first chunks as 0-RTT data.
-    pub zero_rtt: bool,
 }
 
 /// Live upload state, read by `GET /v1/status`, the demo and (at scrape time) `/metrics`.
@@ -82,10 +68,6 @@ pub struct UploadCounters {
     pub connects_total: AtomicU64,
     /// Connection attempts started (each bounded by `connect_timeout`).
     pub connect_attempts_total: AtomicU64,
-    /// Connections whose 0-RTT data (Hello and first chunks) the server accepted.
-    pub zero_rtt_accepted_total: AtomicU64,
-    /// Connections whose 0-RTT data the server rejected; the session started again in 1-RTT.
-    pub zero_rtt_rejected_total: AtomicU64,
     /// The latest connection attempt and how far it got.
     pub attempt: Mutex<Option<Arc<AttemptTimes>>>,
     /// Chunks the server answered `Stored`.
@@ -274,8 +256,6 @@ pub async fn run(
     counters.set_session(&opts.server, None);
     let endpoint = edge_transport::client_endpoint(opts.bind, &opts.tuning)?;
     let mut backoff = Backoff::new(opts.backoff_min, opts.backoff_max);
-    // The limits of the last Welcome, for chunks sent before the next one (0-RTT).
-    let learned: Mutex<Option<EarlyLimits>> = Mutex::new(None);
     while !cancel.is_cancelled() {
         counters.connect_attempts_total.fetch_add(1, Ordering::Relaxed);
         let times = AttemptTimes::start();
@@ -288,38 +268,17 @@ pub async fn run(
             }),
         };
         match attempt {
-            Ok((conn, zero_rtt)) => {
-                let connection = || Connection {
-                    conn: &conn,
-                    opts: &opts,
-                    spool: &spool,
-                    reader: &reader,
-                    counters: &counters,
-                    cancel: &cancel,
-                    times: &times,
-                    learned: &learned,
-                };
-                if zero_rtt.is_none() {
-                    // Handshake complete: shown before the sampler's first look at the path.
-                    connection().mark_connected(None);
-                }
+            Ok(conn) => {
+                counters.connects_total.fetch_add(1, Ordering::Relaxed);
+                counters.connected.store(true, Ordering::Release);
+                counters.set_session(&opts.server, Some(conn.remote_address().to_string()));
+                info!(server = %opts.server, remote = %conn.remote_address(), "connected to ingest");
                 let sampler = crate::metrics::QuicSampler::spawn(conn.clone(), counters.clone());
-                let mut result = connection().run(zero_rtt).await;
-                if matches!(result, Err(ConnError::EarlyRejected)) {
-                    debug!(server = %opts.server, "the server rejected the 0-RTT data; starting the session again");
-                    result = connection().run(None).await;
-                }
+                let result = Connection::new(&conn, &opts, &spool, &reader, &counters, &cancel, &times).run().await;
                 sampler.stop().await;
                 counters.connected.store(false, Ordering::Release);
                 counters.set_session(&opts.server, None);
                 match result {
-                    // A 0-RTT connection is handed over before its handshake; this one never
-                    // completed it, so it was a failed attempt, not a connection.
-                    Err(ConnError::Handshake(e)) => {
-                        debug!(server = %opts.server, error = %e, "connect failed");
-                        counters.set_error(format!("connect to {}: {e}", opts.server));
-                        conn.close(ErrorCode::NoError.to_u32().into(), b"handshake failed");
-                    }
                     Ok(progress) => {
                         if progress {
                             backoff.reset();
@@ -359,12 +318,7 @@ pub async fn run(
     Ok(())
 }
 
-/// Starts a connection. With a resumption ticket it is returned at once, before the handshake,
-/// together with the verdict to come on its 0-RTT data; otherwise once the handshake is complete.
-async fn connect(
-    endpoint: &quinn::Endpoint,
-    opts: &UploaderOptions,
-) -> anyhow::Result<(quinn::Connection, Option<quinn::ZeroRttAccepted>)> {
+async fn connect(endpoint: &quinn::Endpoint, opts: &UploaderOptions) -> anyhow::Result<quinn::Connection> {
     let addrs: Vec<SocketAddr> = tokio::net::lookup_host(&opts.server).await?.collect();
     let want_v4 = opts.bind.is_ipv4();
     let addr = addrs
@@ -374,13 +328,7 @@ async fn connect(
         .copied()
         .ok_or_else(|| anyhow::anyhow!("{} resolved to no address", opts.server))?;
     let connecting = endpoint.connect_with(opts.client_config.clone(), addr, &opts.server_name)?;
-    if !opts.zero_rtt {
-        return Ok((connecting.await?, None));
-    }
-    match connecting.into_0rtt() {
-        Ok((conn, accepted)) => Ok((conn, Some(accepted))),
-        Err(connecting) => Ok((connecting.await?, None)),
-    }
+    Ok(connecting.await?)
 }
 
 /// Exponential backoff with full jitter.
@@ -422,12 +370,6 @@ enum ConnError {
     Spool(#[from] SpoolError),
     #[error("connection lost after progress: {0}")]
     LostAfterProgress(String),
-    /// A connection handed over before its handshake (0-RTT) did not complete it.
-    #[error("{0}")]
-    Handshake(String),
-    /// The server rejected the 0-RTT data; the connection is up, the session starts again.
-    #[error("0-RTT data rejected")]
-    EarlyRejected,
 }
 
 impl ConnError {
@@ -452,7 +394,6 @@ struct Connection<'a> {
     counters: &'a Arc<UploadCounters>,
     cancel: &'a CancellationToken,
     times: &'a Arc<AttemptTimes>,
-    learned: &'a Mutex<Option<EarlyLimits>>,
 }
 
 enum SendOutcome {
@@ -465,68 +406,16 @@ enum SendOutcome {
 }
 
 impl<'a> Connection<'a> {
-    /// The connection is up (its TLS handshake complete): counts it and shows it in `status`.
-    /// Once per connection; `zero_rtt` is the server's verdict on early data, if any was sent.
-    fn mark_connected(&self, zero_rtt: Option<bool>) {
-        if self.counters.connected.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        self.counters.connects_total.fetch_add(1, Ordering::Relaxed);
-        match zero_rtt {
-            Some(true) => self.counters.zero_rtt_accepted_total.fetch_add(1, Ordering::Relaxed),
-            Some(false) => self.counters.zero_rtt_rejected_total.fetch_add(1, Ordering::Relaxed),
-            None => 0,
-        };
-        let remote = self.conn.remote_address();
-        self.counters.set_session(&self.opts.server, Some(remote.to_string()));
-        info!(server = %self.opts.server, %remote, ?zero_rtt, "connected to ingest");
-    }
-
-    /// The end of the TLS handshake of a connection handed over before it (0-RTT): connected,
-    /// or the attempt failed, or the server rejected the early data.
-    fn handshake_done(&self, accepted: bool) -> Result<(), ConnError> {
-        if let Some(reason) = self.conn.close_reason() {
-            return Err(ConnError::Handshake(reason.to_string()));
-        }
-        self.mark_connected(Some(accepted));
-        if accepted { Ok(()) } else { Err(ConnError::EarlyRejected) }
-    }
-
-    /// The payload of a chunk read for sending, or `None` if it is not to be sent: gone from
-    /// the spool meanwhile, or corrupt or larger than the server accepts (then quarantined).
-    fn admit(
-        &self,
-        meta: &ChunkMeta,
-        data: Result<Payload, SpoolError>,
-        max_chunk_payload: u32,
-    ) -> Result<Option<Payload>, ConnError> {
-        let raw = match data {
-            Ok(d) => d,
-            Err(SpoolError::ChunkGone(_)) => return Ok(None),
-            Err(SpoolError::Corrupt { chunk, detail }) => {
-                error!(chunk = chunk.0, stream = %meta.stream, seq = meta.seq, records = meta.records, bytes = meta.bytes, %detail, "spool chunk is corrupt; quarantined, it will not be uploaded");
-                self.counters.spool_corrupt_chunks.fetch_add(1, Ordering::Relaxed);
-                self.spool.quarantine(chunk, format!("corrupt in spool: {detail}"));
-                return Ok(None);
-            }
-            // Damage SQLite itself found in this chunk's pages: failing the whole upload loop
-            // would hit the same pages after every reconnect.
-            Err(e) if e.is_corruption() => {
-                error!(chunk = meta.id.0, stream = %meta.stream, seq = meta.seq, records = meta.records, bytes = meta.bytes, error = %e, "spool chunk is unreadable (database damage); quarantined, it will not be uploaded");
-                self.counters.spool_corrupt_chunks.fetch_add(1, Ordering::Relaxed);
-                self.spool.quarantine(meta.id, format!("unreadable in spool: {e}"));
-                return Ok(None);
-            }
-            Err(e) => return Err(e.into()),
-        };
-        if raw.len() as u64 > u64::from(max_chunk_payload) {
-            // Sending it would only get the connection closed, again and again.
-            error!(chunk = meta.id.0, stream = %meta.stream, seq = meta.seq, bytes = raw.len(), max_chunk_payload, "chunk is larger than the server accepts; quarantined");
-            self.spool
-                .quarantine(meta.id, format!("{} bytes, over the server's limit of {max_chunk_payload}", raw.len()));
-            return Ok(None);
-        }
-        Ok(Some(raw))
+    fn new(
+        conn: &'a quinn::Connection,
+        opts: &'a UploaderOptions,
+        spool: &'a SpoolHandle,
+        reader: &'a ReaderHandle,
+        counters: &'a Arc<UploadCounters>,
+        cancel: &'a CancellationToken,
+        times: &'a Arc<AttemptTimes>,
+    ) -> Self {
+        Self { conn, opts, spool, reader, counters, cancel, times }
     }
 
     /// Shows the chunks and bytes in flight (see [`InFlight::publish`]), and tells the handoff
@@ -544,150 +433,57 @@ impl<'a> Connection<'a> {
         Ok(fetched.into_iter().map(|(meta, data)| (meta, data.map(Payload::from))).collect())
     }
 
-    /// Runs the connection until it ends. `zero_rtt`: the connection was handed over before its
-    /// TLS handshake, which sends the Hello and the first chunks as 0-RTT data; the server's
-    /// verdict on them is to come. Returns `Ok(true)` if at least one chunk was acked on it.
-    async fn run(self, zero_rtt: Option<quinn::ZeroRttAccepted>) -> Result<bool, ConnError> {
-        let result = self.serve(zero_rtt).await;
-        // Disconnected: data waits for the chunk target or `linger` again, and the next
-        // connection starts from the spool.
-        self.spool.set_uploader_idle(false);
-        self.spool.handoff().stop();
-        InFlight::default().publish(self.counters);
-        result
-    }
-
-    async fn serve(&self, mut zero_rtt: Option<quinn::ZeroRttAccepted>) -> Result<bool, ConnError> {
-        if zero_rtt.is_none() {
-            self.mark_connected(None);
-        }
-        // Before the handshake is complete, a failure is a failed attempt, not a lost connection.
-        let failed = |pending: bool, e: String| if pending { ConnError::Handshake(e) } else { ConnError::Control(e) };
-        let (mut ctl_send, mut ctl_recv) = match self.conn.open_bi().await {
-            Ok(streams) => streams,
-            Err(e) if zero_rtt.is_some() => return Err(ConnError::Handshake(e.to_string())),
-            Err(e) => return Err(e.into()),
-        };
+    /// Returns `Ok(true)` if at least one chunk was acked on this connection.
+    async fn run(self) -> Result<bool, ConnError> {
+        let (mut ctl_send, mut ctl_recv) = self.conn.open_bi().await?;
         let agent = format!("edge-uploader/{}", env!("CARGO_PKG_VERSION"));
-        // Chunks go before the Welcome only with the limits of an earlier one from this server.
-        let early = zero_rtt.as_ref().and(*crate::lock(self.learned));
-        let (id, limits, now) = (self.spool.id().0, self.opts.limits.clone(), Instant::now());
-        let session = match early {
-            Some(e) => ClientSession::resume(id, agent, limits, now, e),
-            None => ClientSession::new(id, agent, limits, now),
-        };
-        let state = Arc::new(Mutex::new(CtlState { session, waiters: HashMap::new(), goaway: false }));
-        loop {
-            let hello = crate::lock(&state).session.poll_transmit();
-            let Some(bytes) = hello else { break };
+        let mut session = ClientSession::new(self.spool.id().0, agent, self.opts.limits.clone(), Instant::now());
+        while let Some(bytes) = session.poll_transmit() {
             ctl_send
                 .write_all(&bytes)
                 .await
-                .map_err(|e| failed(zero_rtt.is_some(), edge_telemetry::logging::error_chain(&e)))?;
+                .map_err(|e| ConnError::Control(edge_telemetry::logging::error_chain(&e)))?;
         }
-        let mut tasks: JoinSet<(ChunkMeta, SendOutcome)> = JoinSet::new();
-        let mut in_flight = InFlight::default();
-        let mut cursor: Option<ChunkId> = None;
-        if let Some(e) = early {
-            // The first chunks in sealing order, behind the Hello in the first flight.
-            let window = self.opts.max_in_flight.load(Ordering::Relaxed).clamp(1, e.max_in_flight.max(1)) as usize;
-            let budget = self.opts.max_in_flight_bytes.load(Ordering::Relaxed).min(EARLY_BYTES);
-            while in_flight.has_room(window, budget) {
-                let Some((meta, data)) = self.read(cursor).await?.into_iter().next() else { break };
-                cursor = Some(meta.id);
-                let Some(raw) = self.admit(&meta, data, e.max_chunk_payload)? else { continue };
-                in_flight.insert(meta.id, raw.len() as u64);
-                tasks.spawn(send_chunk(
-                    self.conn.clone(),
-                    state.clone(),
-                    meta,
-                    raw,
-                    self.opts.compression,
-                    self.counters.clone(),
-                    self.times.clone(),
-                ));
-            }
-            self.publish(&in_flight);
-        }
-        // Handshake: the TLS one first if it is still going on (bounded as a connection attempt
-        // is), then the session's (Hello → Welcome). Acks of early chunks may come right
-        // behind the Welcome.
-        let connect_deadline = tokio::time::Instant::from_std(self.times.started + self.opts.connect_timeout);
+        // Handshake.
         let deadline = tokio::time::Instant::now() + self.opts.limits.handshake_timeout;
         let mut buf = vec![0u8; 4096];
         let (server_in_flight, max_chunk_payload) = loop {
-            let read = tokio::select! {
-                accepted = async { if let Some(z) = zero_rtt.as_mut() { z.await } else { std::future::pending().await } }, if zero_rtt.is_some() => {
-                    zero_rtt = None;
-                    self.handshake_done(accepted)?;
-                    continue;
-                }
-                () = tokio::time::sleep_until(connect_deadline), if zero_rtt.is_some() => {
-                    return Err(ConnError::Handshake(format!(
-                        "no handshake within {}",
-                        humantime::format_duration(self.opts.connect_timeout)
-                    )));
-                }
-                r = ctl_recv.read(&mut buf) => r,
+            let n = tokio::select! {
+                r = ctl_recv.read(&mut buf) => r.map_err(|e| ConnError::Control(edge_telemetry::logging::error_chain(&e)))?,
                 () = tokio::time::sleep_until(deadline) => return Err(edge_proto::ProtoError::HandshakeTimeout.into()),
             };
-            let n = match read {
-                Ok(Some(n)) => n,
-                Ok(None) => return Err(ConnError::Control("server closed the control stream".into())),
-                Err(quinn::ReadError::ZeroRttRejected) => {
-                    // The verdict, which arrives with the end of the handshake.
-                    let accepted = match zero_rtt.take() {
-                        Some(z) => tokio::time::timeout_at(connect_deadline, z).await.unwrap_or(false),
-                        None => false,
-                    };
-                    self.handshake_done(accepted)?;
-                    return Err(ConnError::EarlyRejected);
-                }
-                Err(e) => return Err(failed(zero_rtt.is_some(), edge_telemetry::logging::error_chain(&e))),
-            };
+            let Some(n) = n else { return Err(ConnError::Control("server closed the control stream".into())) };
+            session.handle_control_bytes(Instant::now(), &buf[..n])?;
             let mut welcome = None;
-            {
-                let mut st = crate::lock(&state);
-                st.session.handle_control_bytes(Instant::now(), &buf[..n])?;
-                while let Some(ev) = st.session.poll_event() {
-                    match ev {
-                        ClientEvent::Connected { device, max_in_flight, max_chunk_payload } => {
-                            info!(%device, max_in_flight, max_chunk_payload, "session established");
-                            welcome = Some((max_in_flight, max_chunk_payload));
-                        }
-                        ClientEvent::GoAway { code } => {
-                            return Err(ConnError::Control(format!("server going away: {code}")));
-                        }
-                        ClientEvent::Ack { stream, seq, status } => {
-                            if let Some(w) = st.waiters.remove(&(stream, seq)) {
-                                let _gone = w.send(status);
-                            }
-                        }
+            while let Some(ev) = session.poll_event() {
+                match ev {
+                    ClientEvent::Connected { device, max_in_flight, max_chunk_payload } => {
+                        info!(%device, max_in_flight, max_chunk_payload, "session established");
+                        welcome = Some((max_in_flight, max_chunk_payload));
                     }
+                    ClientEvent::GoAway { code } => {
+                        return Err(ConnError::Control(format!("server going away: {code}")));
+                    }
+                    ClientEvent::Ack { .. } => {}
                 }
             }
-            if let Some((max_in_flight, max_chunk_payload)) = welcome {
-                // The server answers only once the handshake is complete: the verdict is in.
-                if let Some(z) = zero_rtt.take() {
-                    self.handshake_done(z.await)?;
-                }
+            if let Some(w) = welcome {
                 AttemptTimes::mark(&self.times.established);
                 if let Some(took) = self.times.after_start(&self.times.established) {
                     self.counters.metrics.session_established(took);
                 }
-                *crate::lock(self.learned) = Some(EarlyLimits { max_in_flight, max_chunk_payload });
-                break (max_in_flight, max_chunk_payload);
+                break w;
             }
         };
         // The server's limit caps ours; ours may change at run time (configuration reload).
         let window = || self.opts.max_in_flight.load(Ordering::Relaxed).clamp(1, server_in_flight.max(1)) as usize;
+        let state = Arc::new(Mutex::new(CtlState { session, waiters: HashMap::new(), goaway: false }));
         let goaway = Arc::new(tokio::sync::Notify::new());
 
         // Control reader: acks and GoAway.
         let ctl_state = state.clone();
         let ctl_goaway = goaway.clone();
-        let mut control = JoinSet::new();
-        control.spawn(async move {
+        let mut control = tokio::spawn(async move {
             let mut buf = vec![0u8; 16 * 1024];
             let result: Result<(), ConnError> = loop {
                 match ctl_recv.read(&mut buf).await {
@@ -721,10 +517,13 @@ impl<'a> Connection<'a> {
             result
         });
 
+        let mut tasks: JoinSet<(ChunkMeta, SendOutcome)> = JoinSet::new();
+        let mut in_flight = InFlight::default();
         // Chunks handed back on this connection (answered Retry, or lost) to offer again, lowest id
         // first. All of them are at or before `cursor` and none is in flight, so reading them
         // never reads a payload that is already on its way.
         let mut redo: BTreeSet<ChunkId> = BTreeSet::new();
+        let mut cursor: Option<ChunkId> = None;
         let mut progress = false;
         let mut drain_deadline: Option<tokio::time::Instant> = None;
         let mut retry_at: Option<tokio::time::Instant> = None;
@@ -795,7 +594,34 @@ impl<'a> Connection<'a> {
                     if in_flight.contains(meta.id) {
                         continue;
                     }
-                    let Some(raw) = self.admit(&meta, data, max_chunk_payload)? else { continue };
+                    let raw = match data {
+                        Ok(d) => d,
+                        Err(SpoolError::ChunkGone(_)) => continue,
+                        Err(SpoolError::Corrupt { chunk, detail }) => {
+                            error!(chunk = chunk.0, stream = %meta.stream, seq = meta.seq, records = meta.records, bytes = meta.bytes, %detail, "spool chunk is corrupt; quarantined, it will not be uploaded");
+                            self.counters.spool_corrupt_chunks.fetch_add(1, Ordering::Relaxed);
+                            self.spool.quarantine(chunk, format!("corrupt in spool: {detail}"));
+                            continue;
+                        }
+                        // Damage SQLite itself found in this chunk's pages: failing the whole
+                        // upload loop would hit the same pages after every reconnect.
+                        Err(e) if e.is_corruption() => {
+                            error!(chunk = meta.id.0, stream = %meta.stream, seq = meta.seq, records = meta.records, bytes = meta.bytes, error = %e, "spool chunk is unreadable (database damage); quarantined, it will not be uploaded");
+                            self.counters.spool_corrupt_chunks.fetch_add(1, Ordering::Relaxed);
+                            self.spool.quarantine(meta.id, format!("unreadable in spool: {e}"));
+                            continue;
+                        }
+                        Err(e) => return Err(e.into()),
+                    };
+                    if raw.len() as u64 > u64::from(max_chunk_payload) {
+                        // Sending it would only get the connection closed, again and again.
+                        error!(chunk = meta.id.0, stream = %meta.stream, seq = meta.seq, bytes = raw.len(), max_chunk_payload, "chunk is larger than the server accepts; quarantined");
+                        self.spool.quarantine(
+                            meta.id,
+                            format!("{} bytes, over the server's limit of {max_chunk_payload}", raw.len()),
+                        );
+                        continue;
+                    }
                     in_flight.insert(meta.id, raw.len() as u64);
                     self.publish(&in_flight);
                     tasks.spawn(send_chunk(
@@ -826,7 +652,7 @@ impl<'a> Connection<'a> {
                 () = async { if let Some(t) = retry_at { tokio::time::sleep_until(t).await } }, if retry_at.is_some() => {
                     retry_at = None;
                 }
-                Some(r) = control.join_next() => {
+                r = &mut control => {
                     let e = match r {
                         Ok(Err(e)) => e,
                         Ok(Ok(())) => ConnError::Control("control task ended".into()),
@@ -883,8 +709,13 @@ impl<'a> Connection<'a> {
                 }
             }
         };
+        // Disconnected: data waits for the chunk target or `linger` again, and the next
+        // connection starts from the spool.
+        self.spool.set_uploader_idle(false);
+        self.spool.handoff().stop();
         tasks.abort_all();
-        control.abort_all();
+        control.abort();
+        InFlight::default().publish(self.counters);
         match end {
             Ok(()) => Ok(progress),
             Err(ConnError::Lost(e)) if progress => Err(ConnError::LostAfterProgress(e.to_string())),

@@ -78,7 +78,6 @@ impl AgentSide {
             drain_grace: Duration::from_secs(20),
             tuning: Tuning::default(),
             connect_timeout: Duration::from_secs(5),
-            zero_rtt: true,
         }
     }
 
@@ -93,13 +92,9 @@ impl AgentSide {
 }
 
 fn server(pki: &InMemoryPki, tuning: &Tuning, addr: SocketAddr) -> quinn::Endpoint {
-    edge_transport::server_endpoint(addr, server_config(pki, tuning), tuning).expect("server endpoint")
-}
-
-/// The server's config; each one has its own resumption session cache.
-fn server_config(pki: &InMemoryPki, tuning: &Tuning) -> quinn::ServerConfig {
-    edge_transport::server_config_from_pem(&pki.server_cert_pem, &pki.server_key_pem, &pki.ca_pem, tuning)
-        .expect("server config")
+    let config = edge_transport::server_config_from_pem(&pki.server_cert_pem, &pki.server_key_pem, &pki.ca_pem, tuning)
+        .expect("server config");
+    edge_transport::server_endpoint(addr, config, tuning).expect("server endpoint")
 }
 
 /// Accepts the agent's control stream and answers its Hello.
@@ -128,7 +123,6 @@ async fn flush(send: &mut quinn::SendStream, session: &mut ServerSession) {
 
 /// One agent with one sealed chunk, its uploader running, connected to a scripted server.
 struct Rig {
-    pki: InMemoryPki,
     agent: AgentSide,
     _endpoint: quinn::Endpoint,
     conn: quinn::Connection,
@@ -156,7 +150,7 @@ impl Rig {
         let conn = bounded("connection", async { endpoint.accept().await.expect("endpoint open").await })
             .await
             .expect("handshake");
-        Rig { pki, agent, _endpoint: endpoint, conn, counters, cancel, uploader }
+        Rig { agent, _endpoint: endpoint, conn, counters, cancel, uploader }
     }
 
     /// A 256 KiB chunk and a server whose stream window is 64 KiB: the agent cannot have
@@ -335,7 +329,7 @@ fn records(n: u32, size: usize, capacity: usize, seed: u8) -> Batch {
 
 #[tokio::test]
 async fn chunks_sealed_while_the_uploader_keeps_up_are_sent_from_memory_as_the_spool_holds_them() {
-    let Rig { agent, _endpoint, conn, counters, cancel, uploader, .. } = Rig::start(10 << 10, &Tuning::default()).await;
+    let Rig { agent, _endpoint, conn, counters, cancel, uploader } = Rig::start(10 << 10, &Tuning::default()).await;
     let (mut ctl, mut session) = welcome(&conn).await;
 
     // The chunk sealed before the agent started is read from the spool.
@@ -382,94 +376,4 @@ async fn chunks_sealed_while_the_uploader_keeps_up_are_sent_from_memory_as_the_s
     bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
     assert_eq!(counters.stored.chunks(), chunks);
     assert_eq!(agent.sealed_left(), 0, "every acked chunk left the spool");
-}
-
-/// The first connection of the 0-RTT tests: the pre-sealed chunk is stored; a second chunk is
-/// sealed and sent, and the server closes the connection without acking it, so that the
-/// agent, which now holds a resumption ticket and the Welcome's limits, reconnects with a chunk
-/// to send. `before_close` runs just before the close (it may swap the server's config).
-async fn a_connection_ends_with_a_chunk_unacked(before_close: impl FnOnce(&quinn::Endpoint, &InMemoryPki)) -> Rig {
-    let rig = Rig::start(10 << 10, &Tuning::default()).await;
-    let (mut ctl, mut session) = welcome(&rig.conn).await;
-    store_next_chunk(&rig.conn, &mut ctl, &mut session).await;
-    bounded("the first ack processed", async {
-        while rig.counters.stored.chunks() < 1 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await;
-    rig.agent.spool.append(AppendRequest { batches: vec![records(1, 10_000, 0, 3)] }).await.expect("append");
-    rig.agent.spool.seal_all().await;
-    let mut unacked = bounded("the second chunk's stream", rig.conn.accept_uni()).await.expect("chunk stream");
-    bounded("its bytes", unacked.read_to_end(1 << 20)).await.expect("whole chunk");
-    before_close(&rig._endpoint, &rig.pki);
-    rig.conn.close(0u32.into(), b"test: connection lost");
-    assert_eq!(rig.counters.zero_rtt_accepted_total.load(Ordering::Relaxed), 0);
-    rig
-}
-
-/// The reconnection of the 0-RTT tests: the next connection, its control stream answered, and
-/// the chunk stream it carries stored (its payload returned) and acked at the agent.
-async fn reconnected_and_stored(rig: &Rig) -> (quinn::Connection, Vec<u8>) {
-    let conn = bounded("the reconnection", async { rig._endpoint.accept().await.expect("endpoint open").await })
-        .await
-        .expect("handshake");
-    let (mut ctl, mut session) = welcome(&conn).await;
-    let payload = store_next_chunk(&conn, &mut ctl, &mut session).await;
-    bounded("the agent processing the ack", async {
-        while rig.counters.stored.chunks() < 2 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await;
-    (conn, payload)
-}
-
-#[tokio::test]
-async fn a_resumed_connection_sends_its_hello_and_first_chunk_as_0rtt_before_the_welcome() {
-    let rig = a_connection_ends_with_a_chunk_unacked(|_, _| {}).await;
-    let (conn, payload) = reconnected_and_stored(&rig).await;
-    assert_eq!(payload, records(1, 10_000, 0, 3).data, "the unacked chunk, whole");
-    let c = &rig.counters;
-    assert_eq!(c.zero_rtt_accepted_total.load(Ordering::Relaxed), 1, "the server took the 0-RTT data");
-    assert_eq!(c.zero_rtt_rejected_total.load(Ordering::Relaxed), 0);
-    // The chunk was handed to QUIC before the Welcome arrived: it went in the first flight,
-    // not after the session's round trip.
-    let attempt = c.attempt.lock().expect("attempt").clone().expect("an attempt");
-    let (sent, established) = (attempt.first_sent.get().copied(), attempt.established.get().copied());
-    assert!(sent.expect("sent") < established.expect("established"), "the chunk went before the Welcome");
-
-    rig.cancel.cancel();
-    conn.close(0u32.into(), b"test over");
-    bounded("uploader end", rig.uploader).await.expect("uploader task").expect("uploader ran");
-    assert_eq!(rig.counters.connects_total.load(Ordering::Relaxed), 2);
-    assert_eq!(rig.counters.stored.chunks(), 2);
-    assert_eq!(rig.agent.sealed_left(), 0, "both chunks left the spool");
-}
-
-#[tokio::test]
-async fn a_server_that_forgot_the_session_rejects_the_0rtt_data_and_gets_the_chunk_once_in_1rtt() {
-    // A new server config has an empty session cache: the agent's ticket is unknown to it,
-    // as to a restarted server.
-    let rig = a_connection_ends_with_a_chunk_unacked(|endpoint, pki| {
-        endpoint.set_server_config(Some(server_config(pki, &Tuning::default())));
-    })
-    .await;
-    let (conn, payload) = reconnected_and_stored(&rig).await;
-    assert_eq!(payload, records(1, 10_000, 0, 3).data, "the unacked chunk, whole");
-    let c = &rig.counters;
-    assert_eq!(c.zero_rtt_rejected_total.load(Ordering::Relaxed), 1, "the server rejected the 0-RTT data");
-    assert_eq!(c.zero_rtt_accepted_total.load(Ordering::Relaxed), 0);
-
-    rig.cancel.cancel();
-    conn.close(0u32.into(), b"test over");
-    bounded("uploader end", rig.uploader).await.expect("uploader task").expect("uploader ran");
-    assert_eq!(
-        rig.counters.connects_total.load(Ordering::Relaxed),
-        2,
-        "the session started again on the same connection"
-    );
-    assert_eq!(rig.counters.stored.chunks(), 2);
-    assert_eq!(rig.counters.duplicate.chunks(), 0);
-    assert_eq!(rig.agent.sealed_left(), 0, "both chunks left the spool");
 }
