@@ -493,7 +493,7 @@ pub async fn all(ctx: &Ctx) -> anyhow::Result<Results> {
     small(ctx, &mut res, Duration::from_secs(6)).await?;
     peer_cases(ctx, &mut res, &[10 * KIB, 100 * KIB], Duration::from_secs(5), Extra::Yes).await?;
     reconnect(ctx, &mut res).await?;
-    agent_reconnect(ctx, &mut res).await?;
+    agent_reconnect(ctx, &mut res, 10 * KIB).await?;
     let r = drain_once(ctx, &mut res, "edge-uploader", DRAIN_4G, 4 << 30, &WorldOptions::default()).await;
     res.failed(DRAIN_4G, 0, r);
     baselines_again(ctx, &mut res, 512 * MIB).await?;
@@ -751,7 +751,7 @@ const RECONNECT_CONNS: usize = 10;
 /// The agent's own reconnect (see `reconnect.rs`): its uploader in this process, the ingest
 /// daemon behind a delaying proxy, new connections with a full and with a resumed handshake,
 /// each timed from the attempt's start to the session, the first chunk sent and its ack.
-pub async fn agent_reconnect(ctx: &Ctx, res: &mut Results) -> anyhow::Result<()> {
+pub async fn agent_reconnect(ctx: &Ctx, res: &mut Results, record: usize) -> anyhow::Result<()> {
     res.mark_load("agent reconnect");
     let mut w = World::new(&ctx.bins, &ctx.work.join("reconnect"), &WorldOptions::default())?;
     w.start_ingest()?;
@@ -760,7 +760,7 @@ pub async fn agent_reconnect(ctx: &Ctx, res: &mut Results) -> anyhow::Result<()>
         let rtt = (delay * 2).as_millis();
         for rep in 0..ctx.reps {
             for mode in [crate::reconnect::Handshake::Full, crate::reconnect::Handshake::Resumed] {
-                let conns = path.connections(&w.dir.join("agent"), mode, 2, RECONNECT_CONNS).await?;
+                let conns = path.connections(&w.dir.join("agent"), mode, record, 2, RECONNECT_CONNS).await?;
                 let med = |f: fn(&crate::reconnect::Steps) -> f64| {
                     Stat::of(&conns.iter().map(f).collect::<Vec<_>>()).map_or(f64::NAN, |s| s.median)
                 };
@@ -770,7 +770,8 @@ pub async fn agent_reconnect(ctx: &Ctx, res: &mut Results) -> anyhow::Result<()>
                     mode.label(),
                     rep + 1
                 ));
-                let case = format!("agent reconnect, proxy adding {rtt} ms RTT, {}", mode.label());
+                let size = if record == 10 * KIB { String::new() } else { format!(", {record}-byte record") };
+                let case = format!("agent reconnect, proxy adding {rtt} ms RTT, {}{size}", mode.label());
                 res.add("edge-uploader", format!("{case}: attempt → session established"), "ms", 2, est);
                 res.add("edge-uploader", format!("{case}: attempt → first chunk sent"), "ms", 2, sent);
                 res.add("edge-uploader", format!("{case}: attempt → first chunk acked"), "ms", 2, acked);

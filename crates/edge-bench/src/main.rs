@@ -96,6 +96,9 @@ enum Cmd {
     Reconnect {
         #[arg(long, default_value_t = 3)]
         reps: usize,
+        /// Bytes of the one record each connection uploads.
+        #[arg(long, default_value_t = 10240)]
+        record: usize,
         #[arg(long)]
         allow_stale: bool,
     },
@@ -240,12 +243,13 @@ fn main() -> anyhow::Result<()> {
             };
             rt.block_on(cases::profile(&ctx, how, drain, mib << 20, per_request))
         }
-        Cmd::Reconnect { reps, allow_stale } => {
+        Cmd::Reconnect { reps, record, allow_stale } => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
-            ctx.command = format!("cargo run --release -p edge-bench -- reconnect --reps {}", ctx.reps);
+            ctx.command =
+                format!("cargo run --release -p edge-bench -- reconnect --reps {} --record {record}", ctx.reps);
             let mut results = cases::Results::default();
-            rt.block_on(cases::agent_reconnect(&ctx, &mut results))?;
+            rt.block_on(cases::agent_reconnect(&ctx, &mut results, record))?;
             println!("{}", results.markdown(&ctx));
             Ok(())
         }

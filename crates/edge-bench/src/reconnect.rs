@@ -73,11 +73,13 @@ impl DelayedPath {
         Ok(DelayedPath { proxy, tls })
     }
 
-    /// `n` connections of one kind after `warmup` unrecorded ones; each sends and acks one chunk.
+    /// `n` connections of one kind after `warmup` unrecorded ones; each sends and acks one
+    /// chunk of one `record`-byte record.
     pub async fn connections(
         &self,
         dir: &Path,
         mode: Handshake,
+        record: usize,
         warmup: usize,
         n: usize,
     ) -> anyhow::Result<Vec<Steps>> {
@@ -89,7 +91,7 @@ impl DelayedPath {
                 Handshake::Full => edge_transport::client_config(&self.tls, &tuning)?,
                 Handshake::Resumed => shared.clone(),
             };
-            let steps = one(&dir.join(format!("conn-{i}")), self.proxy.local_addr(), config, &tuning)
+            let steps = one(&dir.join(format!("conn-{i}")), self.proxy.local_addr(), config, &tuning, record)
                 .await
                 .with_context(|| format!("{} connection {}", mode.label(), i + 1))?;
             if i >= warmup {
@@ -110,14 +112,15 @@ async fn one(
     server: SocketAddr,
     client_config: quinn::ClientConfig,
     tuning: &Tuning,
+    record: usize,
 ) -> anyhow::Result<Steps> {
     if dir.exists() {
         std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
     }
     std::fs::create_dir_all(dir)?;
     let (mut spool, _report) = Spool::open(SpoolOptions::new(dir.join("spool.db")))?;
-    let mut data = Vec::with_capacity(10 * 1024 + 16);
-    edge_proto::records::encode_record(&mut data, &crate::baseline::message(10 * 1024));
+    let mut data = Vec::with_capacity(record + 16);
+    edge_proto::records::encode_record(&mut data, &crate::baseline::message(record));
     let req = AppendRequest { batches: vec![Batch { stream: "reconnect".into(), data, records: 1 }] };
     anyhow::ensure!(spool.append(&[req], 1)? == vec![AppendOutcome::Accepted], "the spool refused the record");
     anyhow::ensure!(spool.seal_all(1)? == 1, "no chunk sealed");
