@@ -4,10 +4,11 @@
 //! The uploader of `edge-uploader` (the library the daemon runs, the same code) runs in this
 //! process against the `edge-ingest` daemon, through the userspace UDP proxy of `edge-testkit`
 //! with a fixed one-way delay, so that round trips show. Every repetition is a new connection
-//! (a new uploader with its own endpoint) that sends one sealed 10 KiB chunk and stops once it
-//! is acked. The times are the uploader's own, from the start of its connection attempt
-//! ([`AttemptTimes`](edge_uploader::uploader::AttemptTimes)): session established (the server's Welcome), the chunk handed to QUIC, the
-//! chunk acked as durable.
+//! (a new uploader with its own endpoint) that sends one sealed chunk of one record (10 KiB
+//! unless `edge-bench reconnect --record` says otherwise) and stops once it is acked. The
+//! times are the uploader's own, from the start of its connection attempt
+//! ([`AttemptTimes`](edge_uploader::uploader::AttemptTimes)): session established (the
+//! server's Welcome), the chunk handed to QUIC, the chunk acked as durable.
 //!
 //! Full handshakes use a fresh client configuration each time, so the agent has no ticket;
 //! resumed ones share one, as the agent does across reconnects, so each uses a ticket of the
