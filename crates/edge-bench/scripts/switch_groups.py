@@ -12,27 +12,21 @@ switches spent waiting for a contended mutex, by the two frames that took the lo
 """
 
 import collections
+import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import perf_groups  # noqa: E402  (the same directory: its parser of `perf script` output)
 
 HASH = re.compile(r"::h[0-9a-f]{16}$")
 OURS = re.compile(r"tokio|quinn|edge_|std::")
 
 
 def samples(path):
-    """Yields (thread, [symbols, leaf first]) per sample."""
-    with open(path, errors="replace") as f:
-        for block in f.read().split("\n\n"):
-            lines = [l for l in block.strip().split("\n") if l.strip()]
-            if not lines:
-                continue
-            head = lines[0].split()
-            thread = " ".join(head[:-1]) if len(head) > 1 else head[0]
-            syms = []
-            for l in lines[1:]:
-                parts = l.split(None, 1)
-                syms.append(HASH.sub("", parts[1].strip()) if len(parts) > 1 else "")
-            yield thread, syms
+    """Yields (thread, [symbols, leaf first, without their hashes]) per sample."""
+    for thread, frames in perf_groups.samples(path):
+        yield thread, [HASH.sub("", f.strip()) for f in frames]
 
 
 def main():

@@ -140,10 +140,13 @@ impl AttemptTimes {
         step.get().map(|t| t.saturating_duration_since(self.started))
     }
 
-    /// Marks `step` now, unless it happened already.
+    /// Marks `step` now, unless it happened already. Called for every chunk sent and acked,
+    /// so only the first call reads the clock.
     fn mark(step: &OnceLock<Instant>) {
-        // Only the first time counts; later calls find it set and change nothing.
-        let _first = step.set(Instant::now());
+        if step.get().is_none() {
+            // A racing first call may have set it meanwhile; either instant will do.
+            let _first = step.set(Instant::now());
+        }
     }
 }
 
