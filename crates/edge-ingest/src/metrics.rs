@@ -48,11 +48,13 @@ pub const PERSIST_LATENCY_SECONDS: &str = "edge_ingest_persist_latency_seconds";
 pub const AUTH_FAILURES_TOTAL: &str = "edge_ingest_auth_failures_total";
 /// Connections closed for a protocol violation.
 pub const PROTOCOL_ERRORS_TOTAL: &str = "edge_ingest_protocol_errors_total";
+/// Chunk streams that arrived before their connection's Hello and waited for it.
+pub const EARLY_CHUNK_STREAMS_TOTAL: &str = "edge_ingest_early_chunk_streams_total";
 /// `fdatasync` calls of the store's group commits.
 pub const STORE_FSYNCS_TOTAL: &str = "edge_ingest_store_fsyncs_total";
 
 /// Every metric name above.
-pub const ALL: [&str; 9] = [
+pub const ALL: [&str; 10] = [
     CONNECTIONS,
     CONNECTIONS_TOTAL,
     CHUNKS_TOTAL,
@@ -61,6 +63,7 @@ pub const ALL: [&str; 9] = [
     PERSIST_LATENCY_SECONDS,
     AUTH_FAILURES_TOTAL,
     PROTOCOL_ERRORS_TOTAL,
+    EARLY_CHUNK_STREAMS_TOTAL,
     STORE_FSYNCS_TOTAL,
 ];
 
@@ -128,12 +131,17 @@ const LIVE_AUTH_FAILURES: Live = Live::counter(
 );
 const LIVE_PROTOCOL_ERRORS: Live =
     Live::counter(PROTOCOL_ERRORS_TOTAL, "Agent connections closed for a protocol violation.");
+const LIVE_EARLY_CHUNK_STREAMS: Live = Live::counter(
+    EARLY_CHUNK_STREAMS_TOTAL,
+    "Chunk streams that arrived before their connection's Hello and waited for it (agents send their first \
+           chunks right behind the Hello on reconnect).",
+);
 const LIVE_FSYNCS: Live = Live::counter(
     STORE_FSYNCS_TOTAL,
     "fdatasync calls on segment files by the store's group commits (one per commit, shared by every chunk \
            in it).",
 );
-const LIVE_ALL: [&Live; 8] = [
+const LIVE_ALL: [&Live; 9] = [
     &LIVE_CONNECTIONS,
     &LIVE_CONNECTIONS_TOTAL,
     &LIVE_CHUNKS,
@@ -141,6 +149,7 @@ const LIVE_ALL: [&Live; 8] = [
     &LIVE_BYTES,
     &LIVE_AUTH_FAILURES,
     &LIVE_PROTOCOL_ERRORS,
+    &LIVE_EARLY_CHUNK_STREAMS,
     &LIVE_FSYNCS,
 ];
 
@@ -160,6 +169,7 @@ fn live_families(c: &ServerCounters, store: &StoreStatsView) -> Vec<MetricFamily
         LIVE_BYTES.family(&[("", n(&c.bytes_stored_total))]),
         LIVE_AUTH_FAILURES.family(&[("", n(&c.auth_failures_total))]),
         LIVE_PROTOCOL_ERRORS.family(&[("", n(&c.protocol_errors_total))]),
+        LIVE_EARLY_CHUNK_STREAMS.family(&[("", n(&c.early_chunk_streams_total))]),
         LIVE_FSYNCS.family(&[("", store.get().fsyncs as f64)]),
     ]
 }

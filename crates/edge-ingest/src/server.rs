@@ -3,7 +3,9 @@
 //!
 //! Per connection:
 //! 1. the device identity comes from the client certificate (TLS already verified the chain);
-//! 2. the agent opens the control bi-stream and says Hello; the session answers Welcome;
+//! 2. the agent opens the control bi-stream and says Hello; the session answers Welcome. Chunk
+//!    streams that arrive before the Hello (an agent may send chunks right behind it) wait, at
+//!    most `max_in_flight` of them, and are read once the Hello is in;
 //! 3. each uni-stream carries one chunk: header, payload, FIN. The payload is read into memory
 //!    under a server-wide byte budget (so a thousand trickling streams cannot exhaust memory),
 //!    checked (length, checksum, record framing), handed to the store's group committer, and
@@ -136,6 +138,8 @@ pub struct ServerCounters {
     pub bytes_stored_total: AtomicU64,
     /// Connections closed for a protocol violation.
     pub protocol_errors_total: AtomicU64,
+    /// Chunk streams that arrived before their connection's Hello and waited for it.
+    pub early_chunk_streams_total: AtomicU64,
     /// TLS handshakes in progress now (see [`ServerOptions::max_pending_handshakes`]).
     pub handshakes_pending: AtomicU64,
     /// Connection attempts refused because too many handshakes were pending.
@@ -833,21 +837,21 @@ async fn run_connection(
     stored: Arc<ConnStored>,
 ) -> Result<(), ConnEnd> {
     let limits = shared.opts.limits.clone();
-    // One deadline for the whole handshake, counted from the connection's start. A chunk stream
-    // opened before Hello is a violation (an honest agent waits for Welcome).
+    // One deadline for the whole handshake, counted from the connection's start.
     let deadline = tokio::time::Instant::now() + limits.handshake_timeout;
-    let early_chunk = || ProtoError::UnexpectedFrame { frame: "chunk stream", reason: "opened before Hello" };
-    // `biased` towards the control stream: when the control stream and a chunk stream are both
-    // there, they came in the same flight (a client that resumed with 0-RTT sends its Hello and
-    // first chunks before the handshake completes, and quinn hands them over together), and the
-    // client opened the control stream first. A chunk stream that arrives while no Hello is
-    // there is refused.
-    let (mut ctl_send, mut ctl_recv) = tokio::select! {
-        biased;
-        r = conn.accept_bi() => r.map_err(|e| ConnEnd::Lost(e.to_string()))?,
-        _ = conn.accept_uni() => return Err(early_chunk().into()),
-        () = tokio::time::sleep_until(deadline) => {
-            return Err(ProtoError::HandshakeTimeout.into());
+    // Chunk streams that arrive before the Hello wait here and are read once it is in: an agent
+    // may open them right behind its Hello (QUIC does not order streams against each other),
+    // within the limits of an earlier Welcome. At most `max_in_flight` of them, as after it.
+    let max_held = shared.opts.max_in_flight.max(1);
+    let mut held: Vec<quinn::RecvStream> = Vec::new();
+    let (mut ctl_send, mut ctl_recv) = loop {
+        tokio::select! {
+            biased;
+            r = conn.accept_bi() => break r.map_err(|e| ConnEnd::Lost(e.to_string()))?,
+            r = conn.accept_uni() => hold(&mut held, max_held, r, &shared.counters)?,
+            () = tokio::time::sleep_until(deadline) => {
+                return Err(ProtoError::HandshakeTimeout.into());
+            }
         }
     };
     let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Vec<u8>>();
@@ -873,7 +877,10 @@ async fn run_connection(
             let n = tokio::select! {
                 biased;
                 r = ctl_recv.read(&mut buf) => r.map_err(|e| ConnEnd::Lost(e.to_string()))?,
-                _ = conn.accept_uni() => return Err(early_chunk().into()),
+                r = conn.accept_uni() => {
+                    hold(&mut held, max_held, r, &shared.counters)?;
+                    continue;
+                }
                 () = tokio::time::sleep_until(deadline) => return Err(ProtoError::HandshakeTimeout.into()),
             };
             let Some(n) = n else {
@@ -886,7 +893,7 @@ async fn run_connection(
             while let Some(ev) = st.session.poll_event() {
                 // Hello is the only server event; a new variant must be handled here.
                 let ServerEvent::Hello { spool_id, agent } = ev;
-                info!(%device, spool = %hex(&spool_id), %agent, "agent connected");
+                info!(%device, spool = %hex(&spool_id), %agent, early_chunks = held.len(), "agent connected");
                 hello = Some(spool_id);
             }
             if let Some(id) = hello {
@@ -894,7 +901,6 @@ async fn run_connection(
             }
         }
     };
-
     let cancel = shared.cancel.clone();
     let chunk_tasks = TaskTracker::new();
     // A connection may hold at most an eighth of the server-wide budget (and always one
@@ -903,6 +909,19 @@ async fn run_connection(
     let conn_budget =
         Arc::new(Semaphore::new(usize::try_from(conn_kib).unwrap_or(usize::MAX).min(Semaphore::MAX_PERMITS)));
     let (fail_tx, mut fail_rx) = mpsc::unbounded_channel::<ProtoError>();
+    let ctx = || ChunkCtx {
+        device: device.to_owned(),
+        stored: stored.clone(),
+        conn_budget: conn_budget.clone(),
+        spool_id,
+        state: state.clone(),
+        shared: shared.clone(),
+        fail: fail_tx.clone(),
+    };
+    // The chunks that came before the Hello, in the order they arrived.
+    for recv in held {
+        chunk_tasks.spawn(handle_chunk_stream(recv, ctx()));
+    }
     let result = loop {
         let mut buf = [0u8; 1024];
         tokio::select! {
@@ -925,16 +944,7 @@ async fn run_connection(
             },
             r = conn.accept_uni() => match r {
                 Ok(recv) => {
-                    let ctx = ChunkCtx {
-                        device: device.to_owned(),
-                        stored: stored.clone(),
-                        conn_budget: conn_budget.clone(),
-                        spool_id,
-                        state: state.clone(),
-                        shared: shared.clone(),
-                        fail: fail_tx.clone(),
-                    };
-                    chunk_tasks.spawn(handle_chunk_stream(recv, ctx));
+                    chunk_tasks.spawn(handle_chunk_stream(recv, ctx()));
                 }
                 Err(e) => break Err(ConnEnd::Lost(e.to_string())),
             },
@@ -957,6 +967,22 @@ async fn run_connection(
     }
     writer.abort();
     result
+}
+
+/// Keeps a chunk stream that arrived before the Hello, at most `max` of them.
+fn hold(
+    held: &mut Vec<quinn::RecvStream>,
+    max: u32,
+    accepted: Result<quinn::RecvStream, quinn::ConnectionError>,
+    counters: &ServerCounters,
+) -> Result<(), ConnEnd> {
+    let recv = accepted.map_err(|e| ConnEnd::Lost(e.to_string()))?;
+    if held.len() >= max as usize {
+        return Err(ProtoError::TooManyInFlight { max }.into());
+    }
+    counters.early_chunk_streams_total.fetch_add(1, Ordering::Relaxed);
+    held.push(recv);
+    Ok(())
 }
 
 struct ChunkCtx {

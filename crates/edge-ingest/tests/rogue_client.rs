@@ -16,6 +16,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -26,7 +27,7 @@ use common::{
 };
 use edge_ingest::server::{Server, ServerCounters, ServerOptions};
 use edge_ingest::store::{ExportReport, StoreHandle};
-use edge_proto::client::ClientSession;
+use edge_proto::client::{ClientSession, EarlyLimits};
 use edge_proto::{AckStatus, CHUNK_MAGIC, ChunkHeader, ControlFrame, ErrorCode, Limits, RejectReason, VERSION};
 use edge_transport::{Tuning, client_config_from_pem, client_endpoint, server_config_from_pem, server_endpoint};
 use quinn::{ConnectionError, Endpoint, RecvStream, SendStream, VarInt};
@@ -393,26 +394,95 @@ async fn a_chunk_with_a_wrong_checksum_is_rejected_and_the_connection_stays_usab
     assert_eq!(report.duplicate_entries, 0);
 }
 
-/// The protocol forbids a chunk before Hello (`ProtoError::ChunkBeforeHello`, code
-/// `ProtocolViolation`). The rogue opens no control stream and sends no Hello at all.
+/// Opens a chunk stream for `c` on `conn`, writes it whole and finishes it, and waits until the
+/// server's QUIC stack has acknowledged every byte of it (not that the server read it).
+async fn send_chunk_acked(conn: &quinn::Connection, c: &common::TestChunk) {
+    let mut uni = conn.open_uni().await.expect("open a chunk stream");
+    uni.write_all(&c.wire()).await.expect("write the chunk");
+    uni.finish().expect("finish the chunk stream once");
+    let stopped = bounded("the chunk's bytes are acknowledged", uni.stopped()).await;
+    assert_eq!(stopped.ok(), Some(None), "the server took the stream's bytes without stopping it");
+}
+
+/// An agent may send chunks right behind its Hello, within the limits of an earlier Welcome, and
+/// QUIC does not order streams against each other: chunk streams that reach the server before
+/// the Hello wait for it and are stored once it comes. Here the Hello is sent only after the
+/// server's QUIC stack has every byte of the chunks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_chunk_stream_sent_before_hello_is_closed_with_protocol_violation() {
+async fn chunk_streams_sent_before_hello_wait_for_it_and_are_stored() {
+    let rig = Rig::start().await;
+    let conn = bounded("agent connects", rig.rogue.connect()).await;
+    let early = [chunk("early", 0), chunk("early", 1), chunk("early", 2)];
+    let limits = EarlyLimits { max_in_flight: 64, max_chunk_payload: Limits::default().max_chunk_payload };
+    let mut session = ClientSession::resume(ROGUE_SPOOL, AGENT.into(), Limits::default(), Instant::now(), limits);
+    for c in &early {
+        session.chunk_sent(&c.header.stream, c.header.seq).expect("within the early limits");
+        send_chunk_acked(&conn, c).await;
+    }
+    let (send, recv) = conn.open_bi().await.expect("open the control stream");
+    let mut agent = Agent { conn: conn.clone(), send, recv, session, device: String::new(), acks: HashMap::new() };
+    agent.flush().await;
+    let statuses = bounded("early chunks are acked", async {
+        let mut statuses = Vec::new();
+        for c in &early {
+            while !agent.acks.contains_key(&c.key()) {
+                agent.read_control().await;
+            }
+            statuses.extend(agent.acks.remove(&c.key()));
+        }
+        statuses
+    })
+    .await;
+    assert_eq!(statuses, [AckStatus::Stored; 3]);
+    assert_eq!(agent.device, ROGUE, "the Welcome came first");
+    // The connection goes on as any other.
+    agent.upload_stored("a chunk after the Welcome", &[chunk("early", 3)]).await;
+    assert_eq!(rig.counters().protocol_errors_total.load(Ordering::Relaxed), 0);
+    agent.close();
+
+    let (exported, report) = rig.finish().await;
+    let all: Vec<_> = (0..4).map(|seq| chunk("early", seq)).collect();
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &all);
+    assert_eq!(report.duplicate_entries, 0);
+}
+
+/// Chunk streams with no Hello at all are held, not stored, and the connection ends at the
+/// handshake deadline as one without any stream does. (Before chunk streams could wait for the
+/// Hello, the server closed with `ProtocolViolation` on the first one.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunk_streams_without_a_hello_are_held_until_the_handshake_timeout_and_not_stored() {
     let rig = Rig::start().await;
     let conn = bounded("rogue connects", rig.rogue.connect()).await;
-    let early = chunk("rogue.early", 0);
-    let mut uni = conn.open_uni().await.expect("open a chunk stream");
-    write_unless_closed(&mut uni, &early.wire()).await;
-    uni.finish().expect("finish the chunk stream once");
-    // No Hello follows. QUIC does not order streams against each other, so a Hello sent now
-    // could still be read first by the server, which would then rightly take the chunk as
-    // sent after it. Without one, the server must close the connection on the early chunk
-    // itself, with ProtocolViolation; a server that let the chunk wait would close only at
-    // its handshake timeout, with HandshakeTimeout.
-    let mut session = ClientSession::new(ROGUE_SPOOL, "rogue/0.0".into(), Limits::default(), Instant::now());
-    session.chunk_sent(&early.header.stream, early.header.seq).expect_err("a real agent cannot do this");
-    let closed = bounded("server reacts to the early chunk", conn.closed()).await;
-    assert_closed_with("chunk before Hello", &closed, ErrorCode::ProtocolViolation);
-    assert_eq!(rig.counters().protocol_errors_total.load(Ordering::Relaxed), 1);
+    for seq in 0..2 {
+        send_chunk_acked(&conn, &chunk("rogue.early", seq)).await;
+    }
+    let closed = bounded("server closes at its handshake deadline", conn.closed()).await;
+    assert_closed_with("chunks and no Hello", &closed, ErrorCode::HandshakeTimeout);
+    let counters = rig.counters();
+    assert_eq!(counters.early_chunk_streams_total.load(Ordering::Relaxed), 2, "both were held");
+    assert_eq!(counters.chunks_stored_total.load(Ordering::Relaxed), 0);
+
+    let (exported, _) = rig.finish().await;
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[]);
+}
+
+/// The server holds at most its `max_in_flight` chunk streams before the Hello; one more is a
+/// protocol violation, as it would be after the Welcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_chunk_streams_before_hello_than_max_in_flight_is_a_protocol_violation() {
+    let rig = Rig::start().await;
+    let max = ServerOptions::default().max_in_flight;
+    let conn = bounded("rogue connects", rig.rogue.connect()).await;
+    let mut held = Held::default();
+    for seq in 0..=u64::from(max) {
+        held.uni(&conn, &chunk("rogue.flood", seq).wire()).await;
+    }
+    let closed = bounded("server refuses the extra stream", conn.closed()).await;
+    assert_closed_with("one chunk stream over max_in_flight before Hello", &closed, ErrorCode::ProtocolViolation);
+    let counters = rig.counters();
+    assert_eq!(counters.early_chunk_streams_total.load(Ordering::Relaxed), u64::from(max));
+    assert_eq!(counters.protocol_errors_total.load(Ordering::Relaxed), 1);
+    drop(held);
 
     let (exported, _) = rig.finish().await;
     assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[]);

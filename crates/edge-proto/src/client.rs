@@ -9,6 +9,12 @@
 //! States: *handshaking* (Hello queued, waiting for Welcome, deadline armed) → *connected*
 //! (Welcome received; may be *draining* after a GoAway) → *closed* (after any error). A closed
 //! session refuses all input with [`ProtoError::Closed`] and transmits nothing more.
+//!
+//! A session [resumed](ClientSession::resume) with the limits of an earlier Welcome from the same
+//! server may register chunks while still handshaking, within those limits: the driver sends
+//! them right behind the Hello instead of a round trip later, and the server, which holds chunk
+//! streams that arrive before the Hello, reads them once it has the Hello. The Welcome then sets
+//! the limits as usual.
 
 use std::collections::{HashSet, VecDeque};
 use std::time::Instant;
@@ -46,6 +52,16 @@ pub enum ClientEvent {
         /// Why the server is going away.
         code: ErrorCode,
     },
+}
+
+/// The limits of a Welcome, kept to send chunks before the next session's Welcome
+/// ([`ClientSession::resume`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EarlyLimits {
+    /// Most chunks in flight before the Welcome.
+    pub max_in_flight: u32,
+    /// Largest chunk payload to send before the Welcome.
+    pub max_chunk_payload: u32,
 }
 
 /// The agent's protocol state for one connection.
@@ -94,7 +110,8 @@ pub struct ClientSession {
 #[derive(Debug)]
 enum State {
     /// Hello queued; waiting for Welcome until `deadline` (`None` if it would overflow).
-    Handshaking { deadline: Option<Instant> },
+    /// Chunks may be registered within `early`, if the session was resumed.
+    Handshaking { deadline: Option<Instant>, early: Option<EarlyLimits> },
     /// Welcome received.
     Connected { device: String, max_chunk_payload: u32, max_in_flight: u32 },
     /// An error ended the session.
@@ -107,12 +124,23 @@ impl ClientSession {
     /// `agent` is cut to [`MAX_AGENT_LEN`] bytes on a char boundary. The handshake must complete
     /// by `now + limits.handshake_timeout`.
     pub fn new(spool_id: [u8; 16], agent: String, limits: Limits, now: Instant) -> Self {
+        Self::start(spool_id, agent, limits, now, None)
+    }
+
+    /// Starts a session like [`new`](Self::new) that may register chunks before the Welcome,
+    /// within `early`: the limits of the last Welcome from the same server. The Welcome
+    /// replaces them.
+    pub fn resume(spool_id: [u8; 16], agent: String, limits: Limits, now: Instant, early: EarlyLimits) -> Self {
+        Self::start(spool_id, agent, limits, now, Some(early))
+    }
+
+    fn start(spool_id: [u8; 16], agent: String, limits: Limits, now: Instant, early: Option<EarlyLimits>) -> Self {
         let mut agent = agent;
         agent.truncate(truncate_str(&agent, MAX_AGENT_LEN).len());
         let mut transmit = Vec::new();
         ControlFrame::Hello { version: VERSION, spool_id, agent }.encode(&mut transmit);
         Self {
-            state: State::Handshaking { deadline: now.checked_add(limits.handshake_timeout) },
+            state: State::Handshaking { deadline: now.checked_add(limits.handshake_timeout), early },
             go_away: None,
             decoder: FrameDecoder::new(&limits),
             in_flight: HashSet::new(),
@@ -129,15 +157,20 @@ impl ClientSession {
         matches!(self.state, State::Connected { .. })
     }
 
-    /// Whether a new chunk may be sent now: connected, no GoAway received, and fewer than the
-    /// Welcome's `max_in_flight` chunks in flight. When true, [`chunk_sent`](Self::chunk_sent)
-    /// succeeds for any key not already in flight.
+    /// Whether a new chunk may be sent now: connected (or resumed and handshaking), no GoAway
+    /// received, and fewer than the Welcome's `max_in_flight` chunks (before it, the early
+    /// limit's) in flight. When true, [`chunk_sent`](Self::chunk_sent) succeeds for any key not
+    /// already in flight.
     pub fn can_open_chunk(&self) -> bool {
+        self.window().is_some_and(|max| self.go_away.is_none() && self.in_flight.len() < max as usize)
+    }
+
+    /// The window chunks may be registered in now: the Welcome's, or before it the early one.
+    fn window(&self) -> Option<u32> {
         match self.state {
-            State::Connected { max_in_flight, .. } => {
-                self.go_away.is_none() && self.in_flight.len() < max_in_flight as usize
-            }
-            _ => false,
+            State::Connected { max_in_flight, .. } => Some(max_in_flight),
+            State::Handshaking { early: Some(early), .. } => Some(early.max_in_flight),
+            _ => None,
         }
     }
 
@@ -224,7 +257,7 @@ impl ClientSession {
     /// [`ProtoError::HandshakeTimeout`]. Does nothing before the deadline or in another state.
     pub fn handle_timeout(&mut self, now: Instant) -> Result<(), ProtoError> {
         match self.state {
-            State::Handshaking { deadline: Some(deadline) } if now >= deadline => {
+            State::Handshaking { deadline: Some(deadline), .. } if now >= deadline => {
                 Err(self.close(ProtoError::HandshakeTimeout))
             }
             _ => Ok(()),
@@ -278,11 +311,12 @@ impl ClientSession {
 
     /// Registers a chunk as in flight; call it before writing the chunk's stream.
     ///
-    /// Fails, leaving the session unchanged, if the session is closed, not yet connected,
-    /// draining after a GoAway, at its `max_in_flight` window, or if the key is already in flight.
+    /// Fails, leaving the session unchanged, if the session is closed, not yet connected (and
+    /// not resumed), draining after a GoAway, at its `max_in_flight` window, or if the key is
+    /// already in flight.
     pub fn chunk_sent(&mut self, stream: &StreamName, seq: u64) -> Result<(), ProtoError> {
         self.check_open()?;
-        let State::Connected { max_in_flight, .. } = self.state else {
+        let Some(max_in_flight) = self.window() else {
             return Err(ProtoError::NotConnected);
         };
         if let Some(code) = self.go_away {
@@ -330,7 +364,7 @@ impl ClientSession {
     /// When [`handle_timeout`](Self::handle_timeout) must next be called; `None` for never.
     pub fn poll_timeout(&self) -> Option<Instant> {
         match self.state {
-            State::Handshaking { deadline } => deadline,
+            State::Handshaking { deadline, .. } => deadline,
             _ => None,
         }
     }
@@ -405,6 +439,31 @@ mod tests {
         assert_eq!(c.chunk_sent(&name("a"), 3), Err(ProtoError::WindowFull { max: 2 }));
         assert_eq!(c.in_flight(), 2);
         assert!(c.is_connected());
+    }
+
+    #[test]
+    fn a_resumed_session_sends_within_the_early_limits_until_the_welcome_sets_its_own() {
+        let now = Instant::now();
+        let early = EarlyLimits { max_in_flight: 2, max_chunk_payload: 1024 };
+        let mut c = ClientSession::resume([1; 16], "a".into(), Limits::default(), now, early);
+        assert!(c.poll_transmit().is_some(), "the Hello is queued as for a new session");
+        assert!(!c.is_connected() && c.can_open_chunk());
+        c.chunk_sent(&name("a"), 1).expect("room before the Welcome");
+        c.chunk_sent(&name("a"), 2).expect("room before the Welcome");
+        assert_eq!(c.chunk_sent(&name("a"), 3), Err(ProtoError::WindowFull { max: 2 }));
+        // An ack before the Welcome is still a violation: the server answers Hello first.
+        let ack = encode(ControlFrame::Ack { stream: name("a"), seq: 1, status: AckStatus::Stored });
+        let mut early_ack = ClientSession::resume([1; 16], "a".into(), Limits::default(), now, early);
+        early_ack.chunk_sent(&name("a"), 1).expect("room");
+        assert!(early_ack.handle_control_bytes(now, &ack).is_err());
+        // The Welcome's window replaces the early one; the early chunks stay in flight.
+        c.handle_control_bytes(now, &welcome(3)).expect("Welcome");
+        assert!(matches!(c.poll_event(), Some(ClientEvent::Connected { max_in_flight: 3, .. })));
+        assert_eq!(c.in_flight(), 2);
+        c.chunk_sent(&name("a"), 3).expect("the Welcome's window has room");
+        c.handle_control_bytes(now, &ack).expect("ack of an early chunk");
+        assert!(matches!(c.poll_event(), Some(ClientEvent::Ack { seq: 1, .. })));
+        assert_eq!(c.poll_timeout(), None, "no handshake deadline once connected");
     }
 
     #[test]

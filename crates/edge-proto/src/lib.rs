@@ -10,9 +10,13 @@
 //!
 //! A connection is QUIC with ALPN [`ALPN`] and mutual TLS. The agent (client) opens one
 //! bidirectional *control stream* and sends [`ControlFrame::Hello`]; the server answers
-//! [`ControlFrame::Welcome`]. After that the agent sends each chunk on its own unidirectional
+//! [`ControlFrame::Welcome`]. The agent sends each chunk on its own unidirectional
 //! stream, a [`ChunkHeader`] followed by the payload, many in parallel, so chunks arrive in any
-//! order. The server answers each chunk with one [`ControlFrame::Ack`] on the control stream, only
+//! order. It sends them after the Welcome, or, within the limits of an earlier Welcome from the
+//! same server, right behind its Hello ([`ClientSession::resume`](client::ClientSession::resume)):
+//! QUIC does not order streams against each other, so the server holds chunk streams that arrive
+//! before the Hello (at most its `max_in_flight`, within the handshake deadline) and reads them
+//! once the Hello is in. The session machines still see every chunk after the Hello. The server answers each chunk with one [`ControlFrame::Ack`] on the control stream, only
 //! once the chunk is durable (or with a retry or reject status). A server that stops reading an
 //! accepted chunk's stream does so with code [`STOP_ANSWERED`] and still sends its Ack; any other
 //! stop code means the chunk was not accepted. [`ControlFrame::GoAway`] tells the

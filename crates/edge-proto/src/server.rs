@@ -2,7 +2,8 @@
 //!
 //! [`ServerSession`] speaks the control stream (Hello in; Welcome, Ack and GoAway out) and keeps
 //! the set of chunks accepted and not yet acked, so that a chunk before Hello, a chunk sent twice
-//! at once, or more chunks than the Welcome allowed are caught. It does not see payloads: the
+//! at once, or more chunks than the Welcome allowed are caught. (A chunk *stream* may arrive
+//! before the Hello: the driver holds it and hands its chunk in once the Hello is in.) It does not see payloads: the
 //! driver reads each uni-stream, decodes its [`ChunkHeader`] with the same [`Limits`], calls
 //! [`accept_chunk`](ServerSession::accept_chunk), reads and persists the payload, then calls
 //! [`ack`](ServerSession::ack) once the sink says the chunk is durable.

@@ -127,7 +127,7 @@ impl Agent {
         agent
     }
 
-    async fn flush(&mut self) {
+    pub async fn flush(&mut self) {
         while let Some(bytes) = self.session.poll_transmit() {
             self.send.write_all(&bytes).await.expect("write to the control stream");
         }
