@@ -3,7 +3,10 @@
 //! from the spool only after its ack, and reconnects with exponential backoff and jitter.
 //!
 //! Per connection:
-//! 1. open the control bi-stream, run the client session's handshake (Hello → Welcome);
+//! 1. open the control bi-stream, run the client session's handshake (Hello → Welcome). From
+//!    the second connection to the same server on, the first chunks (up to [`EARLY_BYTES`],
+//!    within the last Welcome's limits) go right behind the Hello instead of a round trip
+//!    later, after the Welcome; the server holds chunk streams that arrive before the Hello;
 //! 2. a control task feeds control bytes to the session and hands each ack to the task waiting
 //!    for it;
 //! 3. the scheduler reads sealed chunks from the spool in sealing order, one at a time and only
@@ -21,7 +24,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use edge_proto::client::{ClientEvent, ClientSession};
+use edge_proto::client::{ClientEvent, ClientSession, EarlyLimits};
 use edge_proto::{AckStatus, ChunkHeader, Codec, ErrorCode, Limits, RetryReason, STOP_ANSWERED, StreamName};
 use edge_spool::{ChunkId, ChunkMeta, SpoolError};
 use rand::Rng;
@@ -32,6 +35,12 @@ use tracing::{debug, error, info, warn};
 use crate::config::Compression;
 use crate::handoff::{Next, Payload};
 use crate::spool_task::{ReaderHandle, SpoolHandle};
+
+/// Chunk payload bytes at most sent before the Welcome, behind the Hello of a connection to a
+/// server whose limits an earlier Welcome told (always at least one chunk). The congestion
+/// window of a new connection (about 12 KB) lets little more go in the first round trip; the
+/// rest waits in quinn, and the Welcome opens the whole window a round trip later anyway.
+pub const EARLY_BYTES: u64 = 1 << 20;
 
 /// Everything the uploader needs, already validated.
 #[derive(Debug, Clone)]
@@ -259,6 +268,9 @@ pub async fn run(
     counters.set_session(&opts.server, None);
     let endpoint = edge_transport::client_endpoint(opts.bind, &opts.tuning)?;
     let mut backoff = Backoff::new(opts.backoff_min, opts.backoff_max);
+    // The limits of the last Welcome, to send the first chunks of the next connection before
+    // its own.
+    let learned: Mutex<Option<EarlyLimits>> = Mutex::new(None);
     while !cancel.is_cancelled() {
         counters.connect_attempts_total.fetch_add(1, Ordering::Relaxed);
         let times = AttemptTimes::start();
@@ -277,7 +289,18 @@ pub async fn run(
                 counters.set_session(&opts.server, Some(conn.remote_address().to_string()));
                 info!(server = %opts.server, remote = %conn.remote_address(), "connected to ingest");
                 let sampler = crate::metrics::QuicSampler::spawn(conn.clone(), counters.clone());
-                let result = Connection::new(&conn, &opts, &spool, &reader, &counters, &cancel, &times).run().await;
+                let result = Connection {
+                    conn: &conn,
+                    opts: &opts,
+                    spool: &spool,
+                    reader: &reader,
+                    counters: &counters,
+                    cancel: &cancel,
+                    times: &times,
+                    learned: &learned,
+                }
+                .run()
+                .await;
                 sampler.stop().await;
                 counters.connected.store(false, Ordering::Release);
                 counters.set_session(&opts.server, None);
@@ -397,6 +420,7 @@ struct Connection<'a> {
     counters: &'a Arc<UploadCounters>,
     cancel: &'a CancellationToken,
     times: &'a Arc<AttemptTimes>,
+    learned: &'a Mutex<Option<EarlyLimits>>,
 }
 
 enum SendOutcome {
@@ -409,18 +433,6 @@ enum SendOutcome {
 }
 
 impl<'a> Connection<'a> {
-    fn new(
-        conn: &'a quinn::Connection,
-        opts: &'a UploaderOptions,
-        spool: &'a SpoolHandle,
-        reader: &'a ReaderHandle,
-        counters: &'a Arc<UploadCounters>,
-        cancel: &'a CancellationToken,
-        times: &'a Arc<AttemptTimes>,
-    ) -> Self {
-        Self { conn, opts, spool, reader, counters, cancel, times }
-    }
-
     /// Shows the chunks and bytes in flight (see [`InFlight::publish`]), and tells the handoff
     /// how many more bytes the budget allows.
     fn publish(&self, in_flight: &InFlight) {
@@ -436,18 +448,114 @@ impl<'a> Connection<'a> {
         Ok(fetched.into_iter().map(|(meta, data)| (meta, data.map(Payload::from))).collect())
     }
 
-    /// Returns `Ok(true)` if at least one chunk was acked on this connection.
+    /// Runs the connection until it ends. Returns `Ok(true)` if at least one chunk was acked on
+    /// it.
     async fn run(self) -> Result<bool, ConnError> {
+        // Whether chunks went before the Welcome and none has been acked since.
+        let mut sent_early = false;
+        let result = self.serve(&mut sent_early).await;
+        // Disconnected: data waits for the chunk target or `linger` again, and the next
+        // connection starts from the spool.
+        self.spool.set_uploader_idle(false);
+        self.spool.handoff().stop();
+        InFlight::default().publish(self.counters);
+        if sent_early && result.is_err() {
+            // The chunks sent before the Welcome may be what ended it (the server's limits
+            // changed, or it does not take chunks before the Hello): the next connection waits
+            // for its Welcome, and learns the limits again.
+            debug!(server = %self.opts.server, "connection ended before any ack; the next one waits for the Welcome");
+            *crate::lock(self.learned) = None;
+        }
+        result
+    }
+
+    /// The payload of a chunk read for sending, or `None` if it is not to be sent: gone from
+    /// the spool meanwhile, or corrupt (then quarantined).
+    fn admit(&self, meta: &ChunkMeta, data: Result<Payload, SpoolError>) -> Result<Option<Payload>, ConnError> {
+        match data {
+            Ok(d) => Ok(Some(d)),
+            Err(SpoolError::ChunkGone(_)) => Ok(None),
+            Err(SpoolError::Corrupt { chunk, detail }) => {
+                error!(chunk = chunk.0, stream = %meta.stream, seq = meta.seq, records = meta.records, bytes = meta.bytes, %detail, "spool chunk is corrupt; quarantined, it will not be uploaded");
+                self.counters.spool_corrupt_chunks.fetch_add(1, Ordering::Relaxed);
+                self.spool.quarantine(chunk, format!("corrupt in spool: {detail}"));
+                Ok(None)
+            }
+            // Damage SQLite itself found in this chunk's pages: failing the whole upload loop
+            // would hit the same pages after every reconnect.
+            Err(e) if e.is_corruption() => {
+                error!(chunk = meta.id.0, stream = %meta.stream, seq = meta.seq, records = meta.records, bytes = meta.bytes, error = %e, "spool chunk is unreadable (database damage); quarantined, it will not be uploaded");
+                self.counters.spool_corrupt_chunks.fetch_add(1, Ordering::Relaxed);
+                self.spool.quarantine(meta.id, format!("unreadable in spool: {e}"));
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn spawn_send(
+        &self,
+        tasks: &mut JoinSet<(ChunkMeta, SendOutcome)>,
+        state: &Arc<Mutex<CtlState>>,
+        meta: ChunkMeta,
+        raw: Payload,
+    ) {
+        tasks.spawn(send_chunk(
+            self.conn.clone(),
+            state.clone(),
+            meta,
+            raw,
+            self.opts.compression,
+            self.counters.clone(),
+            self.times.clone(),
+        ));
+    }
+
+    async fn serve(&self, sent_early: &mut bool) -> Result<bool, ConnError> {
         let (mut ctl_send, mut ctl_recv) = self.conn.open_bi().await?;
         let agent = format!("edge-uploader/{}", env!("CARGO_PKG_VERSION"));
-        let mut session = ClientSession::new(self.spool.id().0, agent, self.opts.limits.clone(), Instant::now());
-        while let Some(bytes) = session.poll_transmit() {
+        let early = *crate::lock(self.learned);
+        let (id, limits, now) = (self.spool.id().0, self.opts.limits.clone(), Instant::now());
+        let session = match early {
+            Some(e) => ClientSession::resume(id, agent, limits, now, e),
+            None => ClientSession::new(id, agent, limits, now),
+        };
+        let state = Arc::new(Mutex::new(CtlState { session, waiters: HashMap::new(), goaway: false }));
+        loop {
+            let hello = crate::lock(&state).session.poll_transmit();
+            let Some(bytes) = hello else { break };
             ctl_send
                 .write_all(&bytes)
                 .await
                 .map_err(|e| ConnError::Control(edge_telemetry::logging::error_chain(&e)))?;
         }
-        // Handshake.
+        let mut tasks: JoinSet<(ChunkMeta, SendOutcome)> = JoinSet::new();
+        let mut in_flight = InFlight::default();
+        let mut cursor: Option<ChunkId> = None;
+        if let Some(e) = early {
+            // The first chunks in sealing order, right behind the Hello, within the last
+            // Welcome's limits and `EARLY_BYTES`.
+            let window = self.opts.max_in_flight.load(Ordering::Relaxed).clamp(1, e.max_in_flight.max(1)) as usize;
+            let budget = self.opts.max_in_flight_bytes.load(Ordering::Relaxed).min(EARLY_BYTES);
+            while in_flight.has_room(window, budget) {
+                let Some((meta, data)) = self.read(cursor).await?.into_iter().next() else { break };
+                let Some(raw) = self.admit(&meta, data)? else {
+                    cursor = Some(meta.id);
+                    continue;
+                };
+                if raw.len() as u64 > u64::from(e.max_chunk_payload) {
+                    // Over the last Welcome's limit: this one waits for the Welcome, which
+                    // says whether it is still the limit (the cursor stays before it).
+                    break;
+                }
+                cursor = Some(meta.id);
+                in_flight.insert(meta.id, raw.len() as u64);
+                self.spawn_send(&mut tasks, &state, meta, raw);
+            }
+            *sent_early = !tasks.is_empty();
+            self.publish(&in_flight);
+        }
+        // Handshake. Acks of chunks sent before the Welcome may come right behind it.
         let deadline = tokio::time::Instant::now() + self.opts.limits.handshake_timeout;
         let mut buf = vec![0u8; 4096];
         let (server_in_flight, max_chunk_payload) = loop {
@@ -456,31 +564,38 @@ impl<'a> Connection<'a> {
                 () = tokio::time::sleep_until(deadline) => return Err(edge_proto::ProtoError::HandshakeTimeout.into()),
             };
             let Some(n) = n else { return Err(ConnError::Control("server closed the control stream".into())) };
-            session.handle_control_bytes(Instant::now(), &buf[..n])?;
             let mut welcome = None;
-            while let Some(ev) = session.poll_event() {
-                match ev {
-                    ClientEvent::Connected { device, max_in_flight, max_chunk_payload } => {
-                        info!(%device, max_in_flight, max_chunk_payload, "session established");
-                        welcome = Some((max_in_flight, max_chunk_payload));
+            {
+                let mut st = crate::lock(&state);
+                st.session.handle_control_bytes(Instant::now(), &buf[..n])?;
+                while let Some(ev) = st.session.poll_event() {
+                    match ev {
+                        ClientEvent::Connected { device, max_in_flight, max_chunk_payload } => {
+                            info!(%device, max_in_flight, max_chunk_payload, early_chunks = in_flight.len(), "session established");
+                            welcome = Some((max_in_flight, max_chunk_payload));
+                        }
+                        ClientEvent::GoAway { code } => {
+                            return Err(ConnError::Control(format!("server going away: {code}")));
+                        }
+                        ClientEvent::Ack { stream, seq, status } => {
+                            if let Some(w) = st.waiters.remove(&(stream, seq)) {
+                                let _gone = w.send(status);
+                            }
+                        }
                     }
-                    ClientEvent::GoAway { code } => {
-                        return Err(ConnError::Control(format!("server going away: {code}")));
-                    }
-                    ClientEvent::Ack { .. } => {}
                 }
             }
-            if let Some(w) = welcome {
+            if let Some((max_in_flight, max_chunk_payload)) = welcome {
                 AttemptTimes::mark(&self.times.established);
                 if let Some(took) = self.times.after_start(&self.times.established) {
                     self.counters.metrics.session_established(took);
                 }
-                break w;
+                *crate::lock(self.learned) = Some(EarlyLimits { max_in_flight, max_chunk_payload });
+                break (max_in_flight, max_chunk_payload);
             }
         };
         // The server's limit caps ours; ours may change at run time (configuration reload).
         let window = || self.opts.max_in_flight.load(Ordering::Relaxed).clamp(1, server_in_flight.max(1)) as usize;
-        let state = Arc::new(Mutex::new(CtlState { session, waiters: HashMap::new(), goaway: false }));
         let goaway = Arc::new(tokio::sync::Notify::new());
 
         // Control reader: acks and GoAway.
@@ -520,13 +635,10 @@ impl<'a> Connection<'a> {
             result
         });
 
-        let mut tasks: JoinSet<(ChunkMeta, SendOutcome)> = JoinSet::new();
-        let mut in_flight = InFlight::default();
         // Chunks handed back on this connection (answered Retry, or lost) to offer again, lowest id
         // first. All of them are at or before `cursor` and none is in flight, so reading them
         // never reads a payload that is already on its way.
         let mut redo: BTreeSet<ChunkId> = BTreeSet::new();
-        let mut cursor: Option<ChunkId> = None;
         let mut progress = false;
         let mut drain_deadline: Option<tokio::time::Instant> = None;
         let mut retry_at: Option<tokio::time::Instant> = None;
@@ -597,25 +709,7 @@ impl<'a> Connection<'a> {
                     if in_flight.contains(meta.id) {
                         continue;
                     }
-                    let raw = match data {
-                        Ok(d) => d,
-                        Err(SpoolError::ChunkGone(_)) => continue,
-                        Err(SpoolError::Corrupt { chunk, detail }) => {
-                            error!(chunk = chunk.0, stream = %meta.stream, seq = meta.seq, records = meta.records, bytes = meta.bytes, %detail, "spool chunk is corrupt; quarantined, it will not be uploaded");
-                            self.counters.spool_corrupt_chunks.fetch_add(1, Ordering::Relaxed);
-                            self.spool.quarantine(chunk, format!("corrupt in spool: {detail}"));
-                            continue;
-                        }
-                        // Damage SQLite itself found in this chunk's pages: failing the whole
-                        // upload loop would hit the same pages after every reconnect.
-                        Err(e) if e.is_corruption() => {
-                            error!(chunk = meta.id.0, stream = %meta.stream, seq = meta.seq, records = meta.records, bytes = meta.bytes, error = %e, "spool chunk is unreadable (database damage); quarantined, it will not be uploaded");
-                            self.counters.spool_corrupt_chunks.fetch_add(1, Ordering::Relaxed);
-                            self.spool.quarantine(meta.id, format!("unreadable in spool: {e}"));
-                            continue;
-                        }
-                        Err(e) => return Err(e.into()),
-                    };
+                    let Some(raw) = self.admit(&meta, data)? else { continue };
                     if raw.len() as u64 > u64::from(max_chunk_payload) {
                         // Sending it would only get the connection closed, again and again.
                         error!(chunk = meta.id.0, stream = %meta.stream, seq = meta.seq, bytes = raw.len(), max_chunk_payload, "chunk is larger than the server accepts; quarantined");
@@ -627,15 +721,7 @@ impl<'a> Connection<'a> {
                     }
                     in_flight.insert(meta.id, raw.len() as u64);
                     self.publish(&in_flight);
-                    tasks.spawn(send_chunk(
-                        self.conn.clone(),
-                        state.clone(),
-                        meta,
-                        raw,
-                        self.opts.compression,
-                        self.counters.clone(),
-                        self.times.clone(),
-                    ));
+                    self.spawn_send(&mut tasks, &state, meta, raw);
                 }
                 continue;
             }
@@ -672,6 +758,7 @@ impl<'a> Connection<'a> {
                         SendOutcome::Acked(status @ (AckStatus::Stored | AckStatus::Duplicate)) => {
                             allowed = allowed.min(window()).saturating_add(1);
                             progress = true;
+                            *sent_early = false;
                             retry_backoff.reset();
                             // Counted before the spool learns of the ack, so whoever sees the
                             // spool drained also sees the counters complete.
@@ -712,13 +799,8 @@ impl<'a> Connection<'a> {
                 }
             }
         };
-        // Disconnected: data waits for the chunk target or `linger` again, and the next
-        // connection starts from the spool.
-        self.spool.set_uploader_idle(false);
-        self.spool.handoff().stop();
         tasks.abort_all();
         control.abort();
-        InFlight::default().publish(self.counters);
         match end {
             Ok(()) => Ok(progress),
             Err(ConnError::Lost(e)) if progress => Err(ConnError::LostAfterProgress(e.to_string())),

@@ -377,3 +377,61 @@ async fn chunks_sealed_while_the_uploader_keeps_up_are_sent_from_memory_as_the_s
     assert_eq!(counters.stored.chunks(), chunks);
     assert_eq!(agent.sealed_left(), 0, "every acked chunk left the spool");
 }
+
+/// Reads the next chunk stream whole and returns its header.
+async fn next_chunk_header(conn: &quinn::Connection) -> ChunkHeader {
+    let mut stream = bounded("a chunk stream", conn.accept_uni()).await.expect("chunk stream");
+    let bytes = bounded("chunk bytes", stream.read_to_end(4 << 20)).await.expect("whole chunk");
+    let (header, _) = ChunkHeader::decode(&bytes, &Limits::default()).expect("valid header").expect("complete header");
+    header
+}
+
+/// A server that took the agent's Welcome once lets it send its first chunks right behind the
+/// next connection's Hello: here the chunk stream of the second connection comes before the
+/// server answers that Hello at all. A connection that ends before any ack after such chunks
+/// (here closed with ProtocolViolation, as a server that does not take them would) makes the
+/// next connection wait for its Welcome again.
+#[tokio::test]
+async fn a_reconnection_sends_its_first_chunk_before_the_welcome_unless_the_last_such_one_failed() {
+    let Rig { agent, _endpoint: endpoint, conn, counters, cancel, uploader } =
+        Rig::start(10 << 10, &Tuning::default()).await;
+    let accept = || async {
+        bounded("a new connection", async { endpoint.accept().await.expect("endpoint open").await })
+            .await
+            .expect("handshake")
+    };
+
+    // 1. A fresh agent knows no limits: it waits for the Welcome, then sends the chunk, which
+    // the server reads and leaves unacked: the connection ends.
+    let (_ctl, _session) = welcome(&conn).await;
+    assert_eq!(next_chunk_header(&conn).await.seq, 1);
+    conn.close(0u32.into(), b"gone before the ack");
+
+    // 2. The reconnection sends the chunk again, before any Welcome. The server refuses it.
+    let conn = accept().await;
+    let early = next_chunk_header(&conn).await;
+    assert_eq!((early.stream.as_str(), early.seq), (STREAM, 1), "the unacked chunk, before the Welcome");
+    conn.close(edge_proto::ErrorCode::ProtocolViolation.to_u32().into(), b"chunk stream before Hello");
+
+    // 3. The next connection waits for the Welcome: nothing comes before the server answers.
+    let conn = accept().await;
+    let (mut ctl, mut recv) = bounded("control stream", conn.accept_bi()).await.expect("control stream");
+    let mut session = ServerSession::new(DEVICE.into(), Limits::default(), 16, Instant::now());
+    let mut buf = vec![0u8; 4096];
+    while !session.is_established() {
+        let n = bounded("Hello", recv.read(&mut buf)).await.expect("read control").expect("control stream open");
+        session.handle_control_bytes(Instant::now(), &buf[..n]).expect("valid Hello");
+    }
+    // The other steps above wait for events; this one shows an absence, within a bound far
+    // above what the chunk took to come in step 2.
+    let before_welcome = tokio::time::timeout(Duration::from_secs(1), conn.accept_uni()).await;
+    assert!(before_welcome.is_err(), "a chunk came before the Welcome: {before_welcome:?}");
+    flush(&mut ctl, &mut session).await;
+    store_next_chunk(&conn, &mut ctl, &mut session).await;
+
+    cancel.cancel();
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+    assert_eq!(counters.connects_total.load(Ordering::Relaxed), 3);
+    assert_eq!(counters.stored.chunks(), 1);
+    assert_eq!(agent.sealed_left(), 0, "the acked chunk left the spool");
+}
