@@ -749,8 +749,9 @@ const RECONNECT_DELAYS: [Duration; 2] = [Duration::ZERO, Duration::from_millis(2
 const RECONNECT_CONNS: usize = 10;
 
 /// The agent's own reconnect (see `reconnect.rs`): its uploader in this process, the ingest
-/// daemon behind a delaying proxy, new connections with a full and with a resumed handshake,
-/// each timed from the attempt's start to the session, the first chunk sent and its ack.
+/// daemon behind a delaying proxy, new connections with a full handshake, and reconnections
+/// after an outage sending their chunk after the Welcome and right behind the Hello, each
+/// timed from the attempt's start to the session, the first chunk sent and its ack.
 pub async fn agent_reconnect(ctx: &Ctx, res: &mut Results, record: usize) -> anyhow::Result<()> {
     res.mark_load("agent reconnect");
     let mut w = World::new(&ctx.bins, &ctx.work.join("reconnect"), &WorldOptions::default())?;
@@ -759,7 +760,7 @@ pub async fn agent_reconnect(ctx: &Ctx, res: &mut Results, record: usize) -> any
         let path = crate::reconnect::DelayedPath::new(&w, delay).await?;
         let rtt = (delay * 2).as_millis();
         for rep in 0..ctx.reps {
-            for mode in [crate::reconnect::Handshake::Full, crate::reconnect::Handshake::Resumed] {
+            for mode in crate::reconnect::Handshake::ALL {
                 let conns = path.connections(&w.dir.join("agent"), mode, record, 2, RECONNECT_CONNS).await?;
                 let med = |f: fn(&crate::reconnect::Steps) -> f64| {
                     Stat::of(&conns.iter().map(f).collect::<Vec<_>>()).map_or(f64::NAN, |s| s.median)

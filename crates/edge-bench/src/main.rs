@@ -91,8 +91,9 @@ enum Cmd {
         #[arg(long)]
         allow_stale: bool,
     },
-    /// The agent's reconnect only: new connections through a delaying proxy, full handshake and
-    /// resumed, timed to the session, the first chunk sent and its ack (~30 s).
+    /// The agent's reconnect only: new connections through a delaying proxy with a full
+    /// handshake, and reconnections after an outage with the chunk sent after the Welcome and
+    /// right behind the Hello, timed to the session, the first chunk sent and its ack.
     Reconnect {
         #[arg(long, default_value_t = 3)]
         reps: usize,

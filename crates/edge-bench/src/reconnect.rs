@@ -1,50 +1,61 @@
 //! The agent's reconnect: how long a new connection takes before data flows again, with a full
-//! handshake and with a resumed one.
+//! handshake, and after an outage with the chunk sent after the Welcome or right behind the
+//! Hello.
 //!
 //! The uploader of `edge-uploader` (the library the daemon runs, the same code) runs in this
 //! process against the `edge-ingest` daemon, through the userspace UDP proxy of `edge-testkit`
-//! with a fixed one-way delay, so that round trips show. Every repetition is a new connection
-//! (a new uploader with its own endpoint) that sends one sealed chunk of one record (10 KiB
-//! unless `edge-bench reconnect --record` says otherwise) and stops once it is acked. The
-//! times are the uploader's own, from the start of its connection attempt
-//! ([`AttemptTimes`](edge_uploader::uploader::AttemptTimes)): session established (the
-//! server's Welcome), the chunk handed to QUIC, the chunk acked as durable.
+//! with a fixed one-way delay, so that round trips show. The chunk is one sealed record of 10 KiB
+//! unless `edge-bench reconnect --record` says otherwise. The times are the uploader's own, from
+//! the start of the connection attempt ([`AttemptTimes`](edge_uploader::uploader::AttemptTimes)):
+//! session established (the server's Welcome), the first chunk handed to QUIC, that chunk acked
+//! as durable.
 //!
-//! Full handshakes use a fresh client configuration each time, so the agent has no ticket;
-//! resumed ones share one, as the agent does across reconnects, so each uses a ticket of the
-//! connection before.
+//! * **Full handshake**: a new uploader for every connection, each with a fresh client
+//!   configuration, so it holds no TLS ticket and knows no Welcome: its chunk waits for the
+//!   Welcome.
+//! * **Reconnected**: one uploader, as in the daemon, reconnecting after an outage: the proxy
+//!   drops everything, a chunk is sealed, the connection times out (idle timeout 400 ms here),
+//!   the proxy lets packets through again and the uploader reconnects, resuming the TLS session
+//!   with the ticket of the connection before. It sends the chunk after the Welcome, as before
+//!   `UploaderOptions::early_chunks`, or right behind the Hello, as the daemon does.
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use edge_spool::{AppendOutcome, AppendRequest, Batch, Spool, SpoolOptions};
-use edge_testkit::netem::{Faults, Netem, NetemConfig};
+use edge_spool::{AppendRequest, Batch, Spool, SpoolOptions};
+use edge_testkit::netem::{Faults, Netem, NetemConfig, Which};
 use edge_transport::{ClientTls, Tuning};
 use edge_uploader::config::Compression;
-use edge_uploader::spool_task::{ReaderHandle, SpoolHandle};
-use edge_uploader::uploader::{UploadCounters, UploaderOptions};
+use edge_uploader::spool_task::{ReaderHandle, SpoolHandle, SpoolThread};
+use edge_uploader::uploader::{AttemptTimes, UploadCounters, UploaderOptions};
 use tokio_util::sync::CancellationToken;
 
 use crate::world::World;
 
-/// How the agent's TLS session starts.
+/// How the agent's connection starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Handshake {
-    /// No ticket: a full TLS 1.3 handshake with both certificates.
+    /// No ticket, no earlier Welcome: a full TLS 1.3 handshake with both certificates, and the
+    /// chunk after the Welcome.
     Full,
-    /// With the ticket of the connection before (1-RTT).
-    Resumed,
+    /// A reconnection (TLS resumed) that sends its chunk after the Welcome.
+    AfterWelcome,
+    /// A reconnection (TLS resumed) that sends its chunk right behind the Hello.
+    BehindHello,
 }
 
 impl Handshake {
+    pub const ALL: [Handshake; 3] = [Handshake::Full, Handshake::AfterWelcome, Handshake::BehindHello];
+
     pub fn label(self) -> &'static str {
         match self {
             Handshake::Full => "full handshake",
-            Handshake::Resumed => "resumed",
+            Handshake::AfterWelcome => "reconnected, chunk after the Welcome",
+            Handshake::BehindHello => "reconnected, chunk behind the Hello",
         }
     }
 }
@@ -56,6 +67,9 @@ pub struct Steps {
     pub sent_ms: f64,
     pub acked_ms: f64,
 }
+
+/// The idle timeout of the reconnected cases' connections: how long the outage lasts at least.
+const IDLE_TIMEOUT: Duration = Duration::from_millis(400);
 
 /// The ingest of `world` (running) behind a proxy that delays each packet by `delay` each way.
 pub struct DelayedPath {
@@ -84,21 +98,48 @@ impl DelayedPath {
         warmup: usize,
         n: usize,
     ) -> anyhow::Result<Vec<Steps>> {
-        let tuning = Tuning::default();
-        let shared = edge_transport::client_config(&self.tls, &tuning)?;
         let mut out = Vec::with_capacity(n);
+        if mode == Handshake::Full {
+            let tuning = Tuning::default();
+            for i in 0..warmup + n {
+                let config = edge_transport::client_config(&self.tls, &tuning)?;
+                let dir = dir.join(format!("full-{i}"));
+                let agent = Uploader::start(&dir, self.proxy.local_addr(), config, &tuning, true, record).await?;
+                let (steps, _) =
+                    agent.acked_after(None).await.with_context(|| format!("full handshake, connection {}", i + 1))?;
+                agent.stop().await?;
+                if i >= warmup {
+                    out.push(steps);
+                }
+            }
+            return Ok(out);
+        }
+        let tuning =
+            Tuning { max_idle_timeout: IDLE_TIMEOUT, keep_alive_interval: IDLE_TIMEOUT / 4, ..Tuning::default() };
+        let config = edge_transport::client_config(&self.tls, &tuning)?;
+        let early = mode == Handshake::BehindHello;
+        let dir = dir.join(if early { "behind-hello" } else { "after-welcome" });
+        let agent = Uploader::start(&dir, self.proxy.local_addr(), config, &tuning, early, record).await?;
+        let mut last = agent.acked_after(None).await.context("the first connection")?.1;
+        let proxy = self.proxy.handle();
         for i in 0..warmup + n {
-            let config = match mode {
-                Handshake::Full => edge_transport::client_config(&self.tls, &tuning)?,
-                Handshake::Resumed => shared.clone(),
-            };
-            let steps = one(&dir.join(format!("conn-{i}")), self.proxy.local_addr(), config, &tuning, record)
+            // The outage: nothing passes; the chunk sealed now waits in the spool.
+            proxy.blackhole(Which::Both, true);
+            agent.seal_one(record).await?;
+            let lost = agent.wait(|c| !c.connected.load(Ordering::Acquire)).await;
+            // Over before the uploader's next attempt, which follows after its backoff.
+            proxy.blackhole(Which::Both, false);
+            lost.context("the connection did not time out in the outage")?;
+            let (steps, attempt) = agent
+                .acked_after(Some(&last))
                 .await
-                .with_context(|| format!("{} connection {}", mode.label(), i + 1))?;
+                .with_context(|| format!("{}, reconnection {}", mode.label(), i + 1))?;
+            last = attempt;
             if i >= warmup {
                 out.push(steps);
             }
         }
+        agent.stop().await?;
         Ok(out)
     }
 
@@ -107,76 +148,113 @@ impl DelayedPath {
     }
 }
 
-/// One new connection through `server` that uploads one sealed chunk from a fresh spool in `dir`.
-async fn one(
-    dir: &Path,
-    server: SocketAddr,
-    client_config: quinn::ClientConfig,
-    tuning: &Tuning,
-    record: usize,
-) -> anyhow::Result<Steps> {
-    if dir.exists() {
-        std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
+/// An uploader in this process with a spool of its own.
+struct Uploader {
+    spool: SpoolHandle,
+    reader: ReaderHandle,
+    thread: SpoolThread,
+    counters: Arc<UploadCounters>,
+    cancel: CancellationToken,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Uploader {
+    /// A new spool in `dir` with one sealed chunk of one `record`-byte record, and an uploader
+    /// sending it to `server`.
+    async fn start(
+        dir: &Path,
+        server: SocketAddr,
+        client_config: quinn::ClientConfig,
+        tuning: &Tuning,
+        early_chunks: bool,
+        record: usize,
+    ) -> anyhow::Result<Uploader> {
+        if dir.exists() {
+            std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
+        }
+        std::fs::create_dir_all(dir)?;
+        let (spool, _report) = Spool::open(SpoolOptions::new(dir.join("spool.db")))?;
+        let reader = ReaderHandle::new(spool.reader()?);
+        let (spool, thread) = SpoolHandle::spawn(spool)?;
+        let counters = Arc::new(UploadCounters::default());
+        let cancel = CancellationToken::new();
+        let opts = UploaderOptions {
+            server: server.to_string(),
+            server_name: "localhost".into(),
+            client_config,
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            max_in_flight: Arc::new(AtomicU32::new(32)),
+            max_in_flight_bytes: Arc::new(AtomicU64::new(8 << 20)),
+            connect_timeout: Duration::from_secs(3),
+            backoff_min: Duration::from_millis(20),
+            backoff_max: Duration::from_millis(100),
+            compression: Compression::None,
+            limits: edge_proto::Limits::default(),
+            drain_grace: Duration::from_secs(5),
+            tuning: tuning.clone(),
+            early_chunks,
+        };
+        let agent = Uploader {
+            spool: spool.clone(),
+            reader: reader.clone(),
+            thread,
+            counters: counters.clone(),
+            cancel: cancel.clone(),
+            // Started below, once the chunk is sealed, so that it is there from the first
+            // attempt on.
+            task: tokio::spawn(async { Ok(()) }),
+        };
+        agent.seal_one(record).await?;
+        let task = tokio::spawn(edge_uploader::uploader::run(opts, spool, reader, counters, cancel));
+        Ok(Uploader { task, ..agent })
     }
-    std::fs::create_dir_all(dir)?;
-    let (mut spool, _report) = Spool::open(SpoolOptions::new(dir.join("spool.db")))?;
-    let mut data = Vec::with_capacity(record + 16);
-    edge_proto::records::encode_record(&mut data, &crate::baseline::message(record));
-    let req = AppendRequest { batches: vec![Batch { stream: "reconnect".into(), data, records: 1 }] };
-    anyhow::ensure!(spool.append(&[req], 1)? == vec![AppendOutcome::Accepted], "the spool refused the record");
-    anyhow::ensure!(spool.seal_all(1)? == 1, "no chunk sealed");
-    let reader = ReaderHandle::new(spool.reader()?);
-    let (spool, thread) = SpoolHandle::spawn(spool)?;
-    let counters = Arc::new(UploadCounters::default());
-    let cancel = CancellationToken::new();
-    let opts = UploaderOptions {
-        server: server.to_string(),
-        server_name: "localhost".into(),
-        client_config,
-        bind: SocketAddr::from(([127, 0, 0, 1], 0)),
-        max_in_flight: Arc::new(AtomicU32::new(32)),
-        max_in_flight_bytes: Arc::new(AtomicU64::new(8 << 20)),
-        connect_timeout: Duration::from_secs(3),
-        backoff_min: Duration::from_millis(20),
-        backoff_max: Duration::from_millis(100),
-        compression: Compression::None,
-        limits: edge_proto::Limits::default(),
-        drain_grace: Duration::from_secs(5),
-        tuning: tuning.clone(),
-    };
-    let uploader = tokio::spawn(edge_uploader::uploader::run(
-        opts,
-        spool.clone(),
-        reader.clone(),
-        counters.clone(),
-        cancel.clone(),
-    ));
-    // The uploader stamps each step itself; polling only notices that the last one happened.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let times = loop {
-        let attempt = counters.attempt.lock().unwrap_or_else(PoisonError::into_inner).clone();
-        if let Some(t) = attempt.filter(|t| t.first_acked.get().is_some()) {
-            break t;
+
+    /// Commits one `record`-byte record and seals it into a chunk.
+    async fn seal_one(&self, record: usize) -> anyhow::Result<()> {
+        let mut data = Vec::with_capacity(record + 16);
+        edge_proto::records::encode_record(&mut data, &crate::baseline::message(record));
+        let req = AppendRequest { batches: vec![Batch { stream: "reconnect".into(), data, records: 1 }] };
+        self.spool.append(req).await.map_err(|e| anyhow::anyhow!("the spool refused the record: {e:?}"))?;
+        self.spool.seal_all().await;
+        Ok(())
+    }
+
+    /// Waits (up to 20 s) until `done` holds of the counters.
+    async fn wait(&self, done: impl Fn(&UploadCounters) -> bool) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !done(&self.counters) {
+            if Instant::now() > deadline || self.task.is_finished() {
+                let last = self.counters.last_error.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                anyhow::bail!("gave up after 20 s (the uploader's last error: {last:?})");
+            }
+            // The uploader stamps each step itself; this only notices that it happened.
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        if Instant::now() > deadline || uploader.is_finished() {
-            cancel.cancel();
-            let last = counters.last_error.lock().unwrap_or_else(PoisonError::into_inner).clone();
-            anyhow::bail!("the chunk was not acked within 20 s (last error: {last:?})");
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    };
-    cancel.cancel();
-    uploader.await.context("uploader task")?.context("uploader")?;
-    anyhow::ensure!(
-        counters.connects_total.load(std::sync::atomic::Ordering::Relaxed) == 1,
-        "more than one connection"
-    );
-    drop((spool, reader));
-    thread.join();
-    let ms = |step| times.after_start(step).map_or(f64::NAN, |d: Duration| d.as_secs_f64() * 1e3);
-    Ok(Steps {
-        established_ms: ms(&times.established),
-        sent_ms: ms(&times.first_sent),
-        acked_ms: ms(&times.first_acked),
-    })
+        Ok(())
+    }
+
+    /// The steps of the first attempt after `before` whose first chunk was acked.
+    async fn acked_after(&self, before: Option<&Arc<AttemptTimes>>) -> anyhow::Result<(Steps, Arc<AttemptTimes>)> {
+        let latest = || self.counters.attempt.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        self.wait(|_| {
+            latest().is_some_and(|t| before.is_none_or(|b| !Arc::ptr_eq(b, &t)) && t.first_acked.get().is_some())
+        })
+        .await?;
+        let times = latest().context("no attempt")?;
+        let ms = |step| times.after_start(step).map_or(f64::NAN, |d: Duration| d.as_secs_f64() * 1e3);
+        let steps = Steps {
+            established_ms: ms(&times.established),
+            sent_ms: ms(&times.first_sent),
+            acked_ms: ms(&times.first_acked),
+        };
+        Ok((steps, times))
+    }
+
+    async fn stop(self) -> anyhow::Result<()> {
+        self.cancel.cancel();
+        self.task.await.context("uploader task")?.context("uploader")?;
+        drop((self.spool, self.reader));
+        self.thread.join();
+        Ok(())
+    }
 }

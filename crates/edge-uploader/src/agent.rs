@@ -127,6 +127,7 @@ impl Agent {
             max_in_flight: max_in_flight.clone(),
             max_in_flight_bytes: max_in_flight_bytes.clone(),
             connect_timeout: config.upload.connect_timeout,
+            early_chunks: true,
             backoff_min: config.upload.backoff_min,
             backoff_max: config.upload.backoff_max,
             compression: config.upload.compression,

@@ -66,6 +66,10 @@ pub struct UploaderOptions {
     /// How long shutdown waits for acks of chunks in flight.
     pub drain_grace: Duration,
     pub tuning: edge_transport::Tuning,
+    /// Send the first chunks of a reconnection right behind its Hello, within the last
+    /// Welcome's limits (see [`EARLY_BYTES`]). The daemon always does; off only to measure
+    /// what it is worth (`edge-bench reconnect`).
+    pub early_chunks: bool,
 }
 
 /// Live upload state, read by `GET /v1/status`, the demo and (at scrape time) `/metrics`.
@@ -514,7 +518,7 @@ impl<'a> Connection<'a> {
     async fn serve(&self, sent_early: &mut bool) -> Result<bool, ConnError> {
         let (mut ctl_send, mut ctl_recv) = self.conn.open_bi().await?;
         let agent = format!("edge-uploader/{}", env!("CARGO_PKG_VERSION"));
-        let early = *crate::lock(self.learned);
+        let early = if self.opts.early_chunks { *crate::lock(self.learned) } else { None };
         let (id, limits, now) = (self.spool.id().0, self.opts.limits.clone(), Instant::now());
         let session = match early {
             Some(e) => ClientSession::resume(id, agent, limits, now, e),

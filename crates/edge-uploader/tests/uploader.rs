@@ -78,6 +78,7 @@ impl AgentSide {
             drain_grace: Duration::from_secs(20),
             tuning: Tuning::default(),
             connect_timeout: Duration::from_secs(5),
+            early_chunks: true,
         }
     }
 
