@@ -9,6 +9,7 @@
 //! throughput on a WAN (a window `W` caps a path with round-trip time `RTT` at `W / RTT`). quinn's connection-level receive window is
 //! unbounded by default; we bound it so one connection cannot pin unbounded server memory.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use quinn::{IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
@@ -63,6 +64,10 @@ pub struct Tuning {
     /// Hand the kernel several packets per `sendmsg` (UDP GSO) where it supports it. Default on,
     /// as in quinn; off only to measure what it is worth (`edge-bench sweep`).
     pub segmentation_offload: bool,
+    /// Client side: losses of packets sent before the path delivered anything (an Initial sent
+    /// into an outage) are not taken as congestion, so a reconnection still starts in slow
+    /// start (see [`crate::congestion`]). Default on; off gives quinn's plain Cubic.
+    pub outage_tolerant_congestion: bool,
 }
 
 impl Default for Tuning {
@@ -78,6 +83,7 @@ impl Default for Tuning {
             socket_buffer_bytes: 4 * MIB as usize,
             initial_rtt: Duration::from_millis(333),
             segmentation_offload: true,
+            outage_tolerant_congestion: true,
         }
     }
 }
@@ -106,10 +112,16 @@ impl Tuning {
         // Chunks in flight go out one after another instead of round-robin, so that on a thin
         // uplink the oldest chunk arrives whole (and is stored and acked) first, rather than
         // every chunk in flight finishing together at the end, and a connection lost midway
-        // leaves fewer chunks half sent. That is the reasoning; it was not measured on a thin
-        // link. On loopback it changed neither the drain nor the agent's CPU beyond the noise
-        // (6 alternated `edge-bench pipeline` runs per build, `5ed2ebd`).
+        // leaves fewer chunks half sent. On its own that holds only without loss: quinn queues
+        // a stream's resends behind every pending stream of the same priority, so the agent
+        // also gives each chunk stream a priority by age (`edge-bench uplink`; see the
+        // uploader's `chunk_priority`). On loopback it changed neither the drain nor the
+        // agent's CPU beyond the noise (6 alternated `edge-bench pipeline` runs per build,
+        // `5ed2ebd`).
         transport.send_fairness(false);
+        if self.outage_tolerant_congestion {
+            transport.congestion_controller_factory(Arc::new(crate::congestion::OutageTolerantConfig::default()));
+        }
         Ok(transport)
     }
 
