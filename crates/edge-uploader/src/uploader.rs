@@ -926,6 +926,7 @@ async fn send_chunk_inner(
     pieces.append(&mut payload);
     let sent = async {
         let mut s = conn.open_uni().await.map_err(quinn::WriteError::ConnectionLost)?;
+        s.set_priority(chunk_priority(meta.id)).map_err(|_closed| quinn::WriteError::ClosedStream)?;
         s.write_all_chunks(&mut pieces).await?;
         s.finish().map_err(|_closed| quinn::WriteError::ClosedStream)?;
         Ok::<quinn::SendStream, quinn::WriteError>(s)
@@ -966,6 +967,20 @@ async fn send_chunk_inner(
     }
 }
 
+/// The send priority of a chunk's stream: the older the chunk (the lower its id), the higher.
+///
+/// quinn sends the stream of highest priority first, and queues a stream with lost data to
+/// resend behind every other pending stream *of the same priority*. With one priority for all,
+/// a chunk whose packet was lost waits for the rest of the chunks in flight to be sent whole
+/// before its gap is filled, so on a lossy uplink every chunk in flight completes at the end
+/// together (`edge-bench uplink`: no ack for over 20 s at 5 Mbit/s with 2 % loss). Ordered by
+/// age, the oldest chunk's resends go first and chunks are stored and acked one after another.
+/// The order wraps every 2^30 chunks, which only reorders the window in flight at that moment.
+fn chunk_priority(id: ChunkId) -> i32 {
+    // Masked to 30 bits: the value fits an i32 whatever the id.
+    -i32::try_from(id.0 & 0x3FFF_FFFF).unwrap_or(0)
+}
+
 fn ack_outcome(acked: Result<AckStatus, tokio::sync::oneshot::error::RecvError>) -> SendOutcome {
     match acked {
         Ok(status) => SendOutcome::Acked(status),
@@ -976,6 +991,14 @@ fn ack_outcome(acked: Result<AckStatus, tokio::sync::oneshot::error::RecvError>)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn older_chunks_get_higher_send_priority() {
+        assert!(chunk_priority(ChunkId(1)) > chunk_priority(ChunkId(2)));
+        assert!(chunk_priority(ChunkId(1_000_000)) > chunk_priority(ChunkId(1_000_001)));
+        assert_eq!(chunk_priority(ChunkId(0x4000_0000)), 0);
+        assert_eq!(chunk_priority(ChunkId(i64::MAX)), -0x3FFF_FFFF);
+    }
 
     #[test]
     fn backoff_grows_to_the_cap_and_resets() {
