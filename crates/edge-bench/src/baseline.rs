@@ -185,6 +185,7 @@ pub async fn run(
     msg_size: usize,
     source: Source,
     variant: TransportVariant,
+    via: Option<edge_testkit::netem::NetemConfig>,
 ) -> anyhow::Result<Baseline> {
     let exe = std::env::current_exe()?;
     let k = match kind {
@@ -203,6 +204,12 @@ pub async fn run(
     let mut lines = BufReader::new(server.stdout.take().context("server stdout")?).lines();
     let port_line = lines.next_line().await?.context("server role exited before printing its port")?;
     let port: u16 = port_line.strip_prefix("PORT ").context("expected PORT line")?.trim().parse()?;
+    // With a path, the client goes through a shaping proxy in front of the server.
+    let proxy = match via {
+        Some(config) => Some(crate::uplink::Proxy::start(SocketAddr::from(([127, 0, 0, 1], port)), config).await?),
+        None => None,
+    };
+    let port = proxy.as_ref().map_or(port, |p| p.addr().port());
     let mut client = tokio::process::Command::new(&exe);
     client.args(["role", "client", "--kind", k, "--pki"]).arg(pki_dir).args([
         "--bytes",

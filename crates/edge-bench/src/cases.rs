@@ -545,7 +545,7 @@ async fn baseline_reps(
         let one_buffer = (size == 10 * KIB).then_some((Kind::Quic, Source::OneBuffer));
         let tls = (tls == Tls::Too).then_some((Kind::Tls, Source::Distinct));
         for (kind, source) in [(Kind::Quic, Source::Distinct)].into_iter().chain(tls).chain(one_buffer) {
-            let b = baseline::run(kind, pki, total, size, source, TransportVariant::Default).await?;
+            let b = baseline::run(kind, pki, total, size, source, TransportVariant::Default, None).await?;
             let name = match (kind, source) {
                 (Kind::Quic, Source::OneBuffer) => RAW_QUINN_10K_ONE_BUFFER.to_owned(),
                 (Kind::Quic, Source::Distinct) => format!("raw quinn, {} KiB messages", size / KIB),
@@ -688,7 +688,7 @@ pub async fn sweep(ctx: &Ctx, only: &[String]) -> anyhow::Result<Results> {
             if !wanted(&format!("raw quinn, transport {}", t.name())) {
                 continue;
             }
-            let b = baseline::run(Kind::Quic, &pki, 512 * MIB, 10 * KIB, Source::Distinct, t).await?;
+            let b = baseline::run(Kind::Quic, &pki, 512 * MIB, 10 * KIB, Source::Distinct, t, None).await?;
             ctx.progress(format!(
                 "sweep rep {} of {}: raw quinn, transport {}: {:.0} MB/s, sender {:.2} / receiver {:.2} CPU-s/GiB",
                 rep + 1,
@@ -782,6 +782,141 @@ pub async fn agent_reconnect(ctx: &Ctx, res: &mut Results, record: usize) -> any
     }
     w.cleanup();
     Ok(())
+}
+
+/// Group of the shaped-uplink cases.
+const UPLINK: &str = "uplink";
+/// Unit of a figure as a share of the path's rate.
+const LINK_SHARE: &str = "% of the link's rate";
+/// Unit of a CPU figure on a shaped path: at a few MB/s, CPU-seconds per GiB mostly count what
+/// a process does per second whatever it moves (timers, keep-alives), so it is given per second.
+const CORE_SHARE_AGENT: &str = "% of one core (agent)";
+const CORE_SHARE_SENDER: &str = "% of one core (sender)";
+
+/// `edge-bench uplink`: on each shaped path (see `uplink.rs`), repetition by repetition, raw
+/// quinn moving 10 KiB messages and the agent draining a prefilled spool of the same size,
+/// each through its own proxy with the same settings, and their ratio within the repetition.
+pub async fn uplink(ctx: &Ctx, paths: &[crate::uplink::Uplink]) -> anyhow::Result<Results> {
+    let mut res = Results::default();
+    let pki = baseline::pki_dir(&ctx.work);
+    if !pki.join("server/server.pem").exists() {
+        baseline::Pki::write(&pki)?;
+    }
+    for link in paths {
+        res.mark_load(link.name);
+        let raw_case = format!("{}: raw quinn, 10 KiB messages", link.name);
+        let agent_case = format!("{}: agent, drain of a prefilled spool", link.name);
+        for rep in 0..ctx.reps {
+            let total = link.mib << 20;
+            let raw = baseline::run(
+                Kind::Quic,
+                &pki,
+                total,
+                10 * KIB,
+                Source::Distinct,
+                TransportVariant::Default,
+                Some(link.config()),
+            )
+            .await;
+            let raw = match raw {
+                Ok(b) => {
+                    ctx.progress(format!(
+                        "{raw_case} rep {}: {:.2} MB/s ({:.0} % of the link)",
+                        rep + 1,
+                        b.mb_s,
+                        b.mb_s / link.mb_s() * 100.0
+                    ));
+                    res.add(UPLINK, raw_case.clone(), MB_S, 2, b.mb_s);
+                    res.add(UPLINK, raw_case.clone(), LINK_SHARE, 0, b.mb_s / link.mb_s() * 100.0);
+                    // CPU-s per GiB × GiB per second.
+                    let sender = b.sender_cpu_s_per_gib * b.mb_s * 1e6 / GIB * 100.0;
+                    res.add(UPLINK, raw_case.clone(), CORE_SHARE_SENDER, 1, sender);
+                    Some(b.mb_s)
+                }
+                Err(e) => {
+                    res.failed(&raw_case, rep, Err(e));
+                    None
+                }
+            };
+            let agent = uplink_drain(ctx, &mut res, link, &agent_case, &WorldOptions::default()).await;
+            let agent = match agent {
+                Ok(v) => Some(v),
+                Err(e) => {
+                    res.failed(&agent_case, rep, Err(e));
+                    None
+                }
+            };
+            if let (Some(raw), Some(agent)) = (raw, agent) {
+                res.add(UPLINK, format!("{}: agent ÷ raw quinn (same repetition)", link.name), "×", 2, agent / raw);
+            }
+        }
+    }
+    Ok(res)
+}
+
+/// The uplink cases' prefill: 10 records of 10 KiB per request, so chunks reach the default
+/// target (512 KiB) rather than one 1000 KiB request each as in the drain case; a thin link
+/// carries fewer of them at once.
+fn uplink_prefill(bytes: u64) -> Load {
+    Load { per_request: 10, ..drain_prefill(bytes) }
+}
+
+/// The agent drains a prefilled spool through a proxy shaped as `link`: the spool fills while
+/// the proxy drops everything, then the path opens; timed from the agent's connection until
+/// the ingest has every record and the spool is empty.
+async fn uplink_drain(
+    ctx: &Ctx,
+    res: &mut Results,
+    link: &crate::uplink::Uplink,
+    case: &str,
+    opts: &WorldOptions,
+) -> anyhow::Result<f64> {
+    use edge_testkit::netem::Which;
+    let mut w = World::new(&ctx.bins, &ctx.work.join("uplink"), opts)?;
+    w.start_ingest()?;
+    let upstream = std::net::SocketAddr::from(([127, 0, 0, 1], w.ingest_port));
+    let proxy = crate::uplink::Proxy::start(upstream, link.config()).await?;
+    proxy.handle().blackhole(Which::Both, true);
+    w.route_agent_via(proxy.addr())?;
+    w.start_agent()?;
+    let pid = w.agent_pid()?;
+    let p = world::produce(&w.socket, &uplink_prefill(link.mib << 20)).await?;
+    let cpu0 = sys::cpu_seconds(pid)?;
+    proxy.handle().blackhole(Which::Both, false);
+    let opened = Instant::now();
+    let t0 = loop {
+        if w.agent_scrape()?.sum("edge_uploader_connected") >= 1.0 {
+            break Instant::now();
+        }
+        if opened.elapsed() > Duration::from_secs(30) {
+            anyhow::bail!("agent did not connect within 30 s of the path opening");
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    let t1 = w.wait_drained(p.records, Duration::from_secs(600))?;
+    let secs = t1.duration_since(t0).as_secs_f64();
+    let mb_s = p.bytes as f64 / secs / 1e6;
+    let cpu = sys::cpu_seconds(pid)? - cpu0;
+    let a = w.agent_scrape()?;
+    let (retries, lost) =
+        (a.sum(r#"edge_uploader_upload_chunks_total{result="retry"}"#), a.sum("edge_uploader_quic_lost_packets_total"));
+    let up = proxy.handle().stats().to_server;
+    ctx.progress(format!(
+        "{case}: {} MiB in {secs:.2} s = {mb_s:.2} MB/s ({:.0} % of the link); {retries} chunks answered Retry; \
+         QUIC lost {lost} packets; the path dropped {} (loss) + {} (queue full) of {} packets up",
+        p.bytes / MIB,
+        mb_s / link.mb_s() * 100.0,
+        up.dropped_loss,
+        up.dropped_rate,
+        up.received_packets,
+    ));
+    res.add(UPLINK, case, MB_S, 2, mb_s);
+    res.add(UPLINK, case, LINK_SHARE, 0, mb_s / link.mb_s() * 100.0);
+    res.add(UPLINK, case, CORE_SHARE_AGENT, 1, cpu / secs * 100.0);
+    res.add(UPLINK, case, "chunks answered Retry", 0, retries);
+    drop(proxy);
+    w.cleanup();
+    Ok(mb_s)
 }
 
 async fn drain(ctx: &Ctx, res: &mut Results, case: &str, prefill: u64) -> anyhow::Result<()> {

@@ -17,6 +17,7 @@ mod peers;
 mod reconnect;
 mod spool;
 mod sys;
+mod uplink;
 mod world;
 
 use std::path::PathBuf;
@@ -100,6 +101,17 @@ enum Cmd {
         /// Bytes of the one record each connection uploads.
         #[arg(long, default_value_t = 10240)]
         record: usize,
+        #[arg(long)]
+        allow_stale: bool,
+    },
+    /// Shaped uplinks (rate limit, delay, loss through a userspace proxy): raw quinn and the
+    /// agent's drain over the same path, and their ratio.
+    Uplink {
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Only the paths whose name contains one of these (comma-separated), e.g. `100 Mbit`.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
         #[arg(long)]
         allow_stale: bool,
     },
@@ -251,6 +263,22 @@ fn main() -> anyhow::Result<()> {
                 format!("cargo run --release -p edge-bench -- reconnect --reps {} --record {record}", ctx.reps);
             let mut results = cases::Results::default();
             rt.block_on(cases::agent_reconnect(&ctx, &mut results, record))?;
+            println!("{}", results.markdown(&ctx));
+            Ok(())
+        }
+        Cmd::Uplink { reps, only, allow_stale } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
+            ctx.command = format!("cargo run --release -p edge-bench -- uplink --reps {}", ctx.reps);
+            if !only.is_empty() {
+                ctx.command.push_str(&format!(" --only {:?}", only.join(",")));
+            }
+            let paths: Vec<uplink::Uplink> = uplink::UPLINKS
+                .into_iter()
+                .filter(|u| only.is_empty() || only.iter().any(|o| u.name.contains(o.as_str())))
+                .collect();
+            anyhow::ensure!(!paths.is_empty(), "no path matches --only {only:?}");
+            let results = rt.block_on(cases::uplink(&ctx, &paths))?;
             println!("{}", results.markdown(&ctx));
             Ok(())
         }

@@ -228,6 +228,16 @@ impl World {
         })
     }
 
+    /// Points the agent (before it starts) at `addr` instead of the ingest, e.g. a proxy in
+    /// front of it.
+    pub fn route_agent_via(&self, addr: std::net::SocketAddr) -> anyhow::Result<()> {
+        let toml = std::fs::read_to_string(&self.agent_config)?;
+        let direct = format!("server = \"127.0.0.1:{}\"", self.ingest_port);
+        anyhow::ensure!(toml.contains(&direct), "the agent's configuration has no line {direct}");
+        std::fs::write(&self.agent_config, toml.replace(&direct, &format!("server = \"{addr}\"")))?;
+        Ok(())
+    }
+
     fn spawn(&self, bin: &Path, config: &Path, name: &'static str) -> anyhow::Result<Daemon> {
         let log = std::fs::File::create(self.dir.join(format!("{name}.log")))?;
         let mut cmd = match (name, self.agent_wrapper.split_first()) {
