@@ -44,10 +44,10 @@ pub const UPLINKS: [Uplink; 3] = [
         mib: 4,
     },
     Uplink {
-        name: "5 Mbit/s, 150 ms RTT, 1 % loss up",
+        name: "5 Mbit/s, 150 ms RTT, 2 % loss up",
         mbit_s: 5,
         rtt: Duration::from_millis(150),
-        loss: 0.01,
+        loss: 0.02,
         mib: 4,
     },
 ];
