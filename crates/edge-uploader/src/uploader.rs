@@ -972,9 +972,9 @@ async fn send_chunk_inner(
 /// quinn sends the stream of highest priority first, and queues a stream with lost data to
 /// resend behind every other pending stream *of the same priority*. With one priority for all,
 /// a chunk whose packet was lost waits for the rest of the chunks in flight to be sent whole
-/// before its gap is filled, so on a lossy uplink every chunk in flight completes at the end
-/// together (`edge-bench uplink`: no ack for over 20 s at 5 Mbit/s with 2 % loss). Ordered by
-/// age, the oldest chunk's resends go first and chunks are stored and acked one after another.
+/// before its gap is filled, so on a lossy uplink the chunks in flight can all complete at the
+/// end together. Ordered by age, the oldest chunk's resends go first and chunks arrive whole
+/// one after another.
 /// The order wraps every 2^30 chunks, which only reorders the window in flight at that moment.
 fn chunk_priority(id: ChunkId) -> i32 {
     // Masked to 30 bits: the value fits an i32 whatever the id.
