@@ -28,7 +28,10 @@ fn sighup_applies_a_valid_config_and_refuses_a_broken_one() -> anyhow::Result<()
     // A valid change: applied without a restart.
     let original = std::fs::read_to_string(&world.agent_config)?;
     let changed = original
-        .replace("max_in_flight = 32", "max_in_flight = 8\nmax_in_flight_bytes = \"1MiB\"")
+        .replace(
+            "max_in_flight = 32",
+            "max_in_flight = 8\nmax_in_flight_bytes = \"1MiB\"\ncongestion_controller = \"bbr\"",
+        )
         .replace("max_bytes = \"4GiB\"", "max_bytes = \"2GiB\"\nfull_policy = \"drop_oldest\"");
     std::fs::write(&world.agent_config, &changed)?;
     agent.signal("HUP")?;
@@ -44,6 +47,9 @@ fn sighup_applies_a_valid_config_and_refuses_a_broken_one() -> anyhow::Result<()
     assert_eq!(after["max_in_flight_bytes"], 1u64 << 20, "{after}");
     assert_eq!(after["spool_max_bytes"], 2u64 << 30, "{after}");
     assert_eq!(after["spool_full_policy"], "drop_oldest", "{after}");
+    // A key that needs a restart is named in the warning that says so.
+    agent.wait_log("upload.congestion_controller", Duration::from_secs(30))?;
+    agent.wait_log("take effect at the next restart", Duration::from_secs(30))?;
 
     // A broken file: refused, logged, the daemon keeps running with what it had.
     std::fs::write(&world.agent_config, format!("{changed}\n[spool]\nmax_byte = \"1GiB\"\n"))?;

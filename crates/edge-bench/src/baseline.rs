@@ -85,9 +85,13 @@ pub enum TransportVariant {
     KernelSocketBuffers,
     /// quinn's default stream and send windows (1.25 MB, 10 MB) instead of 16 and 64 MiB.
     QuinnWindows,
+    /// quinn's BBR instead of Cubic as the sender's congestion controller (`edge-bench
+    /// uplink`; not in the loopback sweep, where no controller limits anything).
+    Bbr,
 }
 
 impl TransportVariant {
+    /// The variants of the loopback sweep.
     pub const ALL: [TransportVariant; 5] = [
         TransportVariant::Default,
         TransportVariant::GsoOff,
@@ -106,6 +110,9 @@ impl TransportVariant {
             TransportVariant::QuinnWindows => {
                 edge_transport::Tuning { stream_receive_window: 1_250_000, send_window: 10_000_000, ..t }
             }
+            TransportVariant::Bbr => {
+                edge_transport::Tuning { congestion_controller: edge_transport::CongestionController::Bbr, ..t }
+            }
         }
     }
 
@@ -117,6 +124,7 @@ impl TransportVariant {
             TransportVariant::MtuDiscoveryOff => "mtu-discovery-off",
             TransportVariant::KernelSocketBuffers => "kernel-socket-buffers",
             TransportVariant::QuinnWindows => "quinn-windows",
+            TransportVariant::Bbr => "bbr",
         }
     }
 }

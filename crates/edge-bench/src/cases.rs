@@ -11,6 +11,7 @@ use crate::baseline::{self, Kind, Source, TransportVariant};
 use crate::peers;
 use crate::sys::{self, Stat};
 use crate::world::{self, Bins, JetStreamTarget, Load, World, WorldOptions};
+use edge_transport::CongestionController;
 
 const KIB: usize = 1024;
 const MIB: u64 = 1 << 20;
@@ -793,10 +794,16 @@ const LINK_SHARE: &str = "% of the link's rate";
 const CORE_SHARE_AGENT: &str = "% of one core (agent)";
 const CORE_SHARE_SENDER: &str = "% of one core (sender)";
 
-/// `edge-bench uplink`: on each shaped path (see `uplink.rs`), repetition by repetition, raw
-/// quinn moving 10 KiB messages and the agent draining a prefilled spool of the same size,
-/// each through its own proxy with the same settings, and their ratio within the repetition.
-pub async fn uplink(ctx: &Ctx, paths: &[crate::uplink::Uplink]) -> anyhow::Result<Results> {
+/// `edge-bench uplink`: on each shaped path (see `uplink.rs`), repetition by repetition and
+/// for each congestion controller in `controllers`, raw quinn moving 10 KiB messages and the
+/// agent draining a prefilled spool of the same size, each through its own proxy with the same
+/// settings; then the agent's ratio to raw quinn with the same controller, and each
+/// controller's ratio to the first one, within the repetition.
+pub async fn uplink(
+    ctx: &Ctx,
+    paths: &[crate::uplink::Uplink],
+    controllers: &[CongestionController],
+) -> anyhow::Result<Results> {
     let mut res = Results::default();
     let pki = baseline::pki_dir(&ctx.work);
     if !pki.join("server/server.pem").exists() {
@@ -804,50 +811,65 @@ pub async fn uplink(ctx: &Ctx, paths: &[crate::uplink::Uplink]) -> anyhow::Resul
     }
     for link in paths {
         res.mark_load(link.name);
-        let raw_case = format!("{}: raw quinn, 10 KiB messages", link.name);
-        let agent_case = format!("{}: agent, drain of a prefilled spool", link.name);
         for rep in 0..ctx.reps {
-            let total = link.mib << 20;
-            let raw = baseline::run(
-                Kind::Quic,
-                &pki,
-                total,
-                10 * KIB,
-                Source::Distinct,
-                TransportVariant::Default,
-                Some(link.config()),
-            )
-            .await;
-            let raw = match raw {
-                Ok(b) => {
-                    ctx.progress(format!(
-                        "{raw_case} rep {}: {:.2} MB/s ({:.0} % of the link)",
-                        rep + 1,
-                        b.mb_s,
-                        b.mb_s / link.mb_s() * 100.0
-                    ));
-                    res.add(UPLINK, raw_case.clone(), MB_S, 2, b.mb_s);
-                    res.add(UPLINK, raw_case.clone(), LINK_SHARE, 0, b.mb_s / link.mb_s() * 100.0);
-                    // CPU-s per GiB × GiB per second.
-                    let sender = b.sender_cpu_s_per_gib * b.mb_s * 1e6 / GIB * 100.0;
-                    res.add(UPLINK, raw_case.clone(), CORE_SHARE_SENDER, 1, sender);
-                    Some(b.mb_s)
+            // (raw quinn, agent) MB/s per controller, in the order of `controllers`.
+            let mut got: Vec<(Option<f64>, Option<f64>)> = Vec::new();
+            for &cc in controllers {
+                let raw_case = format!("{}: raw quinn ({}), 10 KiB messages", link.name, cc.name());
+                let agent_case = format!("{}: agent ({}), drain of a prefilled spool", link.name, cc.name());
+                let variant = match cc {
+                    CongestionController::Cubic => TransportVariant::Default,
+                    CongestionController::Bbr => TransportVariant::Bbr,
+                };
+                let total = link.mib << 20;
+                let raw =
+                    baseline::run(Kind::Quic, &pki, total, 10 * KIB, Source::Distinct, variant, Some(link.config()))
+                        .await;
+                let raw = match raw {
+                    Ok(b) => {
+                        ctx.progress(format!(
+                            "{raw_case} rep {}: {:.2} MB/s ({:.0} % of the link)",
+                            rep + 1,
+                            b.mb_s,
+                            b.mb_s / link.mb_s() * 100.0
+                        ));
+                        res.add(UPLINK, raw_case.clone(), MB_S, 2, b.mb_s);
+                        res.add(UPLINK, raw_case.clone(), LINK_SHARE, 0, b.mb_s / link.mb_s() * 100.0);
+                        // CPU-s per GiB × GiB per second.
+                        let sender = b.sender_cpu_s_per_gib * b.mb_s * 1e6 / GIB * 100.0;
+                        res.add(UPLINK, raw_case.clone(), CORE_SHARE_SENDER, 1, sender);
+                        Some(b.mb_s)
+                    }
+                    Err(e) => {
+                        res.failed(&raw_case, rep, Err(e));
+                        None
+                    }
+                };
+                let opts = WorldOptions { congestion_controller: cc, ..WorldOptions::default() };
+                let agent = match uplink_drain(ctx, &mut res, link, &agent_case, &opts).await {
+                    Ok(v) => Some(v),
+                    Err(e) => {
+                        res.failed(&agent_case, rep, Err(e));
+                        None
+                    }
+                };
+                if let (Some(raw), Some(agent)) = (raw, agent) {
+                    let case = format!("{}: agent ÷ raw quinn, both {} (same repetition)", link.name, cc.name());
+                    res.add(UPLINK, case, "×", 2, agent / raw);
                 }
-                Err(e) => {
-                    res.failed(&raw_case, rep, Err(e));
-                    None
+                got.push((raw, agent));
+            }
+            let Some(&(raw0, agent0)) = got.first() else { continue };
+            for (&cc, &(raw, agent)) in controllers.iter().zip(&got).skip(1) {
+                let first = controllers[0].name();
+                if let (Some(a), Some(b)) = (raw, raw0) {
+                    let case = format!("{}: raw quinn, {} ÷ {first} (same repetition)", link.name, cc.name());
+                    res.add(UPLINK, case, "×", 2, a / b);
                 }
-            };
-            let agent = uplink_drain(ctx, &mut res, link, &agent_case, &WorldOptions::default()).await;
-            let agent = match agent {
-                Ok(v) => Some(v),
-                Err(e) => {
-                    res.failed(&agent_case, rep, Err(e));
-                    None
+                if let (Some(a), Some(b)) = (agent, agent0) {
+                    let case = format!("{}: agent, {} ÷ {first} (same repetition)", link.name, cc.name());
+                    res.add(UPLINK, case, "×", 2, a / b);
                 }
-            };
-            if let (Some(raw), Some(agent)) = (raw, agent) {
-                res.add(UPLINK, format!("{}: agent ÷ raw quinn (same repetition)", link.name), "×", 2, agent / raw);
             }
         }
     }

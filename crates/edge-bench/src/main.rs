@@ -112,6 +112,10 @@ enum Cmd {
         /// Only the paths whose name contains one of these (comma-separated), e.g. `100 Mbit`.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
+        /// The congestion controllers to measure, each for raw quinn and the agent
+        /// (comma-separated: `cubic`, `bbr`); ratios are to the first.
+        #[arg(long, value_delimiter = ',', default_value = "cubic,bbr")]
+        controllers: Vec<String>,
         #[arg(long)]
         allow_stale: bool,
     },
@@ -266,7 +270,7 @@ fn main() -> anyhow::Result<()> {
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
-        Cmd::Uplink { reps, only, allow_stale } => {
+        Cmd::Uplink { reps, only, controllers, allow_stale } => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
             ctx.command = format!("cargo run --release -p edge-bench -- uplink --reps {}", ctx.reps);
@@ -278,7 +282,19 @@ fn main() -> anyhow::Result<()> {
                 .filter(|u| only.is_empty() || only.iter().any(|o| u.name.contains(o.as_str())))
                 .collect();
             anyhow::ensure!(!paths.is_empty(), "no path matches --only {only:?}");
-            let results = rt.block_on(cases::uplink(&ctx, &paths))?;
+            let controllers = controllers
+                .iter()
+                .map(|c| {
+                    edge_transport::CongestionController::from_name(c)
+                        .with_context(|| format!("--controllers: {c:?} is not a controller (cubic, bbr)"))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            anyhow::ensure!(!controllers.is_empty(), "--controllers names none");
+            if controllers != edge_transport::CongestionController::ALL {
+                let names: Vec<&str> = controllers.iter().map(|c| c.name()).collect();
+                ctx.command.push_str(&format!(" --controllers {}", names.join(",")));
+            }
+            let results = rt.block_on(cases::uplink(&ctx, &paths, &controllers))?;
             println!("{}", results.markdown(&ctx));
             Ok(())
         }

@@ -97,6 +97,8 @@ pub struct WorldOptions {
     pub label: String,
     /// The ingest writes to this JetStream stream instead of its file store.
     pub jetstream: Option<JetStreamTarget>,
+    /// `upload.congestion_controller`.
+    pub congestion_controller: edge_transport::CongestionController,
 }
 
 /// A JetStream stream for the ingest's JetStream sink (`edge-bench sink`).
@@ -130,6 +132,7 @@ impl Default for WorldOptions {
             zstd_level: 3,
             label: String::new(),
             jetstream: None,
+            congestion_controller: edge_transport::CongestionController::default(),
         }
     }
 }
@@ -192,7 +195,7 @@ impl World {
             "[intake]\nsocket = {}\n\n[spool]\npath = {}\nmax_bytes = {}\ndurability = \"{}\"\nchunk_target = \"{}\"\n\
              linger = \"{}\"\ncompression = \"{}\"\nzstd_level = {}\n\n\
              [upload]\nserver = \"127.0.0.1:{port}\"\nserver_name = \"localhost\"\nca = {}\ncert = {}\nkey = {}\n\
-             max_in_flight = {}\nmax_in_flight_bytes = \"{}\"\nbackoff_min = \"20ms\"\nbackoff_max = \"100ms\"\n\n\
+             max_in_flight = {}\nmax_in_flight_bytes = \"{}\"\nbackoff_min = \"20ms\"\nbackoff_max = \"100ms\"\n{}\n\
              [metrics]\nlisten = \"127.0.0.1:{agent_metrics}\"\n\n[log]\nlevel = \"warn\"\n",
             q(&socket),
             q(&dir.join("agent/spool.db")),
@@ -207,6 +210,12 @@ impl World {
             q(&device.key),
             opts.max_in_flight,
             opts.max_in_flight_bytes,
+            // Written only when it is not the default, so the bench still drives daemons
+            // built before the key existed (A/B runs against an older commit).
+            match opts.congestion_controller {
+                edge_transport::CongestionController::Cubic => String::new(),
+                c => format!("congestion_controller = \"{}\"\n", c.name()),
+            },
         );
         let agent_config = dir.join("agent.toml");
         let ingest_config = dir.join("ingest.toml");

@@ -13,9 +13,10 @@
 //! not that it was full. TCP makes the same distinction for a lost SYN: it restarts from a
 //! small window but stays in slow start.
 //!
-//! So [`OutageTolerant`] passes every event to Cubic, except congestion events whose latest
-//! lost packet was sent before the earliest packet that was acknowledged. Anything lost after
-//! the path has been shown to work counts as usual.
+//! So [`OutageTolerant`] passes every event to the controller it wraps (Cubic by default, or
+//! quinn's BBR: [`Tuning::congestion_controller`](crate::Tuning::congestion_controller)),
+//! except congestion events whose latest lost packet was sent before the earliest packet that
+//! was acknowledged. Anything lost after the path has been shown to work counts as usual.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -24,19 +25,38 @@ use std::time::Instant;
 use quinn::congestion::{Controller, ControllerFactory, ControllerMetrics, CubicConfig};
 use quinn_proto::RttEstimator;
 
-/// Builds [`OutageTolerant`] controllers around Cubic with quinn's defaults.
-#[derive(Debug, Default)]
+/// Builds [`OutageTolerant`] controllers around the controllers of another factory
+/// (by default Cubic with quinn's defaults).
 pub struct OutageTolerantConfig {
-    cubic: Arc<CubicConfig>,
+    inner: Arc<dyn ControllerFactory + Send + Sync>,
+}
+
+impl OutageTolerantConfig {
+    /// Wraps the controllers that `inner` builds.
+    pub fn new(inner: Arc<dyn ControllerFactory + Send + Sync>) -> Self {
+        Self { inner }
+    }
+}
+
+impl Default for OutageTolerantConfig {
+    fn default() -> Self {
+        Self::new(Arc::new(CubicConfig::default()))
+    }
+}
+
+impl std::fmt::Debug for OutageTolerantConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutageTolerantConfig").finish_non_exhaustive()
+    }
 }
 
 impl ControllerFactory for OutageTolerantConfig {
     fn build(self: Arc<Self>, now: Instant, current_mtu: u16) -> Box<dyn Controller> {
-        Box::new(OutageTolerant { inner: self.cubic.clone().build(now, current_mtu), path: PathUp::default() })
+        Box::new(OutageTolerant { inner: self.inner.clone().build(now, current_mtu), path: PathUp::default() })
     }
 }
 
-/// Cubic that ignores the losses of packets sent before the path delivered anything.
+/// A controller that ignores the losses of packets sent before the path delivered anything.
 pub struct OutageTolerant {
     inner: Box<dyn Controller>,
     path: PathUp,

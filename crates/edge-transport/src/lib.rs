@@ -85,7 +85,7 @@ pub use tls::{
     ClientTls, ServerTls, client_config, client_config_from_pem, quic_client_config, rustls_client_config_from_pem,
     server_config, server_config_from_pem, server_config_from_pem_with_crls,
 };
-pub use tuning::Tuning;
+pub use tuning::{CongestionController, Tuning};
 
 /// The ALPN protocol identifier both ends must agree on: version 1 of the edge upload protocol.
 ///

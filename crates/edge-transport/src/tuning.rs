@@ -12,6 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use quinn::congestion::{BbrConfig, ControllerFactory, CubicConfig};
 use quinn::{IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
 
 use crate::TransportError;
@@ -66,8 +67,46 @@ pub struct Tuning {
     pub segmentation_offload: bool,
     /// Client side: losses of packets sent before the path delivered anything (an Initial sent
     /// into an outage) are not taken as congestion, so a reconnection still starts in slow
-    /// start (see [`crate::congestion`]). Default on; off gives quinn's plain Cubic.
+    /// start (see [`crate::congestion`]). Default on; off gives quinn's plain controller.
     pub outage_tolerant_congestion: bool,
+    /// Client side: the congestion controller of the agent's connections. Default Cubic.
+    pub congestion_controller: CongestionController,
+}
+
+/// The congestion controller of the agent's connections (the sender of nearly every byte).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CongestionController {
+    /// quinn's Cubic (RFC 9438): loss-based, it halves-ish its window at every loss.
+    #[default]
+    Cubic,
+    /// quinn's BBR (version 1, marked experimental by quinn): paces at the bottleneck rate it
+    /// measures and does not read each loss as congestion.
+    Bbr,
+}
+
+impl CongestionController {
+    /// Every controller, in the order the benches measure them.
+    pub const ALL: [CongestionController; 2] = [CongestionController::Cubic, CongestionController::Bbr];
+
+    /// The name used in configuration files and bench output.
+    pub fn name(self) -> &'static str {
+        match self {
+            CongestionController::Cubic => "cubic",
+            CongestionController::Bbr => "bbr",
+        }
+    }
+
+    /// Parses a [`name`](Self::name).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|c| c.name() == name)
+    }
+
+    fn factory(self) -> Arc<dyn ControllerFactory + Send + Sync> {
+        match self {
+            CongestionController::Cubic => Arc::new(CubicConfig::default()),
+            CongestionController::Bbr => Arc::new(BbrConfig::default()),
+        }
+    }
 }
 
 impl Default for Tuning {
@@ -84,6 +123,7 @@ impl Default for Tuning {
             initial_rtt: Duration::from_millis(333),
             segmentation_offload: true,
             outage_tolerant_congestion: true,
+            congestion_controller: CongestionController::default(),
         }
     }
 }
@@ -119,8 +159,11 @@ impl Tuning {
         // agent's CPU beyond the noise (6 alternated `edge-bench pipeline` runs per build,
         // `5ed2ebd`).
         transport.send_fairness(false);
+        let factory = self.congestion_controller.factory();
         if self.outage_tolerant_congestion {
-            transport.congestion_controller_factory(Arc::new(crate::congestion::OutageTolerantConfig::default()));
+            transport.congestion_controller_factory(Arc::new(crate::congestion::OutageTolerantConfig::new(factory)));
+        } else {
+            transport.congestion_controller_factory(factory);
         }
         Ok(transport)
     }
@@ -276,5 +319,18 @@ mod tests {
         assert!(client.contains("max_concurrent_uni_streams: 0"), "{client}");
         assert!(server.contains("enable_segmentation_offload: true"), "{server}");
         assert!(server.contains("receive_window: 67108864"), "{server}");
+    }
+
+    #[test]
+    fn every_congestion_controller_is_named_and_parsed_back_and_builds_a_client_transport() {
+        for cc in CongestionController::ALL {
+            assert_eq!(CongestionController::from_name(cc.name()), Some(cc));
+            for outage_tolerant_congestion in [true, false] {
+                let t = Tuning { congestion_controller: cc, outage_tolerant_congestion, ..Tuning::default() };
+                t.client_transport().expect("client transport");
+            }
+        }
+        assert_eq!(CongestionController::from_name("reno"), None);
+        assert_eq!(CongestionController::from_name("BBR"), None);
     }
 }

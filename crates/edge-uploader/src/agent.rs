@@ -186,7 +186,7 @@ impl Agent {
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 15] = [
+        let fixed: [(&'static str, bool); 17] = [
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
             (
@@ -211,7 +211,9 @@ impl Agent {
                 a.upload.backoff_min != b.upload.backoff_min || a.upload.backoff_max != b.upload.backoff_max,
             ),
             ("upload.connect_timeout", a.upload.connect_timeout != b.upload.connect_timeout),
-            ("upload.bind", a.upload.bind != b.upload.bind || a.upload.compression != b.upload.compression),
+            ("spool.compression", a.upload.compression != b.upload.compression),
+            ("upload.bind", a.upload.bind != b.upload.bind),
+            ("upload.congestion_controller", a.upload.tuning != b.upload.tuning),
             ("metrics.listen", a.metrics_listen != b.metrics_listen),
         ];
         fixed.into_iter().filter(|(_, changed)| *changed).map(|(k, _)| k).collect()

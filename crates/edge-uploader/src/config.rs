@@ -121,6 +121,7 @@ pub struct RawUpload {
     #[serde(with = "humantime_serde_compat")]
     pub backoff_max: Duration,
     pub bind: String,
+    pub congestion_controller: String,
 }
 
 impl Default for RawUpload {
@@ -137,6 +138,7 @@ impl Default for RawUpload {
             backoff_min: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
             bind: "0.0.0.0:0".into(),
+            congestion_controller: "cubic".into(),
         }
     }
 }
@@ -287,6 +289,13 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
         }
         other => bail!("spool.compression: expected \"none\" or \"zstd\", got {other:?}"),
     };
+    let congestion_controller = edge_transport::CongestionController::from_name(&raw.upload.congestion_controller)
+        .with_context(|| {
+            format!(
+                "upload.congestion_controller: expected \"cubic\" or \"bbr\", got {:?}",
+                raw.upload.congestion_controller
+            )
+        })?;
     if raw.spool.max_bytes.as_u64() < raw.spool.chunk_target.as_u64() {
         bail!(
             "spool.max_bytes ({}) must be at least spool.chunk_target ({})",
@@ -406,7 +415,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             backoff_max: raw.upload.backoff_max,
             bind,
             compression,
-            tuning: edge_transport::Tuning::default(),
+            tuning: edge_transport::Tuning { congestion_controller, ..edge_transport::Tuning::default() },
         },
         metrics_listen,
         log_level: raw.log.level,
