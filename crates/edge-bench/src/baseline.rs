@@ -151,6 +151,9 @@ pub struct Baseline {
     pub mb_s: f64,
     pub sender_cpu_s_per_gib: f64,
     pub receiver_cpu_s_per_gib: f64,
+    /// Through a shaping proxy: the UDP payload bytes the client sent towards the server
+    /// (including what the path then dropped).
+    pub bytes_sent_up: Option<u64>,
 }
 
 /// PKI files shared by all baseline runs.
@@ -264,6 +267,7 @@ pub async fn run(
         mb_s: total as f64 / server_result.seconds / 1e6,
         sender_cpu_s_per_gib: client_result.cpu_s / gib,
         receiver_cpu_s_per_gib: server_result.cpu_s / gib,
+        bytes_sent_up: proxy.map(|p| p.handle().stats().to_server.received_bytes),
     })
 }
 

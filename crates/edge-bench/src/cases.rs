@@ -793,6 +793,9 @@ const LINK_SHARE: &str = "% of the link's rate";
 /// a process does per second whatever it moves (timers, keep-alives), so it is given per second.
 const CORE_SHARE_AGENT: &str = "% of one core (agent)";
 const CORE_SHARE_SENDER: &str = "% of one core (sender)";
+/// Unit of what a case cost the uplink: UDP payload bytes sent up (resends and everything the
+/// path dropped included) per byte of payload delivered; on a metered link, the bill.
+const SENT_PER_PAYLOAD: &str = "bytes sent up per payload byte";
 
 /// `edge-bench uplink`: on each shaped path (see `uplink.rs`), repetition by repetition and
 /// for each congestion controller in `controllers`, raw quinn moving 10 KiB messages and the
@@ -828,16 +831,20 @@ pub async fn uplink(
                 let raw = match raw {
                     Ok(b) => {
                         ctx.progress(format!(
-                            "{raw_case} rep {}: {:.2} MB/s ({:.0} % of the link)",
+                            "{raw_case} rep {}: {:.2} MB/s ({:.0} % of the link; {:.3} bytes sent up per payload byte)",
                             rep + 1,
                             b.mb_s,
-                            b.mb_s / link.mb_s() * 100.0
+                            b.mb_s / link.mb_s() * 100.0,
+                            b.bytes_sent_up.unwrap_or(0) as f64 / total as f64,
                         ));
                         res.add(UPLINK, raw_case.clone(), MB_S, 2, b.mb_s);
                         res.add(UPLINK, raw_case.clone(), LINK_SHARE, 0, b.mb_s / link.mb_s() * 100.0);
                         // CPU-s per GiB × GiB per second.
                         let sender = b.sender_cpu_s_per_gib * b.mb_s * 1e6 / GIB * 100.0;
                         res.add(UPLINK, raw_case.clone(), CORE_SHARE_SENDER, 1, sender);
+                        if let Some(up) = b.bytes_sent_up {
+                            res.add(UPLINK, raw_case.clone(), SENT_PER_PAYLOAD, 3, up as f64 / total as f64);
+                        }
                         Some(b.mb_s)
                     }
                     Err(e) => {
@@ -925,17 +932,20 @@ async fn uplink_drain(
     let up = proxy.handle().stats().to_server;
     ctx.progress(format!(
         "{case}: {} MiB in {secs:.2} s = {mb_s:.2} MB/s ({:.0} % of the link); {retries} chunks answered Retry; \
-         QUIC lost {lost} packets; the path dropped {} (loss) + {} (queue full) of {} packets up",
+         QUIC lost {lost} packets; the path dropped {} (loss) + {} (queue full) of {} packets up \
+         ({:.3} bytes sent up per payload byte)",
         p.bytes / MIB,
         mb_s / link.mb_s() * 100.0,
         up.dropped_loss,
         up.dropped_rate,
         up.received_packets,
+        up.received_bytes as f64 / p.bytes as f64,
     ));
     res.add(UPLINK, case, MB_S, 2, mb_s);
     res.add(UPLINK, case, LINK_SHARE, 0, mb_s / link.mb_s() * 100.0);
     res.add(UPLINK, case, CORE_SHARE_AGENT, 1, cpu / secs * 100.0);
     res.add(UPLINK, case, "chunks answered Retry", 0, retries);
+    res.add(UPLINK, case, SENT_PER_PAYLOAD, 3, up.received_bytes as f64 / p.bytes as f64);
     drop(proxy);
     w.cleanup();
     Ok(mb_s)
