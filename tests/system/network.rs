@@ -44,7 +44,18 @@ impl Net {
     /// A world whose agent talks to the ingest server through the proxy. `ingest_server_extra`
     /// lands in the ingest's `[server]` section.
     fn start(device: &str, faults: NetemConfig, seed: u64, ingest_server_extra: &str) -> anyhow::Result<Net> {
-        let world = World::new(device, "")?;
+        Self::start_with(device, faults, seed, ingest_server_extra, "")
+    }
+
+    /// [`Net::start`], with `agent_upload_extra` in the agent's `[upload]` section.
+    fn start_with(
+        device: &str,
+        faults: NetemConfig,
+        seed: u64,
+        ingest_server_extra: &str,
+        agent_upload_extra: &str,
+    ) -> anyhow::Result<Net> {
+        let world = World::new(device, agent_upload_extra)?;
         let ingest_text = std::fs::read_to_string(&world.ingest_config)?;
         let server_line = ingest_text
             .split("[server]\nlisten = \"")
@@ -247,6 +258,42 @@ fn faults(loss: f64) -> Faults {
         reorder_gap: Duration::from_millis(20),
         ..Faults::default()
     }
+}
+
+/// `upload.congestion_controller = "bbr"` (opt-in) changes how fast the agent sends, not what
+/// arrives: under loss and reordering every record is stored once and in order.
+#[test]
+fn the_bbr_congestion_controller_delivers_every_record_once_under_loss() -> anyhow::Result<()> {
+    let tier = Tier::current();
+    let records = tier.pick(100, 1000);
+    let config = NetemConfig::symmetric(Faults { loss: Loss::uniform(0.02), ..faults(0.02) });
+    let net = Net::start_with("gw-net-bbr", config, 0xBB2, "", "congestion_controller = \"bbr\"\n")?;
+    let w = Arc::new(Workload::new(0xBB2).with_streams(&["bbr.a", "bbr.b"]).with_sizes(200, 16 * 1024));
+    let tasks: Vec<_> = (0..w.streams.len())
+        .map(|s| {
+            let opts = ProducerOptions { total: Some(records), max_batch: 20, ..ProducerOptions::new(s) };
+            net.rt.spawn(workload::produce(w.clone(), net.world.intake_socket(), opts, Progress::default()))
+        })
+        .collect();
+    let mut sent = Vec::new();
+    for t in tasks {
+        sent.push(net.rt.block_on(t)??);
+    }
+    net.drain(Duration::from_secs(tier.pick(120, 600)))?;
+    let socket = net.world.intake_socket().to_string_lossy().into_owned();
+    let out = std::process::Command::new(edge_testkit::bin("edge-uploader")?)
+        .args(["status", "--json", "--socket", &socket])
+        .output()?;
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).context("status --json")?;
+    anyhow::ensure!(status["connection"]["congestion_controller"] == "bbr", "status: {status}");
+    let lost = net.agent_metrics()?.get("edge_uploader_quic_lost_packets_total").copied().unwrap_or(0.0);
+    let proxy = net.net.stats();
+    let result = net.finish(&[(&w, &sent)])?;
+    anyhow::ensure!(proxy.to_server.dropped_loss > 0, "the proxy dropped nothing: {proxy:?}");
+    anyhow::ensure!(lost > 0.0, "QUIC declared no packet lost");
+    anyhow::ensure!(result.is_exact(), "store not exact: {result:?}");
+    anyhow::ensure!(result.acked == records * 2, "all records acknowledged: {result:?}");
+    Ok(())
 }
 
 #[test]

@@ -258,6 +258,7 @@ pub fn status_json(intake: &Intake) -> serde_json::Value {
             "remote": session.remote,
             "since_ms": (session.since_ms > 0).then_some(session.since_ms),
             "rtt_ms": (rtt > 0.0).then_some(rtt * 1000.0),
+            "congestion_controller": session.congestion_controller,
         },
         "rates": rates.map(|r| json!({
             "window_s": r.window_s,

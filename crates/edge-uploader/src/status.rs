@@ -117,11 +117,12 @@ pub fn render(status: &Value, reasons: &[String], now_ms: u64) -> String {
         format!("{} ago", humantime::format_duration(round(Duration::from_millis(now_ms.saturating_sub(t)))))
     });
     out.push_str(&format!(
-        "connection: {} to {} ({}) since {since}, rtt {} ms  (connects {}, in flight {})\n",
+        "connection: {} to {} ({}) since {since}, rtt {} ms, {}  (connects {}, in flight {})\n",
         if up["connected"] == true { paint("32", "connected") } else { paint("31", "disconnected") },
         conn["server"].as_str().unwrap_or("?"),
         conn["remote"].as_str().unwrap_or("-"),
         conn["rtt_ms"].as_f64().map_or("-".to_owned(), |r| format!("{r:.1}")),
+        conn["congestion_controller"].as_str().unwrap_or("-"),
         up["connects_total"],
         up["in_flight"],
     ));
@@ -185,7 +186,8 @@ mod tests {
             "version": 1,
             "spool": {"sealed_chunks": 2, "total_bytes": 10, "oldest_ms": oldest_ms, "dropped_records": 0,
                       "quarantined_chunks": 0, "streams": [{"name": "t", "next_seq": 3, "bytes": 10, "sealed_chunks": 2}]},
-            "connection": {"server": "ingest:4433", "remote": "10.0.0.1:4433", "since_ms": 0, "rtt_ms": 1.5},
+            "connection": {"server": "ingest:4433", "remote": "10.0.0.1:4433", "since_ms": 0, "rtt_ms": 1.5,
+                           "congestion_controller": "cubic"},
             "rates": {"window_s": 60.0, "intake_records_per_s": 10.0, "intake_bytes_per_s": 1000.0,
                       "acked_records_per_s": 20.0, "acked_bytes_per_s": 2000.0},
             "drain_eta_s": 5.0,

@@ -121,6 +121,8 @@ pub struct SessionInfo {
     pub remote: Option<String>,
     /// When the connection state last changed (unix ms).
     pub since_ms: u64,
+    /// The congestion controller of the agent's connections (`upload.congestion_controller`).
+    pub congestion_controller: &'static str,
 }
 
 /// When a connection attempt started and when it reached each step on the way to its first
@@ -189,9 +191,14 @@ impl AckCounter {
 }
 
 impl UploadCounters {
-    fn set_session(&self, server: &str, remote: Option<String>) {
+    fn set_session(&self, opts: &UploaderOptions, remote: Option<String>) {
         let mut s = crate::lock(&self.session);
-        *s = SessionInfo { server: server.to_owned(), remote, since_ms: now_ms() };
+        *s = SessionInfo {
+            server: opts.server.clone(),
+            remote,
+            since_ms: now_ms(),
+            congestion_controller: opts.tuning.congestion_controller.name(),
+        };
     }
 
     fn set_error(&self, e: impl Into<String>) {
@@ -269,7 +276,7 @@ pub async fn run(
     counters: Arc<UploadCounters>,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
-    counters.set_session(&opts.server, None);
+    counters.set_session(&opts, None);
     let endpoint = edge_transport::client_endpoint(opts.bind, &opts.tuning)?;
     let mut backoff = Backoff::new(opts.backoff_min, opts.backoff_max);
     // The limits of the last Welcome, to send the first chunks of the next connection before
@@ -290,7 +297,7 @@ pub async fn run(
             Ok(conn) => {
                 counters.connects_total.fetch_add(1, Ordering::Relaxed);
                 counters.connected.store(true, Ordering::Release);
-                counters.set_session(&opts.server, Some(conn.remote_address().to_string()));
+                counters.set_session(&opts, Some(conn.remote_address().to_string()));
                 info!(server = %opts.server, remote = %conn.remote_address(), "connected to ingest");
                 let sampler = crate::metrics::QuicSampler::spawn(conn.clone(), counters.clone());
                 let result = Connection {
@@ -307,7 +314,7 @@ pub async fn run(
                 .await;
                 sampler.stop().await;
                 counters.connected.store(false, Ordering::Release);
-                counters.set_session(&opts.server, None);
+                counters.set_session(&opts, None);
                 match result {
                     Ok(progress) => {
                         if progress {
