@@ -1,5 +1,7 @@
-//! The agent's congestion controller: quinn's Cubic, except that the loss of a packet sent
-//! before the path had delivered anything is not taken as a sign of congestion.
+//! The agent's congestion controller: quinn's Cubic (or its BBR, by
+//! [`Tuning::congestion_controller`](crate::Tuning::congestion_controller)), except that the
+//! loss of a packet sent before the path had delivered anything is not taken as a sign of
+//! congestion.
 //!
 //! An agent reconnects while the path or the server is still down: its first Initial goes
 //! nowhere, quinn sends it again after the probe timeout, and once the path is back the copy

@@ -6,7 +6,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`tuning`] | [`Tuning`]: the quinn transport knobs that matter, with measured defaults |
-//! | [`congestion`] | the agent's congestion controller: Cubic that does not count losses from before the path answered |
+//! | [`congestion`] | the agent's congestion controller: Cubic (or quinn's BBR, by [`Tuning::congestion_controller`]) that does not count losses from before the path answered |
 //! | [`tls`] | [`server_config`] / [`client_config`]: rustls + quinn configs for mutual TLS |
 //! | [`endpoint`] | [`server_endpoint`] / [`client_endpoint`]: UDP sockets with sized buffers |
 //! | [`peer`] | [`peer_device_id`]: the device identity taken from the client certificate |

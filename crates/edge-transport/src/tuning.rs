@@ -79,8 +79,11 @@ pub enum CongestionController {
     /// quinn's Cubic (RFC 9438): loss-based, it halves-ish its window at every loss.
     #[default]
     Cubic,
-    /// quinn's BBR (version 1, marked experimental by quinn): paces at the bottleneck rate it
-    /// measures and does not read each loss as congestion.
+    /// quinn's BBR (version 1, marked experimental by quinn): does not read each loss as
+    /// congestion, so with random loss it carries several times Cubic's throughput; but quinn
+    /// paces by the window (twice the bandwidth-delay product with BBR), not by BBR's pacing
+    /// rate, so it sends about twice what the bottleneck drains (`edge-bench uplink`,
+    /// BENCHMARKS.md "Cubic or BBR over the same paths").
     Bbr,
 }
 
