@@ -76,14 +76,13 @@ pub struct Tuning {
 /// The congestion controller of the agent's connections (the sender of nearly every byte).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CongestionController {
-    /// quinn's Cubic (RFC 9438): loss-based, it halves-ish its window at every loss.
+    /// quinn's Cubic (RFC 9438): loss-based, it cuts its window to 70 % at every loss event.
     #[default]
     Cubic,
     /// quinn's BBR (version 1, marked experimental by quinn): does not read each loss as
-    /// congestion, so with random loss it carries several times Cubic's throughput; but quinn
-    /// paces by the window (twice the bandwidth-delay product with BBR), not by BBR's pacing
-    /// rate, so it sends about twice what the bottleneck drains (`edge-bench uplink`,
-    /// BENCHMARKS.md "Cubic or BBR over the same paths").
+    /// congestion, so with random loss it carries several times Cubic's throughput; but it
+    /// sent about twice the payload's bytes, the excess dropped at the bottleneck, on every
+    /// path measured (`edge-bench uplink`, BENCHMARKS.md "Cubic or BBR over the same paths").
     Bbr,
 }
 
