@@ -853,7 +853,7 @@ pub async fn uplink(
                     }
                 };
                 let opts = WorldOptions { congestion_controller: cc, ..WorldOptions::default() };
-                let agent = match uplink_drain(ctx, &mut res, link, &agent_case, &opts).await {
+                let agent = match uplink_drain(ctx, &mut res, link, &agent_case, &opts, false).await {
                     Ok(v) => Some(v),
                     Err(e) => {
                         res.failed(&agent_case, rep, Err(e));
@@ -883,6 +883,76 @@ pub async fn uplink(
     Ok(res)
 }
 
+/// Sensor readings per request in `edge-bench uplink --readings`: about 11 KB of NDJSON.
+const READINGS_PER_REQUEST: usize = 100;
+
+/// `edge-bench uplink --readings`: on each shaped path, repetition by repetition, raw quinn
+/// moving 10 KiB messages (Cubic), then the agent draining a prefilled spool of sensor
+/// readings (fresh JSON lines, `world::produce_readings`) without compression and with
+/// `spool.compression = "zstd"` (level 3, the default); the ratio of their records/s within
+/// the repetition, and each drain's payload MB/s against raw quinn's.
+pub async fn uplink_readings(ctx: &Ctx, paths: &[crate::uplink::Uplink]) -> anyhow::Result<Results> {
+    let mut res = Results::default();
+    let pki = baseline::pki_dir(&ctx.work);
+    if !pki.join("server/server.pem").exists() {
+        baseline::Pki::write(&pki)?;
+    }
+    for link in paths {
+        res.mark_load(link.name);
+        let raw_case = format!("{}: raw quinn (cubic), 10 KiB messages", link.name);
+        for rep in 0..ctx.reps {
+            let total = link.mib << 20;
+            let raw = baseline::run(
+                Kind::Quic,
+                &pki,
+                total,
+                10 * KIB,
+                Source::Distinct,
+                TransportVariant::Default,
+                Some(link.config()),
+            )
+            .await;
+            let raw = match raw {
+                Ok(b) => {
+                    ctx.progress(format!("{raw_case} rep {}: {:.2} MB/s", rep + 1, b.mb_s));
+                    res.add(UPLINK, raw_case.clone(), MB_S, 2, b.mb_s);
+                    if let Some(up) = b.bytes_sent_up {
+                        res.add(UPLINK, raw_case.clone(), SENT_PER_PAYLOAD, 3, up as f64 / total as f64);
+                    }
+                    Some(b.mb_s)
+                }
+                Err(e) => {
+                    res.failed(&raw_case, rep, Err(e));
+                    None
+                }
+            };
+            let mut got = Vec::new();
+            for compression in ["none", "zstd"] {
+                let case = format!("{}: agent, sensor readings, compression {compression}", link.name);
+                let opts = WorldOptions { compression, ..WorldOptions::default() };
+                match uplink_drain(ctx, &mut res, link, &case, &opts, true).await {
+                    Ok(mb_s) => {
+                        if let Some(raw) = raw {
+                            let ratio = format!("{}: agent ({compression}) ÷ raw quinn, payload MB/s", link.name);
+                            res.add(UPLINK, ratio, "×", 2, mb_s / raw);
+                        }
+                        got.push(Some(mb_s));
+                    }
+                    Err(e) => {
+                        res.failed(&case, rep, Err(e));
+                        got.push(None);
+                    }
+                }
+            }
+            if let [Some(none), Some(zstd)] = got[..] {
+                // The same readings in both drains, so the MB/s ratio is the records/s ratio.
+                res.add(UPLINK, format!("{}: agent, zstd ÷ none (same repetition)", link.name), "×", 2, zstd / none);
+            }
+        }
+    }
+    Ok(res)
+}
+
 /// The uplink cases' prefill: 10 records of 10 KiB per request, so chunks reach the default
 /// target (512 KiB) rather than one 1000 KiB request each as in the drain case; a thin link
 /// carries fewer of them at once.
@@ -899,6 +969,7 @@ async fn uplink_drain(
     link: &crate::uplink::Uplink,
     case: &str,
     opts: &WorldOptions,
+    readings: bool,
 ) -> anyhow::Result<f64> {
     use edge_testkit::netem::Which;
     let mut w = World::new(&ctx.bins, &ctx.work.join("uplink"), opts)?;
@@ -909,7 +980,11 @@ async fn uplink_drain(
     w.route_agent_via(proxy.addr())?;
     w.start_agent()?;
     let pid = w.agent_pid()?;
-    let p = world::produce(&w.socket, &uplink_prefill(link.mib << 20)).await?;
+    let p = if readings {
+        world::produce_readings(&w.socket, 4, READINGS_PER_REQUEST, link.mib << 20).await?
+    } else {
+        world::produce(&w.socket, &uplink_prefill(link.mib << 20)).await?
+    };
     let cpu0 = sys::cpu_seconds(pid)?;
     proxy.handle().blackhole(Which::Both, false);
     let opened = Instant::now();
@@ -946,6 +1021,9 @@ async fn uplink_drain(
     res.add(UPLINK, case, CORE_SHARE_AGENT, 1, cpu / secs * 100.0);
     res.add(UPLINK, case, "chunks answered Retry", 0, retries);
     res.add(UPLINK, case, SENT_PER_PAYLOAD, 3, up.received_bytes as f64 / p.bytes as f64);
+    if readings {
+        res.add(UPLINK, case, "records/s", 0, p.records as f64 / secs);
+    }
     drop(proxy);
     w.cleanup();
     Ok(mb_s)

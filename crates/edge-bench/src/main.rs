@@ -116,6 +116,10 @@ enum Cmd {
         /// (comma-separated: `cubic`, `bbr`); ratios are to the first.
         #[arg(long, value_delimiter = ',', default_value = "cubic,bbr")]
         controllers: Vec<String>,
+        /// Instead: the agent draining sensor readings (fresh JSON lines) without compression
+        /// and with zstd, beside raw quinn, with Cubic.
+        #[arg(long, conflicts_with = "controllers")]
+        readings: bool,
         #[arg(long)]
         allow_stale: bool,
     },
@@ -270,7 +274,7 @@ fn main() -> anyhow::Result<()> {
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
-        Cmd::Uplink { reps, only, controllers, allow_stale } => {
+        Cmd::Uplink { reps, only, controllers, readings, allow_stale } => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
             ctx.command = format!("cargo run --release -p edge-bench -- uplink --reps {}", ctx.reps);
@@ -282,6 +286,12 @@ fn main() -> anyhow::Result<()> {
                 .filter(|u| only.is_empty() || only.iter().any(|o| u.name.contains(o.as_str())))
                 .collect();
             anyhow::ensure!(!paths.is_empty(), "no path matches --only {only:?}");
+            if readings {
+                ctx.command.push_str(" --readings");
+                let results = rt.block_on(cases::uplink_readings(&ctx, &paths))?;
+                println!("{}", results.markdown(&ctx));
+                return Ok(());
+            }
             let controllers = controllers
                 .iter()
                 .map(|c| {

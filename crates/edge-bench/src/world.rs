@@ -605,6 +605,99 @@ pub async fn produce(socket: &Path, load: &Load) -> anyhow::Result<Produced> {
     })
 }
 
+/// Producers of sensor readings, one NDJSON request of `per_request` fresh readings after
+/// another until `bytes` record bytes are accepted: unlike [`produce`]'s bodies, sent again
+/// and again, these compress about as real telemetry does (`edge-bench uplink --readings`).
+pub async fn produce_readings(
+    socket: &Path,
+    producers: usize,
+    per_request: usize,
+    bytes: u64,
+) -> anyhow::Result<Produced> {
+    let start = Instant::now();
+    let accepted = Arc::new(AtomicU64::new(0));
+    let mut set = tokio::task::JoinSet::new();
+    for k in 0..producers {
+        let socket = socket.to_path_buf();
+        let accepted = accepted.clone();
+        set.spawn(async move {
+            let mut client = IntakeConn::new(&socket);
+            let mut device = Readings::new(k);
+            let (mut records, mut refused) = (0u64, 0u64);
+            let stream = format!("sensors-{k}");
+            while accepted.load(Ordering::Relaxed) < bytes {
+                let mut body = Vec::with_capacity(per_request * 140);
+                for _ in 0..per_request {
+                    device.next_into(&mut body);
+                }
+                let body = Bytes::from(body);
+                loop {
+                    let (status, answer) = client.post(&stream, "application/x-ndjson", &body).await?;
+                    match status {
+                        200 => break,
+                        503 | 507 => {
+                            refused += 1;
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                        s => bail!("intake answered {s}: {}", String::from_utf8_lossy(&answer)),
+                    }
+                }
+                records += per_request as u64;
+                // Record bytes, without the newlines that separate them.
+                accepted.fetch_add((body.len() - per_request) as u64, Ordering::Relaxed);
+            }
+            anyhow::Ok((records, refused))
+        });
+    }
+    let (mut records, mut refused) = (0, 0);
+    while let Some(r) = set.join_next().await {
+        let (n, r) = r??;
+        records += n;
+        refused += r;
+    }
+    Ok(Produced { records, bytes: accepted.load(Ordering::Relaxed), seconds: start.elapsed().as_secs_f64(), refused })
+}
+
+/// One gateway's readings: 16 sensors of four kinds, each a random walk, read in turn every
+/// 250 ms; one JSON object per reading, about 130 bytes.
+struct Readings {
+    device: String,
+    values: [f64; 16],
+    seq: u64,
+    rng: rand::rngs::StdRng,
+}
+
+impl Readings {
+    const KINDS: [(&'static str, &'static str, f64, f64); 4] = [
+        ("temperature", "C", 21.0, 0.05),
+        ("humidity", "%", 45.0, 0.2),
+        ("pressure", "hPa", 1013.0, 0.1),
+        ("supply", "V", 24.0, 0.01),
+    ];
+
+    fn new(k: usize) -> Self {
+        use rand::SeedableRng;
+        let values = std::array::from_fn(|i| Self::KINDS[i % 4].2);
+        Self { device: format!("gw-{k:04}"), values, seq: 0, rng: rand::rngs::StdRng::seed_from_u64(k as u64) }
+    }
+
+    fn next_into(&mut self, out: &mut Vec<u8>) {
+        use rand::Rng;
+        use std::io::Write as _;
+        let i = (self.seq % 16) as usize;
+        let (kind, unit, _, step) = Self::KINDS[i % 4];
+        self.values[i] += self.rng.random_range(-1.0..=1.0) * step * 10.0;
+        let ts = 1_795_000_000_000 + self.seq * 250 + self.rng.random_range(0..20);
+        // Writing into a Vec cannot fail.
+        let _ = writeln!(
+            out,
+            r#"{{"ts":{ts},"device":"{}","sensor":"{kind}-{i:02}","value":{:.2},"unit":"{unit}","seq":{}}}"#,
+            self.device, self.values[i], self.seq
+        );
+        self.seq += 1;
+    }
+}
+
 /// The record-stream producers: each connection sends its stream's records back to back,
 /// never more than `window` unacknowledged, and counts what the cumulative acks confirm.
 async fn produce_stream(path: &Path, load: &Load, window: usize) -> anyhow::Result<Produced> {
@@ -824,6 +917,25 @@ mod tests {
         // No progress yet: no rate to go by.
         assert_eq!(next_poll(0.0, ms(1000), 1e9), ms(5));
         assert_eq!(next_poll(1e6, Duration::ZERO, 1e9), ms(5));
+    }
+
+    #[test]
+    fn readings_are_json_lines_that_differ_and_compress_like_telemetry() {
+        let mut r = Readings::new(3);
+        let mut body = Vec::new();
+        for _ in 0..1000 {
+            r.next_into(&mut body);
+        }
+        let lines: Vec<&[u8]> = body.split(|b| *b == b'\n').filter(|l| !l.is_empty()).collect();
+        assert_eq!(lines.len(), 1000);
+        for l in &lines {
+            let v: serde_json::Value = serde_json::from_slice(l).expect("each line is JSON");
+            assert_eq!(v["device"], "gw-0003");
+        }
+        assert_ne!(lines[0], lines[16], "the same sensor's next reading differs");
+        let ratio = body.len() as f64 / zstd::bulk::compress(&body, 3).expect("zstd").len() as f64;
+        eprintln!("zstd level 3 ratio of 1000 readings: {ratio:.2}");
+        assert!((2.0..20.0).contains(&ratio), "zstd ratio {ratio}");
     }
 
     #[test]
