@@ -68,8 +68,7 @@ pub fn router(counters: Arc<ServerCounters>, store: StoreStatsView, sink: serde_
 }
 
 async fn serve(State(st): State<StatusState>) -> axum::Json<Value> {
-    let stats = st.store.get();
-    let mut doc = document(&st.counters, &stats, st.store.is_running(), Instant::now());
+    let mut doc = document(&st.counters, || st.store.get(), st.store.is_running(), Instant::now());
     if let Some(sink) = doc["sink"].as_object_mut() {
         sink.extend(st.sink.iter().map(|(k, v)| (k.clone(), v.clone())));
     }
@@ -96,30 +95,42 @@ pub fn sink_problems(stats: &StoreStats, running: bool, idle: Duration) -> Vec<S
     problems
 }
 
-/// The status document (`"version": 1`).
-pub fn document(counters: &ServerCounters, stats: &StoreStats, store_running: bool, now: Instant) -> Value {
+/// The status document (`"version": 1`). `stats` reads the sink's statistics; it is called
+/// after the counters are read: the store updates its statistics before it answers, and the
+/// counters move only on an answer, so the sink's figures then cover at least what the totals
+/// count (a status read between the two could otherwise show a chunk stored that the sink had
+/// not).
+pub fn document(
+    counters: &ServerCounters,
+    stats: impl FnOnce() -> StoreStats,
+    store_running: bool,
+    now: Instant,
+) -> Value {
     use std::sync::atomic::Ordering::Relaxed;
+    let totals = json!({
+        "stored": counters.chunks_stored_total.load(Relaxed),
+        "duplicate": counters.chunks_duplicate_total.load(Relaxed),
+        "rejected": counters.chunks_rejected_total.load(Relaxed),
+        "retry": counters.chunks_retry_total.load(Relaxed),
+        "records": counters.records_stored_total.load(Relaxed),
+        "bytes": counters.bytes_stored_total.load(Relaxed),
+        "protocol_errors": counters.protocol_errors_total.load(Relaxed),
+        "auth_failures": counters.auth_failures_total.load(Relaxed),
+    });
+    let devices = counters.devices.snapshot();
+    let stats = stats();
     let sample = counters.sample(stats.batches, now);
     let rates = counters.rates.rates(sample);
-    let problems = sink_problems(stats, store_running, counters.rates.store_idle(sample));
+    let problems = sink_problems(&stats, store_running, counters.rates.store_idle(sample));
     json!({
         "version": 1,
         "running": true,
         "server_version": env!("CARGO_PKG_VERSION"),
         "connections": counters.connections_open.load(Relaxed),
         "connections_total": counters.connections_total.load(Relaxed),
-        "devices": counters.devices.snapshot(),
+        "devices": devices,
         "rates": rates,
-        "totals": {
-            "stored": counters.chunks_stored_total.load(Relaxed),
-            "duplicate": counters.chunks_duplicate_total.load(Relaxed),
-            "rejected": counters.chunks_rejected_total.load(Relaxed),
-            "retry": counters.chunks_retry_total.load(Relaxed),
-            "records": counters.records_stored_total.load(Relaxed),
-            "bytes": counters.bytes_stored_total.load(Relaxed),
-            "protocol_errors": counters.protocol_errors_total.load(Relaxed),
-            "auth_failures": counters.auth_failures_total.load(Relaxed),
-        },
+        "totals": totals,
         "sink": {
             "healthy": problems.is_empty(),
             "problems": problems,
@@ -396,7 +407,7 @@ mod tests {
         c.rates.push(c.sample(1, t0));
         c.chunks_stored_total.store(14, Relaxed);
         let stats = StoreStats { segments: 2, chunks: 14, fsyncs: 9, ..StoreStats::default() };
-        let doc = document(&c, &stats, true, t0 + Duration::from_secs(5));
+        let doc = document(&c, || stats.clone(), true, t0 + Duration::from_secs(5));
         assert_eq!(doc["version"], 1);
         assert_eq!(doc["connections"], 1);
         assert_eq!(doc["devices"][0]["device"], "gw-7");
@@ -412,7 +423,7 @@ mod tests {
         assert!(doc["sink"]["last_failure"].is_null());
         assert!(degraded_reasons(&doc).is_empty());
         drop(reg);
-        let doc = document(&c, &stats, true, t0);
+        let doc = document(&c, || stats.clone(), true, t0);
         assert_eq!(doc["devices"], json!([]));
     }
 
@@ -429,7 +440,7 @@ mod tests {
         assert_eq!(sink_problems(&ok, false, Duration::ZERO), ["the sink has stopped"]);
 
         let c = ServerCounters::default();
-        let doc = document(&c, &failed, true, Instant::now());
+        let doc = document(&c, || failed.clone(), true, Instant::now());
         assert_eq!(doc["sink"]["healthy"], false);
         assert_eq!(doc["sink"]["last_failure"], "disk full");
         assert_eq!(degraded_reasons(&doc), ["the last write to the sink failed: disk full"]);
@@ -440,7 +451,7 @@ mod tests {
     fn human_output_lists_devices_and_paints_only_when_asked() {
         let c = counters_with_a_device();
         let _reg = c.devices.connect("gw-7", "10.1.2.3:4444".parse().expect("addr"), 1_000);
-        let doc = document(&c, &StoreStats::default(), true, Instant::now());
+        let doc = document(&c, StoreStats::default, true, Instant::now());
         let text = render(&doc, &[], 62_000, false);
         assert!(text.starts_with("edge-ingest: healthy\n"), "{text}");
         assert!(!text.contains('\x1b'), "{text}");
