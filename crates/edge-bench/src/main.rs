@@ -116,6 +116,10 @@ enum Cmd {
         /// (comma-separated: `cubic`, `bbr`); ratios are to the first.
         #[arg(long, value_delimiter = ',', default_value = "cubic,bbr")]
         controllers: Vec<String>,
+        /// Backlog per case in MiB instead of each path's own (96 MiB on the clean path,
+        /// 4 MiB on the lossy ones, about one in-flight budget).
+        #[arg(long)]
+        mib: Option<u64>,
         /// Instead: the agent draining sensor readings (fresh JSON lines) without compression
         /// and with zstd, beside raw quinn, with Cubic.
         #[arg(long, conflicts_with = "controllers")]
@@ -274,7 +278,7 @@ fn main() -> anyhow::Result<()> {
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
-        Cmd::Uplink { reps, only, controllers, readings, allow_stale } => {
+        Cmd::Uplink { reps, only, controllers, mib, readings, allow_stale } => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
             ctx.command = format!("cargo run --release -p edge-bench -- uplink --reps {}", ctx.reps);
@@ -284,7 +288,12 @@ fn main() -> anyhow::Result<()> {
             let paths: Vec<uplink::Uplink> = uplink::UPLINKS
                 .into_iter()
                 .filter(|u| only.is_empty() || only.iter().any(|o| u.name.contains(o.as_str())))
+                .map(|u| uplink::Uplink { mib: mib.unwrap_or(u.mib), ..u })
                 .collect();
+            if let Some(m) = mib {
+                anyhow::ensure!(m > 0, "--mib must be at least 1");
+                ctx.command.push_str(&format!(" --mib {m}"));
+            }
             anyhow::ensure!(!paths.is_empty(), "no path matches --only {only:?}");
             if readings {
                 ctx.command.push_str(" --readings");
