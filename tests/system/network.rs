@@ -84,6 +84,22 @@ impl Net {
         Ok(Net { world, rt, proxy: Some(proxy), net, ingest, agent })
     }
 
+    /// One producer per stream of `w`, `records` records each in batches of up to 20, all at
+    /// once; what each sent.
+    fn produce(&self, w: &Arc<Workload>, records: u64) -> anyhow::Result<Vec<Vec<Sent>>> {
+        let tasks: Vec<_> = (0..w.streams.len())
+            .map(|s| {
+                let opts = ProducerOptions { total: Some(records), max_batch: 20, ..ProducerOptions::new(s) };
+                self.rt.spawn(workload::produce(w.clone(), self.world.intake_socket(), opts, Progress::default()))
+            })
+            .collect();
+        let mut sent = Vec::new();
+        for t in tasks {
+            sent.push(self.rt.block_on(t)??);
+        }
+        Ok(sent)
+    }
+
     fn ingest_metric(&self, name: &str) -> anyhow::Result<f64> {
         Ok(World::scrape(self.world.ingest_metrics)?.get(name).copied().unwrap_or(0.0))
     }
@@ -269,16 +285,7 @@ fn the_bbr_congestion_controller_delivers_every_record_once_under_loss() -> anyh
     let config = NetemConfig::symmetric(Faults { loss: Loss::uniform(0.02), ..faults(0.02) });
     let net = Net::start_with("gw-net-bbr", config, 0xBB2, "", "congestion_controller = \"bbr\"\n")?;
     let w = Arc::new(Workload::new(0xBB2).with_streams(&["bbr.a", "bbr.b"]).with_sizes(200, 16 * 1024));
-    let tasks: Vec<_> = (0..w.streams.len())
-        .map(|s| {
-            let opts = ProducerOptions { total: Some(records), max_batch: 20, ..ProducerOptions::new(s) };
-            net.rt.spawn(workload::produce(w.clone(), net.world.intake_socket(), opts, Progress::default()))
-        })
-        .collect();
-    let mut sent = Vec::new();
-    for t in tasks {
-        sent.push(net.rt.block_on(t)??);
-    }
+    let sent = net.produce(&w, records)?;
     net.drain(Duration::from_secs(tier.pick(120, 600)))?;
     let socket = net.world.intake_socket().to_string_lossy().into_owned();
     let out = std::process::Command::new(edge_testkit::bin("edge-uploader")?)
@@ -316,16 +323,7 @@ fn goodput_and_ack_latency_under_loss_with_delay_and_reordering() -> anyhow::Res
         let bytes_before = net.ingest_metric(INGEST_BYTES)?;
         let proxy_before = net.net.stats();
         let start = Instant::now();
-        let tasks: Vec<_> = (0..w.streams.len())
-            .map(|s| {
-                let opts = ProducerOptions { total: Some(records), max_batch: 20, ..ProducerOptions::new(s) };
-                net.rt.spawn(workload::produce(w.clone(), net.world.intake_socket(), opts, Progress::default()))
-            })
-            .collect();
-        let mut sent = Vec::new();
-        for t in tasks {
-            sent.push(net.rt.block_on(t)??);
-        }
+        let sent = net.produce(&w, records)?;
         net.drain(Duration::from_secs(tier.pick(120, 1200)))?;
         let elapsed = start.elapsed();
         let stored_bytes = net.ingest_metric(INGEST_BYTES)? - bytes_before;

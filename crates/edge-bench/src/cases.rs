@@ -808,10 +808,7 @@ pub async fn uplink(
     controllers: &[CongestionController],
 ) -> anyhow::Result<Results> {
     let mut res = Results::default();
-    let pki = baseline::pki_dir(&ctx.work);
-    if !pki.join("server/server.pem").exists() {
-        baseline::Pki::write(&pki)?;
-    }
+    let pki = uplink_pki(ctx)?;
     for link in paths {
         res.mark_load(link.name);
         for rep in 0..ctx.reps {
@@ -824,34 +821,7 @@ pub async fn uplink(
                     CongestionController::Cubic => TransportVariant::Default,
                     CongestionController::Bbr => TransportVariant::Bbr,
                 };
-                let total = link.mib << 20;
-                let raw =
-                    baseline::run(Kind::Quic, &pki, total, 10 * KIB, Source::Distinct, variant, Some(link.config()))
-                        .await;
-                let raw = match raw {
-                    Ok(b) => {
-                        ctx.progress(format!(
-                            "{raw_case} rep {}: {:.2} MB/s ({:.0} % of the link; {:.3} bytes sent up per payload byte)",
-                            rep + 1,
-                            b.mb_s,
-                            b.mb_s / link.mb_s() * 100.0,
-                            b.bytes_sent_up.unwrap_or(0) as f64 / total as f64,
-                        ));
-                        res.add(UPLINK, raw_case.clone(), MB_S, 2, b.mb_s);
-                        res.add(UPLINK, raw_case.clone(), LINK_SHARE, 0, b.mb_s / link.mb_s() * 100.0);
-                        // CPU-s per GiB × GiB per second.
-                        let sender = b.sender_cpu_s_per_gib * b.mb_s * 1e6 / GIB * 100.0;
-                        res.add(UPLINK, raw_case.clone(), CORE_SHARE_SENDER, 1, sender);
-                        if let Some(up) = b.bytes_sent_up {
-                            res.add(UPLINK, raw_case.clone(), SENT_PER_PAYLOAD, 3, up as f64 / total as f64);
-                        }
-                        Some(b.mb_s)
-                    }
-                    Err(e) => {
-                        res.failed(&raw_case, rep, Err(e));
-                        None
-                    }
-                };
+                let raw = uplink_raw(ctx, &mut res, &pki, link, variant, &raw_case, rep).await;
                 let opts = WorldOptions { congestion_controller: cc, ..WorldOptions::default() };
                 let agent = match uplink_drain(ctx, &mut res, link, &agent_case, &opts, false).await {
                     Ok(v) => Some(v),
@@ -883,6 +853,53 @@ pub async fn uplink(
     Ok(res)
 }
 
+/// The baselines' certificates, written once per work directory.
+fn uplink_pki(ctx: &Ctx) -> anyhow::Result<PathBuf> {
+    let pki = baseline::pki_dir(&ctx.work);
+    if !pki.join("server/server.pem").exists() {
+        baseline::Pki::write(&pki)?;
+    }
+    Ok(pki)
+}
+
+/// Raw quinn moving the path's backlog in 10 KiB messages through a proxy shaped as `link`,
+/// recorded under `case`; its MB/s, or `None` (the failure recorded) if it failed.
+async fn uplink_raw(
+    ctx: &Ctx,
+    res: &mut Results,
+    pki: &Path,
+    link: &crate::uplink::Uplink,
+    variant: TransportVariant,
+    case: &str,
+    rep: usize,
+) -> Option<f64> {
+    let total = link.mib << 20;
+    match baseline::run(Kind::Quic, pki, total, 10 * KIB, Source::Distinct, variant, Some(link.config())).await {
+        Ok(b) => {
+            let sent_up = b.bytes_sent_up.map(|up| up as f64 / total as f64);
+            ctx.progress(format!(
+                "{case} rep {}: {:.2} MB/s ({:.0} % of the link; {:.3} bytes sent up per payload byte)",
+                rep + 1,
+                b.mb_s,
+                b.mb_s / link.mb_s() * 100.0,
+                sent_up.unwrap_or(0.0),
+            ));
+            res.add(UPLINK, case, MB_S, 2, b.mb_s);
+            res.add(UPLINK, case, LINK_SHARE, 0, b.mb_s / link.mb_s() * 100.0);
+            // CPU-s per GiB × GiB per second.
+            res.add(UPLINK, case, CORE_SHARE_SENDER, 1, b.sender_cpu_s_per_gib * b.mb_s * 1e6 / GIB * 100.0);
+            if let Some(x) = sent_up {
+                res.add(UPLINK, case, SENT_PER_PAYLOAD, 3, x);
+            }
+            Some(b.mb_s)
+        }
+        Err(e) => {
+            res.failed(case, rep, Err(e));
+            None
+        }
+    }
+}
+
 /// Sensor readings per request in `edge-bench uplink --readings`: about 11 KB of NDJSON.
 const READINGS_PER_REQUEST: usize = 100;
 
@@ -893,39 +910,12 @@ const READINGS_PER_REQUEST: usize = 100;
 /// the repetition, and each drain's payload MB/s against raw quinn's.
 pub async fn uplink_readings(ctx: &Ctx, paths: &[crate::uplink::Uplink]) -> anyhow::Result<Results> {
     let mut res = Results::default();
-    let pki = baseline::pki_dir(&ctx.work);
-    if !pki.join("server/server.pem").exists() {
-        baseline::Pki::write(&pki)?;
-    }
+    let pki = uplink_pki(ctx)?;
     for link in paths {
         res.mark_load(link.name);
         let raw_case = format!("{}: raw quinn (cubic), 10 KiB messages", link.name);
         for rep in 0..ctx.reps {
-            let total = link.mib << 20;
-            let raw = baseline::run(
-                Kind::Quic,
-                &pki,
-                total,
-                10 * KIB,
-                Source::Distinct,
-                TransportVariant::Default,
-                Some(link.config()),
-            )
-            .await;
-            let raw = match raw {
-                Ok(b) => {
-                    ctx.progress(format!("{raw_case} rep {}: {:.2} MB/s", rep + 1, b.mb_s));
-                    res.add(UPLINK, raw_case.clone(), MB_S, 2, b.mb_s);
-                    if let Some(up) = b.bytes_sent_up {
-                        res.add(UPLINK, raw_case.clone(), SENT_PER_PAYLOAD, 3, up as f64 / total as f64);
-                    }
-                    Some(b.mb_s)
-                }
-                Err(e) => {
-                    res.failed(&raw_case, rep, Err(e));
-                    None
-                }
-            };
+            let raw = uplink_raw(ctx, &mut res, &pki, link, TransportVariant::Default, &raw_case, rep).await;
             let mut got = Vec::new();
             for compression in ["none", "zstd"] {
                 let case = format!("{}: agent, sensor readings, compression {compression}", link.name);
@@ -1170,22 +1160,9 @@ async fn drain_once(
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     };
-    // The first chunk acked: with loss, a chunk whose resends queue behind younger chunks is
-    // acked only when they are all sent.
-    let first_ack = loop {
-        if w.agent_scrape()?.sum(r#"edge_uploader_upload_chunks_total{result="stored"}"#) >= 1.0 {
-            break t0.elapsed();
-        }
-        if t0.elapsed() > Duration::from_secs(600) {
-            anyhow::bail!("no chunk acked within 600 s of the connection");
-        }
-        // Every 20 ms: each scrape costs the agent some CPU, which this case counts.
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
     let t1 = w.wait_drained(p.records, Duration::from_secs(600))?;
     let secs = t1.duration_since(t0).as_secs_f64();
     let mb_s = p.bytes as f64 / secs / 1e6;
-    res.add(UPLINK, case, "s from the connection to the first chunk acked", 2, first_ack.as_secs_f64());
     let cpu = sys::cpu_seconds(pid)? - cpu0;
     let icpu = sys::cpu_seconds(ingest_pid)? - icpu0;
     let rss = sys::peak_rss_bytes(pid)? as f64 / MIB as f64;
