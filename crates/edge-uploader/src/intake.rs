@@ -302,6 +302,7 @@ pub fn status_json(intake: &Intake) -> serde_json::Value {
             "chunks_rejected_total": u.rejected.chunks(),
             "records_acked_total": u.records_acked_total.load(Ordering::Relaxed),
             "bytes_acked_total": u.bytes_acked(),
+            "wire_bytes_total": u.wire_bytes_total.load(Ordering::Relaxed),
             "latency_p50_ms": p50,
             "latency_p99_ms": p99,
             "last_error": last_error,

@@ -90,9 +90,11 @@ pub const SPOOL_CORRUPT_CHUNKS_TOTAL: &str = "edge_uploader_spool_corrupt_chunks
 pub const SPOOL_QUARANTINED_CHUNKS: &str = "edge_uploader_spool_quarantined_chunks";
 /// Chunks sent as the spool thread handed them over, not read back from the spool.
 pub const UPLOAD_CHUNKS_FROM_MEMORY_TOTAL: &str = "edge_uploader_upload_chunks_from_memory_total";
+/// Chunk payload bytes written to the ingest's streams, after compression, every attempt.
+pub const UPLOAD_WIRE_BYTES_TOTAL: &str = "edge_uploader_upload_wire_bytes_total";
 
 /// Every metric name above.
-pub const ALL: [&str; 25] = [
+pub const ALL: [&str; 26] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
@@ -118,6 +120,7 @@ pub const ALL: [&str; 25] = [
     SPOOL_CORRUPT_CHUNKS_TOTAL,
     SPOOL_QUARANTINED_CHUNKS,
     UPLOAD_CHUNKS_FROM_MEMORY_TOTAL,
+    UPLOAD_WIRE_BYTES_TOTAL,
 ];
 
 /// Distinct `stream` label values before further streams are folded into [`OTHER_STREAM`].
@@ -399,7 +402,13 @@ const LIVE_FROM_MEMORY: Live = Live::counter(
            from the spool (the uploader keeps up). The other chunks sent were read from the spool (a backlog, \
            a reconnect).",
 );
-const LIVE_ALL: [&Live; 16] = [
+const LIVE_WIRE_BYTES: Live = Live::counter(
+    UPLOAD_WIRE_BYTES_TOTAL,
+    "Chunk payload bytes written to the server's streams as sent, after compression (spool.compression), \
+           counted on every attempt, so a chunk sent again counts again. Against \
+           edge_uploader_upload_bytes_total it shows what compression saves on the uplink.",
+);
+const LIVE_ALL: [&Live; 17] = [
     &LIVE_STREAM_BUFFER,
     &LIVE_SPOOL_BYTES,
     &LIVE_SPOOL_DISK_BYTES,
@@ -416,6 +425,7 @@ const LIVE_ALL: [&Live; 16] = [
     &LIVE_CORRUPT,
     &LIVE_QUARANTINED,
     &LIVE_FROM_MEMORY,
+    &LIVE_WIRE_BYTES,
 ];
 
 /// The [`LIVE_ALL`] families from the spool statistics and the intake and upload atomics, at
@@ -449,6 +459,7 @@ fn live_families(spool: &SpoolStatsView, intake: &IntakeCounters, u: &UploadCoun
         LIVE_CORRUPT.family(&[("", u.spool_corrupt_chunks.load(Relaxed) as f64)]),
         LIVE_QUARANTINED.family(&[("", s.quarantined_chunks as f64)]),
         LIVE_FROM_MEMORY.family(&[("", u.chunks_from_memory.load(Relaxed) as f64)]),
+        LIVE_WIRE_BYTES.family(&[("", u.wire_bytes_total.load(Relaxed) as f64)]),
     ]
 }
 

@@ -147,10 +147,11 @@ pub fn render(status: &Value, reasons: &[String], now_ms: u64) -> String {
         sp["sealed_chunks"], sp["total_bytes"], opt(&sp["disk_bytes"]), sp["dropped_records"], sp["quarantined_chunks"],
     ));
     out.push_str(&format!(
-        "uploaded: {} chunks, {} records, {} bytes; latency p50 {} ms, p99 {} ms\n",
+        "uploaded: {} chunks, {} records, {} bytes ({} sent on the wire); latency p50 {} ms, p99 {} ms\n",
         up["chunks_acked_total"],
         up["records_acked_total"],
         up["bytes_acked_total"],
+        opt(&up["wire_bytes_total"]),
         opt(&up["latency_p50_ms"]),
         opt(&up["latency_p99_ms"]),
     ));
