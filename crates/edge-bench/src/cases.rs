@@ -10,7 +10,7 @@ use anyhow::Context;
 use crate::baseline::{self, Kind, Source, TransportVariant};
 use crate::peers;
 use crate::sys::{self, Stat};
-use crate::world::{self, Bins, JetStreamTarget, Load, World, WorldOptions};
+use crate::world::{self, Bins, Fresh, JetStreamTarget, Load, World, WorldOptions};
 use edge_transport::CongestionController;
 
 const KIB: usize = 1024;
@@ -107,9 +107,18 @@ impl Results {
 
     /// Records a failed repetition as a note instead of ending the run.
     fn failed(&mut self, case: &str, rep: usize, r: anyhow::Result<()>) {
-        if let Err(e) = r {
-            self.note(format!("{case}, repetition {}: FAILED: {e:#}", rep + 1));
-            self.add("failures", case.to_owned(), "failed repetitions", 0, 1.0);
+        self.outcome(case, rep, r);
+    }
+
+    /// Notes a failed repetition; the figures of one that succeeded.
+    fn outcome<T>(&mut self, case: &str, rep: usize, r: anyhow::Result<T>) -> Option<T> {
+        match r {
+            Ok(t) => Some(t),
+            Err(e) => {
+                self.note(format!("{case}, repetition {}: FAILED: {e:#}", rep + 1));
+                self.add("failures", case.to_owned(), "failed repetitions", 0, 1.0);
+                None
+            }
         }
     }
 
@@ -391,6 +400,7 @@ const P99: &str = "ms p99";
 const RECS_S: &str = "records/s";
 const INTAKE_MB_S: &str = "MB/s accepted at intake";
 const CONNECT_MS: &str = "ms ingest up → agent connected";
+const WIRE_PER_BYTE: &str = "bytes sent per record byte";
 
 fn machine_info() -> Vec<(&'static str, String)> {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
@@ -495,7 +505,9 @@ pub async fn all(ctx: &Ctx) -> anyhow::Result<Results> {
     peer_cases(ctx, &mut res, &[10 * KIB, 100 * KIB], Duration::from_secs(5), Extra::Yes).await?;
     reconnect(ctx, &mut res).await?;
     agent_reconnect(ctx, &mut res, 10 * KIB).await?;
-    let r = drain_once(ctx, &mut res, "edge-uploader", DRAIN_4G, 4 << 30, &WorldOptions::default()).await;
+    let r = drain_once(ctx, &mut res, "edge-uploader", DRAIN_4G, Prefill::Repeated(4 << 30), &WorldOptions::default())
+        .await
+        .map(drop);
     res.failed(DRAIN_4G, 0, r);
     baselines_again(ctx, &mut res, 512 * MIB).await?;
     Ok(res)
@@ -709,7 +721,7 @@ pub async fn sweep(ctx: &Ctx, only: &[String]) -> anyhow::Result<Results> {
             let case = format!("sweep {}: live 10 KiB, 1 per request", v.label);
             live_with(&one, &mut res, &case, 10 * KIB, 1, Duration::from_secs(6), v).await?;
             let case = format!("sweep {}: drain 256 MiB", v.label);
-            let r = drain_once(ctx, &mut res, "sweep", &case, 256 * MIB, v).await;
+            let r = drain_once(ctx, &mut res, "sweep", &case, Prefill::Repeated(256 * MIB), v).await.map(drop);
             res.failed(&case, rep, r);
         }
     }
@@ -905,7 +917,7 @@ const READINGS_PER_REQUEST: usize = 100;
 
 /// `edge-bench uplink --readings`: on each shaped path, repetition by repetition, raw quinn
 /// moving 10 KiB messages (Cubic), then the agent draining a prefilled spool of sensor
-/// readings (fresh JSON lines, `world::produce_readings`) without compression and with
+/// readings (fresh JSON lines, `world::Fresh::Readings`) without compression and with
 /// `spool.compression = "zstd"` (level 3, the default); the ratio of their records/s within
 /// the repetition, and each drain's payload MB/s against raw quinn's.
 pub async fn uplink_readings(ctx: &Ctx, paths: &[crate::uplink::Uplink]) -> anyhow::Result<Results> {
@@ -943,6 +955,58 @@ pub async fn uplink_readings(ctx: &Ctx, paths: &[crate::uplink::Uplink]) -> anyh
     Ok(res)
 }
 
+const COMPRESSION: &str = "compression";
+
+/// `edge-bench compression`: on loopback, where the two cores rather than a link are the
+/// limit, the drain of a prefilled spool of fresh records of each kind (sensor readings, and
+/// random bytes that do not compress), without compression and with zstd at levels 1 and 3,
+/// in turn within each repetition; each drain's records/s, CPU per GiB of records and bytes
+/// sent per record byte, and its ratios to the uncompressed drain of the same repetition.
+pub async fn compression(ctx: &Ctx, bytes: u64) -> anyhow::Result<Results> {
+    let mut res = Results::default();
+    let payloads = [
+        ("sensor readings", Fresh::Readings { per_request: READINGS_PER_REQUEST }),
+        ("random 10 KiB records", Fresh::Random { len: 10 * KIB }),
+    ];
+    let settings: [(&str, &'static str, i32); 3] =
+        [("none", "none", 3), ("zstd level 1", "zstd", 1), ("zstd level 3", "zstd", 3)];
+    for rep in 0..ctx.reps {
+        for (payload, fresh) in payloads {
+            let mut none: Option<Drained> = None;
+            for (setting, compression, zstd_level) in settings {
+                let case = format!("drain of {payload}, compression {setting}");
+                let opts = WorldOptions { compression, zstd_level, ..WorldOptions::default() };
+                let r = drain_once(ctx, &mut res, COMPRESSION, &case, Prefill::Fresh(fresh, bytes), &opts).await;
+                let Some(d) = res.outcome(&case, rep, r) else { continue };
+                match none {
+                    None if compression == "none" => none = Some(d),
+                    Some(n) => {
+                        let ratio = format!("{payload}: {setting} ÷ none (same repetition)");
+                        // The same records in both drains: the MB/s ratio is the records/s one.
+                        res.add(COMPRESSION, ratio.clone(), "× records/s", 2, d.mb_s / n.mb_s);
+                        res.add(
+                            COMPRESSION,
+                            ratio.clone(),
+                            "× agent CPU-s/GiB",
+                            2,
+                            d.agent_cpu_s_per_gib / n.agent_cpu_s_per_gib,
+                        );
+                        res.add(
+                            COMPRESSION,
+                            ratio,
+                            "× ingest CPU-s/GiB",
+                            2,
+                            d.ingest_cpu_s_per_gib / n.ingest_cpu_s_per_gib,
+                        );
+                    }
+                    None => {}
+                }
+            }
+        }
+    }
+    Ok(res)
+}
+
 /// The uplink cases' prefill: 10 records of 10 KiB per request, so chunks reach the default
 /// target (512 KiB) rather than one 1000 KiB request each as in the drain case; a thin link
 /// carries fewer of them at once.
@@ -971,7 +1035,8 @@ async fn uplink_drain(
     w.start_agent()?;
     let pid = w.agent_pid()?;
     let p = if readings {
-        world::produce_readings(&w.socket, 4, READINGS_PER_REQUEST, link.mib << 20).await?
+        world::produce_fresh(&w.socket, 4, Fresh::Readings { per_request: READINGS_PER_REQUEST }, link.mib << 20)
+            .await?
     } else {
         world::produce(&w.socket, &uplink_prefill(link.mib << 20)).await?
     };
@@ -1036,7 +1101,9 @@ async fn uplink_drain(
 
 async fn drain(ctx: &Ctx, res: &mut Results, case: &str, prefill: u64) -> anyhow::Result<()> {
     for rep in 0..ctx.reps {
-        let r = drain_once(ctx, res, "edge-uploader", case, prefill, &WorldOptions::default()).await;
+        let r = drain_once(ctx, res, "edge-uploader", case, Prefill::Repeated(prefill), &WorldOptions::default())
+            .await
+            .map(drop);
         res.failed(case, rep, r);
     }
     Ok(())
@@ -1052,12 +1119,14 @@ pub async fn sinks(ctx: &Ctx, bytes: u64) -> anyhow::Result<Results> {
     let (nats_bin, machine) = nats_servers(ctx, &mut res);
     let machine_pid = sys::find_process(|cmd| cmd.contains("nats-server") && cmd.contains("4222"));
     for rep in 0..ctx.reps {
-        let r = drain_once(ctx, &mut res, "sink", SINK_FILES, bytes, &WorldOptions::default()).await;
+        let r = drain_once(ctx, &mut res, "sink", SINK_FILES, Prefill::Repeated(bytes), &WorldOptions::default())
+            .await
+            .map(drop);
         res.failed(SINK_FILES, rep, r);
         if machine {
             let target = JetStreamTarget::fresh(4222, machine_pid);
             let opts = WorldOptions { jetstream: Some(target.clone()), ..WorldOptions::default() };
-            let r = drain_once(ctx, &mut res, "sink", SINK_JS_MACHINE, bytes, &opts).await;
+            let r = drain_once(ctx, &mut res, "sink", SINK_JS_MACHINE, Prefill::Repeated(bytes), &opts).await.map(drop);
             res.failed(SINK_JS_MACHINE, rep, r);
             if let Err(e) = peers::delete_stream(4222, &target.stream).await {
                 res.note(format!("could not delete stream {} on the machine's server: {e:#}", target.stream));
@@ -1072,7 +1141,9 @@ pub async fn sinks(ctx: &Ctx, bytes: u64) -> anyhow::Result<Results> {
                         jetstream: Some(JetStreamTarget::fresh(broker.port, Some(broker.pid()))),
                         ..WorldOptions::default()
                     };
-                    let r = drain_once(ctx, &mut res, "sink", SINK_JS_ALWAYS, bytes, &opts).await;
+                    let r = drain_once(ctx, &mut res, "sink", SINK_JS_ALWAYS, Prefill::Repeated(bytes), &opts)
+                        .await
+                        .map(drop);
                     res.failed(SINK_JS_ALWAYS, rep, r);
                     drop(broker);
                     let _ = std::fs::remove_dir_all(&dir);
@@ -1125,14 +1196,31 @@ const STREAM_WINDOW: usize = 256;
 
 /// Prefills the spool with the ingest down, starts the ingest, times from the agent's
 /// connection until the spool is empty and the ingest has stored everything.
+/// What a drain case puts in the spool, with the ingest down, before it times the drain.
+#[derive(Debug, Clone, Copy)]
+enum Prefill {
+    /// This many bytes of [`drain_prefill`]'s records.
+    Repeated(u64),
+    /// This many bytes of fresh records from four producers.
+    Fresh(Fresh, u64),
+}
+
+/// What one drain measured.
+#[derive(Debug, Clone, Copy)]
+struct Drained {
+    mb_s: f64,
+    agent_cpu_s_per_gib: f64,
+    ingest_cpu_s_per_gib: f64,
+}
+
 async fn drain_once(
     ctx: &Ctx,
     res: &mut Results,
     group: &'static str,
     case: &str,
-    prefill: u64,
+    prefill: Prefill,
     opts: &WorldOptions,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Drained> {
     res.mark_load(case);
     let server_pid = opts.jetstream.as_ref().and_then(|j| j.server_pid);
     let scpu0 = server_pid.map(sys::cpu_seconds).transpose()?;
@@ -1140,8 +1228,16 @@ async fn drain_once(
     w.start_agent()?;
     let pid = w.agent_pid()?;
     let wb0 = sys::write_bytes(pid)?;
-    ctx.progress(format!("{case}: prefilling {} MiB with the ingest down", prefill / MIB));
-    let p = world::produce(&w.socket, &drain_prefill(prefill)).await?;
+    let p = match prefill {
+        Prefill::Repeated(bytes) => {
+            ctx.progress(format!("{case}: prefilling {} MiB with the ingest down", bytes / MIB));
+            world::produce(&w.socket, &drain_prefill(bytes)).await?
+        }
+        Prefill::Fresh(fresh, bytes) => {
+            ctx.progress(format!("{case}: prefilling {} MiB of {fresh:?} with the ingest down", bytes / MIB));
+            world::produce_fresh(&w.socket, 4, fresh, bytes).await?
+        }
+    };
     // Let the linger seal the last open batches.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let wb_prefill = sys::write_bytes(pid)? - wb0;
@@ -1192,8 +1288,15 @@ async fn drain_once(
         p.bytes as f64 / p.seconds / 1e6,
     );
     res.add(group, format!("{case}: prefill (intake only, ingest down)"), WEAR, 2, wb_prefill as f64 / p.bytes as f64);
+    if let Prefill::Fresh(..) = prefill {
+        res.add(group, case, RECS_S, 0, p.records as f64 / secs);
+    }
+    if opts.compression != "none" {
+        let wire = w.agent_scrape()?.sum("edge_uploader_upload_wire_bytes_total");
+        res.add(group, case, WIRE_PER_BYTE, 3, wire / p.bytes as f64);
+    }
     w.cleanup();
-    Ok(())
+    Ok(Drained { mb_s, agent_cpu_s_per_gib: cpu / gib, ingest_cpu_s_per_gib: icpu / gib })
 }
 
 /// Producers push flat out for `duration`; the figure is bytes accepted ÷ time until all of

@@ -127,6 +127,18 @@ enum Cmd {
         #[arg(long)]
         allow_stale: bool,
     },
+    /// Compression on loopback, where the cores are the limit: the drain of fresh sensor
+    /// readings and of random (incompressible) records, without compression and with zstd at
+    /// levels 1 and 3: records/s, CPU per GiB of records, bytes sent per record byte.
+    Compression {
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Record bytes per drain, in MiB.
+        #[arg(long, default_value_t = 512)]
+        mib: u64,
+        #[arg(long)]
+        allow_stale: bool,
+    },
     /// The ingest's sinks side by side: the same drain into the file store, into the machine's
     /// JetStream (127.0.0.1:4222) and into a bench-started one with `sync_interval: always`.
     Sink {
@@ -314,6 +326,15 @@ fn main() -> anyhow::Result<()> {
                 ctx.command.push_str(&format!(" --controllers {}", names.join(",")));
             }
             let results = rt.block_on(cases::uplink(&ctx, &paths, &controllers))?;
+            println!("{}", results.markdown(&ctx));
+            Ok(())
+        }
+        Cmd::Compression { reps, mib, allow_stale } => {
+            anyhow::ensure!(mib > 0, "--mib must be at least 1");
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
+            ctx.command = format!("cargo run --release -p edge-bench -- compression --reps {} --mib {mib}", ctx.reps);
+            let results = rt.block_on(cases::compression(&ctx, mib << 20))?;
             println!("{}", results.markdown(&ctx));
             Ok(())
         }

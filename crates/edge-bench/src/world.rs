@@ -605,15 +605,50 @@ pub async fn produce(socket: &Path, load: &Load) -> anyhow::Result<Produced> {
     })
 }
 
-/// Producers of sensor readings, one NDJSON request of `per_request` fresh readings after
-/// another until `bytes` record bytes are accepted: unlike [`produce`]'s bodies, sent again
-/// and again, these compress about as real telemetry does (`edge-bench uplink --readings`).
-pub async fn produce_readings(
-    socket: &Path,
-    producers: usize,
-    per_request: usize,
-    bytes: u64,
-) -> anyhow::Result<Produced> {
+/// Records made anew for every request, unlike [`produce`]'s bodies, which are sent again and
+/// again (so a chunk of them compresses far better than real records would).
+#[derive(Debug, Clone, Copy)]
+pub enum Fresh {
+    /// `per_request` sensor readings as one NDJSON request: they compress about as real
+    /// telemetry does.
+    Readings { per_request: usize },
+    /// One record of `len` random bytes per request (`application/octet-stream`): data that
+    /// does not compress, like images or files compressed already.
+    Random { len: usize },
+}
+
+impl Fresh {
+    /// The next request body and the records it holds.
+    fn next_body(&self, readings: &mut Readings) -> (Bytes, &'static str, usize) {
+        match *self {
+            Fresh::Readings { per_request } => {
+                let mut body = Vec::with_capacity(per_request * 140);
+                for _ in 0..per_request {
+                    readings.next_into(&mut body);
+                }
+                (Bytes::from(body), "application/x-ndjson", per_request)
+            }
+            Fresh::Random { len } => {
+                use rand::RngCore;
+                let mut body = vec![0u8; len];
+                readings.rng.fill_bytes(&mut body);
+                (Bytes::from(body), "application/octet-stream", 1)
+            }
+        }
+    }
+
+    /// Record bytes in a body of `records` records: NDJSON's newlines are not record bytes.
+    fn record_bytes(&self, body: usize, records: usize) -> usize {
+        match self {
+            Fresh::Readings { .. } => body - records,
+            Fresh::Random { .. } => body,
+        }
+    }
+}
+
+/// Producers of [`Fresh`] records, one request after another (producer `k` on stream
+/// `sensors-k`) until `bytes` record bytes are accepted.
+pub async fn produce_fresh(socket: &Path, producers: usize, fresh: Fresh, bytes: u64) -> anyhow::Result<Produced> {
     let start = Instant::now();
     let accepted = Arc::new(AtomicU64::new(0));
     let mut set = tokio::task::JoinSet::new();
@@ -626,13 +661,9 @@ pub async fn produce_readings(
             let (mut records, mut refused) = (0u64, 0u64);
             let stream = format!("sensors-{k}");
             while accepted.load(Ordering::Relaxed) < bytes {
-                let mut body = Vec::with_capacity(per_request * 140);
-                for _ in 0..per_request {
-                    device.next_into(&mut body);
-                }
-                let body = Bytes::from(body);
+                let (body, ctype, n) = fresh.next_body(&mut device);
                 loop {
-                    let (status, answer) = client.post(&stream, "application/x-ndjson", &body).await?;
+                    let (status, answer) = client.post(&stream, ctype, &body).await?;
                     match status {
                         200 => break,
                         503 | 507 => {
@@ -642,9 +673,8 @@ pub async fn produce_readings(
                         s => bail!("intake answered {s}: {}", String::from_utf8_lossy(&answer)),
                     }
                 }
-                records += per_request as u64;
-                // Record bytes, without the newlines that separate them.
-                accepted.fetch_add((body.len() - per_request) as u64, Ordering::Relaxed);
+                records += n as u64;
+                accepted.fetch_add(fresh.record_bytes(body.len(), n) as u64, Ordering::Relaxed);
             }
             anyhow::Ok((records, refused))
         });
