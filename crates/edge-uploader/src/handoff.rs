@@ -52,7 +52,7 @@ pub struct Payload {
 }
 
 impl Payload {
-    fn from_parts(parts: Vec<Bytes>) -> Self {
+    pub(crate) fn from_parts(parts: Vec<Bytes>) -> Self {
         let len = parts.iter().map(Bytes::len).sum();
         Payload { parts, len, crc32c: None }
     }

@@ -32,6 +32,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+use crate::compress::{Compressed, Compressor};
 use crate::config::Compression;
 use crate::handoff::{Next, Payload};
 use crate::spool_task::{ReaderHandle, SpoolHandle};
@@ -282,6 +283,10 @@ pub async fn run(
     // The limits of the last Welcome, to send the first chunks of the next connection before
     // its own.
     let learned: Mutex<Option<EarlyLimits>> = Mutex::new(None);
+    let compressor = match opts.compression {
+        Compression::Zstd(level) => Some(Arc::new(Compressor::per_core(level))),
+        Compression::None => None,
+    };
     while !cancel.is_cancelled() {
         counters.connect_attempts_total.fetch_add(1, Ordering::Relaxed);
         let times = AttemptTimes::start();
@@ -309,6 +314,7 @@ pub async fn run(
                     cancel: &cancel,
                     times: &times,
                     learned: &learned,
+                    compressor: compressor.as_ref(),
                 }
                 .run()
                 .await;
@@ -432,6 +438,8 @@ struct Connection<'a> {
     cancel: &'a CancellationToken,
     times: &'a Arc<AttemptTimes>,
     learned: &'a Mutex<Option<EarlyLimits>>,
+    /// `None`: chunks go out as stored (`spool.compression = "none"`).
+    compressor: Option<&'a Arc<Compressor>>,
 }
 
 enum SendOutcome {
@@ -516,7 +524,7 @@ impl<'a> Connection<'a> {
             state.clone(),
             meta,
             raw,
-            self.opts.compression,
+            self.compressor.cloned(),
             self.counters.clone(),
             self.times.clone(),
         ));
@@ -870,11 +878,11 @@ async fn send_chunk(
     state: Arc<Mutex<CtlState>>,
     meta: ChunkMeta,
     raw: Payload,
-    compression: Compression,
+    compressor: Option<Arc<Compressor>>,
     counters: Arc<UploadCounters>,
     times: Arc<AttemptTimes>,
 ) -> (ChunkMeta, SendOutcome) {
-    let outcome = send_chunk_inner(&conn, &state, &meta, raw, compression, &counters, &times).await;
+    let outcome = send_chunk_inner(&conn, &state, &meta, raw, compressor.as_ref(), &counters, &times).await;
     (meta, outcome)
 }
 
@@ -883,7 +891,7 @@ async fn send_chunk_inner(
     state: &Mutex<CtlState>,
     meta: &ChunkMeta,
     raw: Payload,
-    compression: Compression,
+    compressor: Option<&Arc<Compressor>>,
     counters: &UploadCounters,
     times: &AttemptTimes,
 ) -> SendOutcome {
@@ -896,15 +904,13 @@ async fn send_chunk_inner(
     };
     // Uncompressed, the payload's CRC-32C is the one the spool checked while reading it (or
     // one over the pieces handed over in memory), and its pieces go out as they are.
-    let compressed = match compression {
-        Compression::Zstd(level) => {
-            edge_proto::records::compress_payload(&raw.contiguous(), level).ok().filter(|c| c.len() < raw.len())
-        }
-        Compression::None => None,
+    let compressed = match compressor {
+        Some(c) => c.chunk(&meta.stream, &raw).await,
+        None => Compressed::Skipped,
     };
     let (codec, checksum, mut payload) = match compressed {
-        Some(c) => (Codec::Zstd, edge_proto::crc32c(&c), vec![Bytes::from(c)]),
-        None => (Codec::None, raw.crc32c(), raw.parts),
+        Compressed::Smaller(c) => (Codec::Zstd, edge_proto::crc32c(&c), vec![Bytes::from(c)]),
+        Compressed::NotSmaller | Compressed::Skipped => (Codec::None, raw.crc32c(), raw.parts),
     };
     let wire: usize = payload.iter().map(Bytes::len).sum();
     let header = ChunkHeader {
