@@ -117,7 +117,15 @@ fn counters_of_both_daemons_agree_with_what_was_sent_and_stored() -> anyhow::Res
     assert_eq!(get(&i, "edge_ingest_records_total")?, records_sent);
     let framed = bytes_sent + FRAMING * records_sent;
     assert_eq!(get(&a, "edge_uploader_upload_bytes_total{result=\"stored\"}")?, framed);
-    assert_eq!(get(&i, "edge_ingest_bytes_total")?, framed, "uncompressed: the wire carries the framed records");
+    // zstd is on by default: the server counts chunk bytes as they came off the wire, as the
+    // agent counts them when it writes them (a clean run: no chunk was sent twice).
+    let wire = get(&a, "edge_uploader_upload_wire_bytes_total")?;
+    assert_eq!(get(&i, "edge_ingest_bytes_total")?, wire, "agent and server count the same bytes on the wire");
+    assert!(
+        wire > 0 && wire < framed / 2,
+        "the default compression sent {wire} bytes for {framed} framed record bytes"
+    );
+    assert_eq!(status["upload"]["wire_bytes_total"], wire, "status and metrics count the same: {status}");
 
     // Nothing left behind.
     assert_eq!(get(&a, "edge_uploader_spool_bytes")?, 0);

@@ -90,7 +90,9 @@ pub struct WorldOptions {
     pub durability: &'static str,
     /// `spool.linger`: how long an open batch may wait for more records (group commits).
     pub linger: &'static str,
-    /// `spool.compression` and `spool.zstd_level`.
+    /// `spool.compression` and `spool.zstd_level`. Off unless a case says otherwise (the agent's
+    /// default is zstd): most cases send one request body again and again, which zstd would
+    /// shrink far more than real records, and their baselines move the bytes uncompressed.
     pub compression: &'static str,
     pub zstd_level: i32,
     /// Name of a sweep variant; empty for the default configuration.

@@ -98,7 +98,7 @@ impl Default for RawSpool {
             durability: "full".into(),
             chunk_target: ByteSize::kib(512),
             linger: Duration::from_millis(20),
-            compression: "none".into(),
+            compression: "zstd".into(),
             zstd_level: 3,
         }
     }

@@ -53,6 +53,8 @@ pub struct Summary {
     pub latency_p50_ms: Option<u32>,
     pub latency_p99_ms: Option<u32>,
     pub chunks_acked: u64,
+    /// Chunk bytes the agent sent to the ingest, after compression.
+    pub wire_bytes: u64,
     pub dir: String,
 }
 
@@ -243,6 +245,7 @@ pub async fn run(opts: DemoOptions) -> anyhow::Result<Summary> {
         (l.quantile(0.5), l.quantile(0.99))
     };
     let chunks_acked = agent.upload().chunks_acked();
+    let wire_bytes = agent.upload().wire_bytes_total.load(Ordering::Relaxed);
     agent.shutdown().await;
     server.shutdown().await;
     drop(store);
@@ -265,6 +268,7 @@ pub async fn run(opts: DemoOptions) -> anyhow::Result<Summary> {
         latency_p50_ms: p50,
         latency_p99_ms: p99,
         chunks_acked,
+        wire_bytes,
         dir: if _tmp.is_some() { String::new() } else { dir.display().to_string() },
     })
 }
@@ -373,7 +377,7 @@ fn verify(data_dir: &Path, acked: &HashMap<&'static str, Vec<u64>>) -> anyhow::R
 pub fn print_human(s: &Summary) {
     println!(
         "demo finished: {} records accepted, {} stored, {} duplicates, {} missing, {} corrupt\n\
-         {:.1} MB in {:.1} s = {:.1} MB/s ({:.0} records/s), {} chunks; latency intake→ack p50 {} ms, p99 {} ms\n\
+         {:.1} MB in {:.1} s = {:.1} MB/s ({:.0} records/s), {} chunks, {:.1} MB on the wire; latency intake→ack p50 {} ms, p99 {} ms\n\
          {}",
         s.records_sent,
         s.records_stored,
@@ -385,6 +389,7 @@ pub fn print_human(s: &Summary) {
         s.throughput_mb_s,
         s.records_per_s,
         s.chunks_acked,
+        s.wire_bytes as f64 / 1e6,
         s.latency_p50_ms.map_or("-".into(), |v| v.to_string()),
         s.latency_p99_ms.map_or("-".into(), |v| v.to_string()),
         if s.dir.is_empty() {
