@@ -3,13 +3,15 @@
 //! The spool keeps chunks as the producers sent them, and each is compressed when it is sent:
 //!
 //! * **Off the runtime's workers.** zstd goes over every byte of a chunk, so compressing one
-//!   takes far longer than a runtime task should run without yielding (milliseconds for a chunk
-//!   of the default size on a small core), and would hold up whatever else the worker runs:
-//!   intake requests, acks, the connection's driver. Chunks are compressed on the blocking pool, at most one per core at a
-//!   time ([`Compressor::new`]), so the zstd contexts alive at once, and their memory, stay
-//!   bounded whatever the number of chunks in flight.
-//! * **Contexts kept.** A zstd context's tables are larger than many chunks; at most one per
-//!   permit is kept and reused rather than made, filled and freed for every chunk.
+//!   takes far longer than a runtime task should run without yielding, and would hold up
+//!   whatever else the worker runs: intake requests, acks, the connection's driver. Chunks are
+//!   compressed on the blocking pool, at most one per core at a time ([`Compressor::new`]; the
+//!   permit goes with the work, so a send task dropped mid-compression does not free it early),
+//!   so the zstd contexts alive at once, and their memory, stay bounded whatever the number of
+//!   chunks in flight.
+//! * **Contexts kept.** A zstd context holds match-finding tables sized for its level; one is
+//!   kept per permit and reused rather than allocated and freed for every chunk (which cost the
+//!   agent most at level 1, the fastest: BENCHMARKS.md, "Compression on loopback").
 //! * **Streams that do not compress are not asked every time.** Images, or files compressed
 //!   already, leave zstd nothing to save but still cost it a pass over every byte. After a chunk
 //!   of a stream saved less than [`MIN_SAVING`] of its size, that stream's next 1, then 2, 4 ...
@@ -52,7 +54,7 @@ pub enum Compressed {
 #[derive(Debug)]
 pub struct Compressor {
     level: i32,
-    permits: Semaphore,
+    permits: Arc<Semaphore>,
     contexts: Mutex<Vec<Context>>,
     streams: Mutex<HashMap<String, Skip>>,
 }
@@ -78,7 +80,7 @@ impl Compressor {
     pub fn new(level: i32, parallel: usize) -> Self {
         Compressor {
             level,
-            permits: Semaphore::new(parallel.max(1)),
+            permits: Arc::new(Semaphore::new(parallel.max(1))),
             contexts: Mutex::new(Vec::new()),
             streams: Mutex::new(HashMap::new()),
         }
@@ -95,13 +97,16 @@ impl Compressor {
             return Compressed::Skipped;
         }
         // The semaphore is never closed.
-        let Ok(_permit) = self.permits.acquire().await else { return Compressed::NotSmaller };
+        let Ok(permit) = self.permits.clone().acquire_owned().await else { return Compressed::NotSmaller };
         let me = self.clone();
         let parts = raw.clone();
         let stream = stream.to_owned();
-        tokio::task::spawn_blocking(move || me.compress_now(&stream, &parts.contiguous()))
-            .await
-            .unwrap_or(Compressed::NotSmaller)
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            me.compress_now(&stream, &parts.contiguous())
+        })
+        .await
+        .unwrap_or(Compressed::NotSmaller)
     }
 
     /// Compresses `raw` on this thread and notes for `stream` whether it compressed.
@@ -217,6 +222,21 @@ mod tests {
         for _ in 0..5 {
             assert!(matches!(c.chunk("mixed", &readings(200)).await, Compressed::Smaller(_)));
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn at_most_one_context_per_permit_whatever_the_chunks_at_once() {
+        let c = Arc::new(Compressor::new(3, 2));
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..32 {
+            let c = c.clone();
+            tasks.spawn(async move { c.chunk(&format!("s{}", i % 4), &readings(3000)).await });
+        }
+        while let Some(r) = tasks.join_next().await {
+            assert!(matches!(r.expect("task"), Compressed::Smaller(_)));
+        }
+        let kept = lock(&c.contexts).len();
+        assert!((1..=2).contains(&kept), "{kept} contexts kept for 2 permits");
     }
 
     #[test]
