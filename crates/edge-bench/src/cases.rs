@@ -1194,8 +1194,6 @@ fn live_load(record: usize, per_request: usize, duration: Option<Duration>, byte
 /// Records a record-stream producer keeps sent and unacknowledged.
 const STREAM_WINDOW: usize = 256;
 
-/// Prefills the spool with the ingest down, starts the ingest, times from the agent's
-/// connection until the spool is empty and the ingest has stored everything.
 /// What a drain case puts in the spool, with the ingest down, before it times the drain.
 #[derive(Debug, Clone, Copy)]
 enum Prefill {
@@ -1213,6 +1211,8 @@ struct Drained {
     ingest_cpu_s_per_gib: f64,
 }
 
+/// Prefills the spool with the ingest down, starts the ingest, times from the agent's
+/// connection until the spool is empty and the ingest has stored everything.
 async fn drain_once(
     ctx: &Ctx,
     res: &mut Results,
