@@ -515,6 +515,11 @@ pub struct Load {
     /// frame, at most `w` records sent and not yet acknowledged per producer (`per_request` and
     /// `rate` are then unused).
     pub window: Option<usize>,
+    /// HTTP producers: each request's records are the next ones of a pool of at least 4 MiB
+    /// of distinct records ([`Bodies`]) instead of one body sent again and again, so a chunk
+    /// never holds the same record twice and zstd shrinks it only as far as such bytes go
+    /// (printable random bytes: to about 0.82, by entropy alone).
+    pub distinct: bool,
 }
 
 /// What the producers got acknowledged.
@@ -552,15 +557,16 @@ pub async fn produce(socket: &Path, load: &Load) -> anyhow::Result<Produced> {
     let bytes = Arc::new(AtomicU64::new(0));
     let refused = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
+    let bodies = Bodies::new(load);
     let start = Instant::now();
-    let body = request_body(load.record, load.per_request);
     let ctype = if load.per_request == 1 { "application/octet-stream" } else { "application/x-ndjson" };
     let req_bytes = (load.record * load.per_request) as u64;
     let mut set = tokio::task::JoinSet::new();
     for k in 0..load.producers {
         let socket = socket.to_path_buf();
         let (records, bytes, refused, stop) = (records.clone(), bytes.clone(), refused.clone(), stop.clone());
-        let body = body.clone();
+        let mut bodies = bodies.clone();
+        bodies.start_at(k, load.producers);
         let load = load.clone();
         let stream = format!("bench-{}", k % load.streams.max(1));
         set.spawn(async move {
@@ -577,9 +583,11 @@ pub async fn produce(socket: &Path, load: &Load) -> anyhow::Result<Produced> {
                     tokio::time::sleep_until(next.into()).await;
                     next += i;
                 }
+                let body = bodies.next();
                 let (status, answer) = client.post(&stream, ctype, &body).await?;
                 match status {
                     200 => {
+                        bodies.advance();
                         records.fetch_add(load.per_request as u64, Ordering::Relaxed);
                         let total = bytes.fetch_add(req_bytes, Ordering::Relaxed) + req_bytes;
                         if load.bytes.is_some_and(|b| total >= b) {
@@ -890,6 +898,66 @@ impl IntakeConn {
     }
 }
 
+/// The request bodies of one HTTP producer: one body again and again, or ([`Load::distinct`])
+/// successive slices of a shared pool of records, each producer starting at its own place.
+#[derive(Debug, Clone)]
+struct Bodies {
+    /// `per_request` records as one body, or the pool (records newline-separated).
+    pool: Bytes,
+    record: usize,
+    per_request: usize,
+    /// Records in the pool (1 body's worth when not distinct).
+    records: usize,
+    /// Index of the next request's first record.
+    at: usize,
+}
+
+impl Bodies {
+    const POOL_BYTES: usize = 4 << 20;
+
+    fn new(load: &Load) -> Self {
+        let per_request = load.per_request.max(1);
+        let records =
+            if load.distinct { (Self::POOL_BYTES / (load.record + 1)).max(4 * per_request) } else { per_request };
+        // Newline-separated whenever a body is cut from a pool, so NDJSON bodies keep them.
+        let pool = if load.distinct {
+            request_body(load.record, records.max(2))
+        } else {
+            request_body(load.record, per_request)
+        };
+        Bodies { pool, record: load.record, per_request, records, at: 0 }
+    }
+
+    /// Producer `k` of `n` starts its own share of the way into the pool.
+    fn start_at(&mut self, k: usize, n: usize) {
+        if self.records > self.per_request {
+            self.at = (self.records - self.per_request) * k / n.max(1);
+        }
+    }
+
+    /// The body of the next request (the same again until [`Bodies::advance`]).
+    fn next(&self) -> Bytes {
+        if self.records == self.per_request {
+            return self.pool.clone();
+        }
+        let stride = self.record + 1;
+        let from = self.at * stride;
+        // One record: its bytes without the newline (octet-stream); several: each line's.
+        let to = if self.per_request == 1 { from + self.record } else { from + self.per_request * stride };
+        self.pool.slice(from..to)
+    }
+
+    /// Moves on to the next records, wrapping at the end of the pool.
+    fn advance(&mut self) {
+        if self.records > self.per_request {
+            self.at += self.per_request;
+            if self.at + self.per_request > self.records {
+                self.at = 0;
+            }
+        }
+    }
+}
+
 /// A request body of `n` records of `len` bytes: printable, pseudo-random, newline-separated
 /// when `n > 1`. The producers of a case send one such body again and again, so with zstd on
 /// a chunk of them compresses far better than real records would (`sweep`'s zstd rows).
@@ -921,6 +989,44 @@ mod tests {
         let p99 = quantile(&before, &after, 0.99).expect("observations");
         assert!(p99 > 0.009 && p99 <= 0.01, "{p99}");
         assert!(quantile(&after, &after, 0.5).is_none());
+    }
+
+    #[test]
+    fn distinct_bodies_never_repeat_within_a_chunk_and_keep_their_framing() {
+        let load = |record, per_request| Load {
+            producers: 4,
+            streams: 1,
+            record,
+            per_request,
+            duration: None,
+            bytes: None,
+            rate: None,
+            window: None,
+            distinct: true,
+        };
+        for (record, per_request) in [(10 * 1024, 1), (100, 10), (100 * 1024, 1)] {
+            let mut b = Bodies::new(&load(record, per_request));
+            b.start_at(1, 4);
+            let mut seen = std::collections::HashSet::new();
+            // Well over a 512 KiB chunk's worth of requests.
+            for _ in 0..(1 << 20) / (record * per_request) {
+                let body = b.next();
+                if per_request == 1 {
+                    assert_eq!(body.len(), record);
+                    assert!(!body.contains(&b'\n'));
+                } else {
+                    assert_eq!(body.len(), per_request * (record + 1));
+                    assert_eq!(body.iter().filter(|&&c| c == b'\n').count(), per_request);
+                }
+                assert!(seen.insert(body), "a body repeated within 1 MiB");
+                b.advance();
+            }
+        }
+        // Not distinct: the one body, always.
+        let mut same = Bodies::new(&Load { distinct: false, ..load(10, 3) });
+        let first = same.next();
+        same.advance();
+        assert_eq!(same.next(), first);
     }
 
     #[test]
