@@ -352,7 +352,16 @@ fn goodput_and_ack_latency_under_loss_with_delay_and_reordering() -> anyhow::Res
     // Small in the quick tier: at 100 ms RTT with jitter-induced reordering QUIC moves only tens
     // of KB/s (see the report), and the quick test must stay short.
     let (records, max_record) = tier.pick((40, 4000), (300, 16 * 1024));
-    let net = Net::start("gw-net-loss", NetemConfig::symmetric(faults(levels[0])), 0x1055, "")?;
+    // Uncompressed, so that goodput counts record bytes and compares across runs (the server
+    // counts bytes as received); zstd under loss has a test of its own.
+    let net = Net::start_with(
+        "gw-net-loss",
+        NetemConfig::symmetric(faults(levels[0])),
+        0x1055,
+        "",
+        "",
+        "compression = \"none\"",
+    )?;
     let mut figures = Vec::new();
     let mut checks: Vec<(Workload, Vec<Vec<Sent>>)> = Vec::new();
     for (n, &loss) in levels.iter().enumerate() {
