@@ -134,7 +134,7 @@ enum Cmd {
         #[arg(long, default_value_t = 3)]
         reps: usize,
         /// Record bytes per drain, in MiB.
-        #[arg(long, default_value_t = 512)]
+        #[arg(long, default_value_t = 1024)]
         mib: u64,
         #[arg(long)]
         allow_stale: bool,

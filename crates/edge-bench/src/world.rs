@@ -657,7 +657,7 @@ impl Fresh {
 }
 
 /// Producers of [`Fresh`] records, one request after another (producer `k` on stream
-/// `sensors-k`) until `bytes` record bytes are accepted.
+/// `sensors-{k % 4}`) until `bytes` record bytes are accepted.
 pub async fn produce_fresh(socket: &Path, producers: usize, fresh: Fresh, bytes: u64) -> anyhow::Result<Produced> {
     let start = Instant::now();
     let accepted = Arc::new(AtomicU64::new(0));
@@ -669,7 +669,7 @@ pub async fn produce_fresh(socket: &Path, producers: usize, fresh: Fresh, bytes:
             let mut client = IntakeConn::new(&socket);
             let mut device = Readings::new(k);
             let (mut records, mut refused) = (0u64, 0u64);
-            let stream = format!("sensors-{k}");
+            let stream = format!("sensors-{}", k % 4);
             while accepted.load(Ordering::Relaxed) < bytes {
                 let (body, ctype, n) = fresh.next_body(&mut device);
                 loop {
