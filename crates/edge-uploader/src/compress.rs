@@ -10,8 +10,7 @@
 //!   so the zstd contexts alive at once, and their memory, stay bounded whatever the number of
 //!   chunks in flight.
 //! * **Contexts kept.** A zstd context holds match-finding tables sized for its level; one is
-//!   kept per permit and reused rather than allocated and freed for every chunk (which cost the
-//!   agent most at level 1, the fastest: BENCHMARKS.md, "Compression on loopback").
+//!   kept per permit and reused rather than allocated and freed for every chunk.
 //! * **Streams that do not compress are not asked every time.** Images, or files compressed
 //!   already, leave zstd nothing to save but still cost it a pass over every byte. After a chunk
 //!   of a stream saved less than [`MIN_SAVING`] of its size, that stream's next 1, then 2, 4 ...
