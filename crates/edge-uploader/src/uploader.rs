@@ -909,7 +909,12 @@ async fn send_chunk_inner(
         None => Compressed::Skipped,
     };
     let (codec, checksum, mut payload) = match compressed {
-        Compressed::Smaller(c) => (Codec::Zstd, edge_proto::crc32c(&c), vec![Bytes::from(c)]),
+        Compressed::Smaller(c) => {
+            // Not needed any more: a chunk sent again is read again (by id), and holding both
+            // would keep more than the in-flight byte budget in memory.
+            drop(raw);
+            (Codec::Zstd, edge_proto::crc32c(&c), vec![Bytes::from(c)])
+        }
         Compressed::NotSmaller | Compressed::Skipped => (Codec::None, raw.crc32c(), raw.parts),
     };
     let wire: usize = payload.iter().map(Bytes::len).sum();
