@@ -110,6 +110,12 @@ impl Net {
         Ok(sent)
     }
 
+    /// `edge-uploader status --json`, by the intake socket.
+    fn status(&self) -> anyhow::Result<serde_json::Value> {
+        let socket = self.world.intake_socket().to_string_lossy().into_owned();
+        Ok(crate::common::json_output("edge-uploader", &["status", "--json", "--socket", &socket])?.1)
+    }
+
     fn ingest_metric(&self, name: &str) -> anyhow::Result<f64> {
         Ok(World::scrape(self.world.ingest_metrics)?.get(name).copied().unwrap_or(0.0))
     }
@@ -297,11 +303,7 @@ fn the_bbr_congestion_controller_delivers_every_record_once_under_loss() -> anyh
     let w = Arc::new(Workload::new(0xBB2).with_streams(&["bbr.a", "bbr.b"]).with_sizes(200, 16 * 1024));
     let sent = net.produce(&w, records)?;
     net.drain(Duration::from_secs(tier.pick(120, 600)))?;
-    let socket = net.world.intake_socket().to_string_lossy().into_owned();
-    let out = std::process::Command::new(edge_testkit::bin("edge-uploader")?)
-        .args(["status", "--json", "--socket", &socket])
-        .output()?;
-    let status: serde_json::Value = serde_json::from_slice(&out.stdout).context("status --json")?;
+    let status = net.status()?;
     anyhow::ensure!(status["connection"]["congestion_controller"] == "bbr", "status: {status}");
     let lost = net.agent_metrics()?.get("edge_uploader_quic_lost_packets_total").copied().unwrap_or(0.0);
     let proxy = net.net.stats();
@@ -328,11 +330,7 @@ fn zstd_chunks_arrive_whole_and_once_under_loss() -> anyhow::Result<()> {
     let m = net.agent_metrics()?;
     let raw = m.get("edge_uploader_upload_bytes_total{result=\"stored\"}").copied().unwrap_or(0.0);
     let wire = m.get("edge_uploader_upload_wire_bytes_total").copied().unwrap_or(0.0);
-    let socket = net.world.intake_socket().to_string_lossy().into_owned();
-    let out = std::process::Command::new(edge_testkit::bin("edge-uploader")?)
-        .args(["status", "--json", "--socket", &socket])
-        .output()?;
-    let status: serde_json::Value = serde_json::from_slice(&out.stdout).context("status --json")?;
+    let status = net.status()?;
     anyhow::ensure!(status["upload"]["wire_bytes_total"].as_f64() == Some(wire), "status: {status}");
     let proxy = net.net.stats();
     let result = net.finish(&[(&w, &sent)])?;

@@ -919,12 +919,9 @@ impl Bodies {
         let per_request = load.per_request.max(1);
         let records =
             if load.distinct { (Self::POOL_BYTES / (load.record + 1)).max(4 * per_request) } else { per_request };
-        // Newline-separated whenever a body is cut from a pool, so NDJSON bodies keep them.
-        let pool = if load.distinct {
-            request_body(load.record, records.max(2))
-        } else {
-            request_body(load.record, per_request)
-        };
+        // A pool holds at least four records, so they are newline-separated and NDJSON bodies
+        // cut from it keep their newlines.
+        let pool = request_body(load.record, records);
         Bodies { pool, record: load.record, per_request, records, at: 0 }
     }
 
