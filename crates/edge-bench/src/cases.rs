@@ -964,7 +964,9 @@ const COMPRESSION: &str = "compression";
 /// random bytes that do not compress), without compression and with zstd at levels 1 and 3,
 /// in turn within each repetition; each drain's records/s, CPU per GiB of records and bytes
 /// sent per record byte, and its ratios to the uncompressed drain of the same repetition.
-pub async fn compression(ctx: &Ctx, bytes: u64) -> anyhow::Result<Results> {
+/// With `backlog` above zero, each kind is also drained from a spool of `backlog` bytes with
+/// zstd level 3 (the default), for the agent's peak RSS with a large backlog.
+pub async fn compression(ctx: &Ctx, bytes: u64, backlog: u64) -> anyhow::Result<Results> {
     let mut res = Results::default();
     let payloads = [
         ("sensor readings", Fresh::Readings { per_request: READINGS_PER_REQUEST }),
@@ -1006,6 +1008,12 @@ pub async fn compression(ctx: &Ctx, bytes: u64) -> anyhow::Result<Results> {
                     );
                 }
             }
+            if backlog > 0 {
+                let case = format!("drain of {payload}, compression zstd level 3, {} MiB backlog", backlog / MIB);
+                let opts = WorldOptions { compression: "zstd", zstd_level: 3, ..WorldOptions::default() };
+                let r = drain_once(ctx, &mut res, COMPRESSION, &case, Prefill::Fresh(fresh, backlog), &opts).await;
+                res.outcome(&case, rep, r);
+            }
         }
         let r = compression_latency(ctx, &mut res).await;
         res.failed("latency with and without zstd", rep, r);
@@ -1013,26 +1021,38 @@ pub async fn compression(ctx: &Ctx, bytes: u64) -> anyhow::Result<Results> {
     Ok(res)
 }
 
-/// One repetition of `compression`'s latency cases: the live maximum of 10 KiB records, one
-/// per request, all distinct, without compression; then intake → ack latency at half of it
-/// without compression and with zstd level 3 (the default).
+/// One repetition of `compression`'s live cases: the live maximum of 10 KiB records, one per
+/// request, all distinct, without compression and with zstd level 3 (the default), with the
+/// agent's peak RSS; then intake → ack latency at half the uncompressed maximum, without
+/// compression and with zstd levels 1 and 3.
 async fn compression_latency(ctx: &Ctx, res: &mut Results) -> anyhow::Result<()> {
-    let case = "live, 10 KiB distinct records, 1 per request, compression none";
-    res.mark_load(case);
-    let mut w = World::new(&ctx.bins, &ctx.work.join("live"), &WorldOptions::default())?;
-    w.start_ingest()?;
-    w.start_agent()?;
-    let t0 = Instant::now();
-    let load = Load { distinct: true, ..live_load(10 * KIB, 1, Some(Duration::from_secs(6)), None) };
-    let p = world::produce(&w.socket, &load).await?;
-    let t1 = w.wait_drained(p.records, Duration::from_secs(600))?;
-    let max = p.bytes as f64 / t1.duration_since(t0).as_secs_f64() / 1e6;
-    w.cleanup();
-    ctx.progress(format!("{case}: {max:.0} MB/s"));
-    res.add(COMPRESSION, case, MB_S, 0, max);
+    let mut max = None;
     for (setting, compression) in [("none", "none"), ("zstd level 3", "zstd")] {
-        let case = format!("latency at half the live maximum (10 KiB, distinct records), compression {setting}");
+        let case = format!("live, 10 KiB distinct records, 1 per request, compression {setting}");
+        res.mark_load(&case);
         let opts = WorldOptions { compression, ..WorldOptions::default() };
+        let mut w = World::new(&ctx.bins, &ctx.work.join("live"), &opts)?;
+        w.start_ingest()?;
+        w.start_agent()?;
+        let pid = w.agent_pid()?;
+        let t0 = Instant::now();
+        let load = Load { distinct: true, ..live_load(10 * KIB, 1, Some(Duration::from_secs(6)), None) };
+        let p = world::produce(&w.socket, &load).await?;
+        let t1 = w.wait_drained(p.records, Duration::from_secs(600))?;
+        let mb_s = p.bytes as f64 / t1.duration_since(t0).as_secs_f64() / 1e6;
+        let rss = sys::peak_rss_bytes(pid)? as f64 / MIB as f64;
+        w.cleanup();
+        ctx.progress(format!("{case}: {mb_s:.0} MB/s, agent peak RSS {rss:.1} MiB"));
+        res.add(COMPRESSION, &case, MB_S, 0, mb_s);
+        res.add(COMPRESSION, &case, RSS, 1, rss);
+        max.get_or_insert(mb_s);
+    }
+    let max = max.unwrap_or_default();
+    for (setting, compression, zstd_level) in
+        [("none", "none", 3), ("zstd level 1", "zstd", 1), ("zstd level 3", "zstd", 3)]
+    {
+        let case = format!("latency at half the live maximum (10 KiB, distinct records), compression {setting}");
+        let opts = WorldOptions { compression, zstd_level, ..WorldOptions::default() };
         latency_once(ctx, res, COMPRESSION, &case, max * 0.5, Duration::from_secs(8), &opts, true).await?;
     }
     Ok(())

@@ -136,6 +136,10 @@ enum Cmd {
         /// Record bytes per drain, in MiB.
         #[arg(long, default_value_t = 1024)]
         mib: u64,
+        /// Record bytes of the large-backlog drains (zstd level 3 only, for the agent's peak
+        /// RSS), in MiB; 0 leaves them out.
+        #[arg(long, default_value_t = 4096)]
+        backlog_mib: u64,
         #[arg(long)]
         allow_stale: bool,
     },
@@ -329,12 +333,15 @@ fn main() -> anyhow::Result<()> {
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
-        Cmd::Compression { reps, mib, allow_stale } => {
+        Cmd::Compression { reps, mib, backlog_mib, allow_stale } => {
             anyhow::ensure!(mib > 0, "--mib must be at least 1");
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
-            ctx.command = format!("cargo run --release -p edge-bench -- compression --reps {} --mib {mib}", ctx.reps);
-            let results = rt.block_on(cases::compression(&ctx, mib << 20))?;
+            ctx.command = format!(
+                "cargo run --release -p edge-bench -- compression --reps {} --mib {mib} --backlog-mib {backlog_mib}",
+                ctx.reps
+            );
+            let results = rt.block_on(cases::compression(&ctx, mib << 20, backlog_mib << 20))?;
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
