@@ -140,6 +140,10 @@ enum Cmd {
         /// RSS), in MiB; 0 leaves them out.
         #[arg(long, default_value_t = 4096)]
         backlog_mib: u64,
+        /// Also measure latency with zstd level 3 at each of these `spool.linger` settings
+        /// (comma-separated, e.g. `5ms,10ms`); the default configuration's is 20 ms.
+        #[arg(long, value_delimiter = ',', value_parser = parse_linger)]
+        lingers: Vec<String>,
         #[arg(long)]
         allow_stale: bool,
     },
@@ -333,7 +337,7 @@ fn main() -> anyhow::Result<()> {
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
-        Cmd::Compression { reps, mib, backlog_mib, allow_stale } => {
+        Cmd::Compression { reps, mib, backlog_mib, lingers, allow_stale } => {
             anyhow::ensure!(mib > 0, "--mib must be at least 1");
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
@@ -341,7 +345,10 @@ fn main() -> anyhow::Result<()> {
                 "cargo run --release -p edge-bench -- compression --reps {} --mib {mib} --backlog-mib {backlog_mib}",
                 ctx.reps
             );
-            let results = rt.block_on(cases::compression(&ctx, mib << 20, backlog_mib << 20))?;
+            if !lingers.is_empty() {
+                ctx.command.push_str(&format!(" --lingers {}", lingers.join(",")));
+            }
+            let results = rt.block_on(cases::compression(&ctx, mib << 20, backlog_mib << 20, &lingers))?;
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
@@ -383,5 +390,14 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+/// A `spool.linger` value as the agent's configuration takes it (`5ms`, `1s`).
+fn parse_linger(s: &str) -> Result<String, String> {
+    match humantime::parse_duration(s) {
+        Ok(d) if !d.is_zero() => Ok(s.to_owned()),
+        Ok(_) => Err(format!("linger {s:?}: expected above zero")),
+        Err(e) => Err(format!("linger {s:?}: {e}")),
     }
 }

@@ -89,7 +89,7 @@ pub struct WorldOptions {
     pub max_in_flight_bytes: String,
     pub durability: &'static str,
     /// `spool.linger`: how long an open batch may wait for more records (group commits).
-    pub linger: &'static str,
+    pub linger: String,
     /// `spool.compression` and `spool.zstd_level`. Off unless a case says otherwise (the agent's
     /// default is zstd): most cases send one request body again and again, which zstd would
     /// shrink far more than real records, and their baselines move the bytes uncompressed.
@@ -129,7 +129,7 @@ impl Default for WorldOptions {
             max_in_flight: 32,
             max_in_flight_bytes: "4MiB".into(),
             durability: "full",
-            linger: "20ms",
+            linger: "20ms".into(),
             compression: "none",
             zstd_level: 3,
             label: String::new(),
