@@ -59,8 +59,14 @@ fn status_reports_not_running_degraded_and_healthy_with_its_exit_codes() -> anyh
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
-    let doc = wait_status(&world, "the pushed records in the spool", |_, d| d["spool"]["sealed_chunks"] == 1)?;
+    // No uploader can send them, so they are not sealed into a chunk yet (a producer this slow
+    // would otherwise make one chunk per `linger`).
+    let doc = wait_status(&world, "the pushed records in the spool", |_, d| d["spool"]["open_records"] == 3)?;
+    assert_eq!(doc["spool"]["sealed_chunks"], 0, "{doc}");
     assert_eq!(doc["spool"]["streams"][0]["name"], "temperature", "{doc}");
+    let text = uploader(&world, &["status"])?;
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("0 sealed chunks, 3 records not sealed yet"), "{text}");
 
     // With the server up, the backlog drains and the agent is healthy (exit 0).
     let mut ingest = world.start_ingest()?;

@@ -167,3 +167,54 @@ fn counters_of_both_daemons_agree_with_what_was_sent_and_stored() -> anyhow::Res
     assert!(ingest_exit.success(), "ingest exit after SIGTERM: {ingest_exit}");
     Ok(())
 }
+
+/// A slow producer during an outage: one record every 30 ms, slower than `linger` (20 ms),
+/// with the ingest down. The records wait in open batches rather than being sealed one chunk
+/// each by `linger`: once the ingest is up they go in one chunk (before, the outage's records
+/// went in one chunk per record, each compressed on its own). Nothing is lost or doubled.
+#[test]
+fn records_that_trickle_in_during_an_outage_go_up_in_one_chunk() -> anyhow::Result<()> {
+    const RECORDS: u64 = 25;
+    let world = World::new("gw-outage-01", "")?;
+    let mut agent = world.start_agent()?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let mut client = IntakeClient::new(world.intake_socket());
+    let held = rt.block_on(async {
+        for i in 0..RECORDS {
+            let mut body = record("trickle", i);
+            body.push(b'\n');
+            let r = client.post("trickle", "application/x-ndjson", Bytes::from(body)).await?;
+            anyhow::ensure!(r.status == 200, "intake answered {}: {}", r.status, r.body);
+            // The producer's pace (not a wait for an event): each record comes after the
+            // previous one's open batch has passed `linger`.
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        Ok(client.get_json("/v1/status").await?.body)
+    })?;
+    assert_eq!(held["spool"]["sealed_chunks"], 0, "nothing sealed while no uploader could send it: {held}");
+    assert_eq!(held["spool"]["open_records"], RECORDS, "every record kept in open batches: {held}");
+
+    let mut ingest = world.start_ingest()?;
+    rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let s = client.get_json("/v1/status").await?.body;
+            if s["spool"]["sealed_chunks"] == 0 && s["spool"]["open_bytes"] == 0 && s["upload"]["in_flight"] == 0 {
+                return Ok(());
+            }
+            anyhow::ensure!(Instant::now() < deadline, "agent did not drain: {s}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })?;
+    let a = World::scrape(world.agent_metrics).context("scraping the agent")?;
+    assert_eq!(a.get("edge_uploader_upload_chunks_total{result=\"stored\"}").copied(), Some(1.0), "one chunk");
+    let stored = world.export_raw("trickle")?;
+    let expected: Vec<Vec<u8>> = (0..RECORDS).map(|i| record("trickle", i)).collect();
+    assert_eq!(stored, expected, "every record stored once, in order");
+
+    let agent_exit = agent.terminate(Duration::from_secs(30))?;
+    let ingest_exit = ingest.terminate(Duration::from_secs(30))?;
+    assert!(agent_exit.success(), "agent exit after SIGTERM: {agent_exit}");
+    assert!(ingest_exit.success(), "ingest exit after SIGTERM: {ingest_exit}");
+    Ok(())
+}

@@ -416,6 +416,11 @@ impl Spool {
         self.state.streams.get(stream).map_or(0, |s| s.open_bytes)
     }
 
+    /// The bytes of every stream's open batches, from memory (no I/O).
+    pub fn total_open_bytes(&self) -> u64 {
+        self.state.open_bytes()
+    }
+
     /// Counters, from memory (no I/O). True to disk after every call.
     pub fn stats(&self) -> SpoolStats {
         self.state.stats()

@@ -331,6 +331,13 @@ impl Handoff {
         crate::lock(&self.state).following
     }
 
+    /// Whether a chunk sealed now would be the uploader's next: it follows the seals and has
+    /// taken every chunk queued for it.
+    pub fn wants_seals(&self) -> bool {
+        let st = crate::lock(&self.state);
+        st.following && st.queue.is_empty()
+    }
+
     /// Bytes of sealed chunks waiting in the queue.
     pub fn queued_bytes(&self) -> usize {
         crate::lock(&self.state).queued_bytes

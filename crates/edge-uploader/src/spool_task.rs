@@ -272,6 +272,18 @@ fn now_ms() -> u64 {
     .unwrap_or(u64::MAX)
 }
 
+/// Whether open batches are sealed by size only, not by `linger`: while a chunk sealed now
+/// would not be sent soon (the uploader is disconnected, reads a backlog from the spool, or has
+/// chunks queued that it has not taken), sealing a slow stream every `linger` would only cut its
+/// records into many small chunks that wait all the same, each compressed on its own and sent
+/// as a stream of its own: hours of an outage would become hundreds of thousands of chunks of a
+/// few hundred bytes. The open batches are as durable as sealed chunks, and are sealed by
+/// `linger` again as soon as the uploader takes seals. Not while they hold an eighth of
+/// `spool.max_bytes` or more: only sealed chunks can be dropped to make room.
+fn held_back(spool: &Spool, handoff: &Handoff) -> bool {
+    !handoff.wants_seals() && spool.total_open_bytes() < spool.options().max_bytes / 8
+}
+
 /// What the spool thread shares with the handles.
 struct Shared {
     stats: Arc<Mutex<SpoolStats>>,
@@ -343,7 +355,13 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared) {
         let (reqs, replies): (Vec<_>, Vec<_>) = std::mem::take(&mut appends).into_iter().unzip();
         let ids = std::mem::take(&mut *crate::lock(&pending_acks));
         let early = uploader_idle.load(Ordering::Relaxed);
-        let seal = if seal_waiters.is_empty() && open && !early { SealWhat::Due } else { SealWhat::All };
+        let seal = if !seal_waiters.is_empty() || !open || early {
+            SealWhat::All
+        } else if held_back(&spool, &handoff) {
+            SealWhat::Nothing
+        } else {
+            SealWhat::Due
+        };
         // Batches are kept only for an uploader that follows the seals: one that is behind or
         // disconnected reads the spool anyway (and a stream is tracked again from its next
         // seal on, once it follows).
@@ -520,6 +538,70 @@ mod tests {
         // The uploader has work now: until it says it is idle again, records wait again.
         handle.append(request()).await.expect("append");
         assert_eq!((handle.stats().sealed_chunks, handle.stats().open_records), (1, 1));
+
+        drop(handle);
+        thread.join();
+    }
+
+    fn spawn_due_at_once(dir: &std::path::Path, max_bytes: u64) -> (SpoolHandle, SpoolThread) {
+        let mut opts = SpoolOptions::new(dir.join("spool.db"));
+        // Every open batch is due at every commit, unless held back.
+        opts.linger = Duration::ZERO;
+        opts.max_bytes = max_bytes;
+        let (spool, _) = Spool::open(opts).expect("open spool");
+        SpoolHandle::spawn(spool).expect("spawn spool thread")
+    }
+
+    fn counts(handle: &SpoolHandle) -> (u64, u64) {
+        (handle.stats().sealed_chunks, handle.stats().open_records)
+    }
+
+    #[tokio::test]
+    async fn open_batches_are_sealed_by_linger_only_while_the_uploader_takes_seals() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (handle, thread) = spawn_due_at_once(dir.path(), 1 << 30);
+
+        // No uploader follows the seals (disconnected): records stay in open batches, however
+        // old they are.
+        for _ in 0..3 {
+            handle.append(request()).await.expect("append");
+        }
+        assert_eq!(counts(&handle), (0, 3));
+
+        // An uploader that has sent everything sealed: the next commit seals what is due.
+        let handoff = handle.handoff();
+        assert!(handoff.follow(handoff.generation()));
+        handle.append(request()).await.expect("append");
+        assert_eq!(counts(&handle), (1, 0));
+
+        // That chunk waits in the queue, not taken yet: records wait for it.
+        handle.append(request()).await.expect("append");
+        assert_eq!(counts(&handle), (1, 1));
+
+        // Taken: sealed again.
+        assert!(matches!(handoff.next(), crate::handoff::Next::Chunk(..)));
+        handle.append(request()).await.expect("append");
+        assert_eq!(counts(&handle), (2, 0));
+
+        // The connection ends: held back again.
+        handoff.stop();
+        handle.append(request()).await.expect("append");
+        assert_eq!(counts(&handle), (2, 1));
+
+        drop(handle);
+        thread.join();
+    }
+
+    #[tokio::test]
+    async fn open_batches_holding_an_eighth_of_the_cap_are_sealed_by_linger_all_the_same() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // An eighth of the cap is one request's 5 bytes: only sealed chunks can be dropped to
+        // make room, so open batches that large are not held back.
+        let (handle, thread) = spawn_due_at_once(dir.path(), 40);
+        handle.append(request()).await.expect("append");
+        assert_eq!(counts(&handle), (0, 1));
+        handle.append(request()).await.expect("append");
+        assert_eq!(counts(&handle), (1, 0));
 
         drop(handle);
         thread.join();

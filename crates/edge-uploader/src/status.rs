@@ -143,8 +143,8 @@ pub fn render(status: &Value, reasons: &[String], now_ms: u64) -> String {
         humantime::format_duration(round(Duration::from_millis(now_ms.saturating_sub(o)))).to_string()
     });
     out.push_str(&format!(
-        "spool: {} sealed chunks, {} bytes total ({} on disk), oldest unacked {age}, dropped {} records, quarantined {} chunks\n",
-        sp["sealed_chunks"], sp["total_bytes"], opt(&sp["disk_bytes"]), sp["dropped_records"], sp["quarantined_chunks"],
+        "spool: {} sealed chunks, {} records not sealed yet, {} bytes total ({} on disk), oldest unacked {age}, dropped {} records, quarantined {} chunks\n",
+        sp["sealed_chunks"], opt(&sp["open_records"]), sp["total_bytes"], opt(&sp["disk_bytes"]), sp["dropped_records"], sp["quarantined_chunks"],
     ));
     out.push_str(&format!(
         "uploaded: {} chunks, {} records, {} bytes ({} sent on the wire); latency p50 {} ms, p99 {} ms\n",
