@@ -551,6 +551,9 @@ impl<'a> Connection<'a> {
         let mut tasks: JoinSet<(ChunkMeta, SendOutcome)> = JoinSet::new();
         let mut in_flight = InFlight::default();
         let mut cursor: Option<ChunkId> = None;
+        // While no connection could take chunks, the spool thread sealed by size only: the
+        // records that came meanwhile are sealed now, so they can go in this first flight.
+        self.spool.seal_all().await;
         if let Some(e) = early {
             // The first chunks in sealing order, right behind the Hello, within the last
             // Welcome's limits and `EARLY_BYTES`.

@@ -379,6 +379,47 @@ async fn chunks_sealed_while_the_uploader_keeps_up_are_sent_from_memory_as_the_s
     assert_eq!(agent.sealed_left(), 0, "every acked chunk left the spool");
 }
 
+/// Records that came while the agent was disconnected wait in open batches (no chunk is sealed
+/// by `linger` while none could be sent); the reconnection seals them and sends them right
+/// behind its Hello, before the server has answered it.
+#[tokio::test]
+async fn records_that_came_during_an_outage_go_behind_the_next_hello() {
+    let Rig { agent, _endpoint: endpoint, conn, counters, cancel, uploader } =
+        Rig::start(10 << 10, &Tuning::default()).await;
+    let (mut ctl, mut session) = welcome(&conn).await;
+    store_next_chunk(&conn, &mut ctl, &mut session).await;
+    // The ack reached the spool (the chunk is gone), then the connection ends.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while agent.spool.stats().sealed_chunks != 0 {
+        assert!(Instant::now() < deadline, "the ack never reached the spool");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    conn.close(0u32.into(), b"outage");
+    // The uploader noticed: it takes no seals now. (Its next attempt waits in the server's
+    // queue until accepted below.)
+    while counters.connected.load(Ordering::Acquire) {
+        assert!(Instant::now() < deadline, "the uploader never noticed the closed connection");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let req = AppendRequest { batches: vec![records(3, 100, 300, 7)] };
+    agent.spool.append(req).await.expect("append during the outage");
+    assert_eq!(agent.spool.stats().sealed_chunks, 0, "not sealed while no connection takes chunks");
+
+    let conn = bounded("a new connection", async { endpoint.accept().await.expect("endpoint open").await })
+        .await
+        .expect("handshake");
+    let early = next_chunk_header(&conn).await;
+    assert_eq!(
+        (early.stream.as_str(), early.seq, early.records),
+        (STREAM, 2, 3),
+        "the outage's records, before the Welcome"
+    );
+
+    cancel.cancel();
+    conn.close(0u32.into(), b"done");
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+}
+
 /// Reads the next chunk stream whole and returns its header.
 async fn next_chunk_header(conn: &quinn::Connection) -> ChunkHeader {
     let mut stream = bounded("a chunk stream", conn.accept_uni()).await.expect("chunk stream");
