@@ -25,6 +25,20 @@ fn record(stream: &str, i: u64) -> Vec<u8> {
     format!(r#"{{"stream":"{stream}","i":{i},"pad":"{pad}"}}"#).into_bytes()
 }
 
+/// Polls the agent's status until its spool is drained (nothing open, nothing sealed, nothing
+/// in flight), for up to two minutes; returns that status.
+async fn drained(client: &mut IntakeClient) -> anyhow::Result<serde_json::Value> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let s = client.get_json("/v1/status").await?.body;
+        if s["spool"]["sealed_chunks"] == 0 && s["spool"]["open_bytes"] == 0 && s["upload"]["in_flight"] == 0 {
+            return Ok(s);
+        }
+        anyhow::ensure!(Instant::now() < deadline, "agent did not drain: {s}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[test]
 fn counters_of_both_daemons_agree_with_what_was_sent_and_stored() -> anyhow::Result<()> {
     let world = World::new("gw-metrics-01", "")?;
@@ -66,16 +80,7 @@ fn counters_of_both_daemons_agree_with_what_was_sent_and_stored() -> anyhow::Res
             }
         }
 
-        // Drain: nothing open, nothing sealed, nothing in flight.
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let s = client.get_json("/v1/status").await?.body;
-            if s["spool"]["sealed_chunks"] == 0 && s["spool"]["open_bytes"] == 0 && s["upload"]["in_flight"] == 0 {
-                return Ok((sent, s));
-            }
-            anyhow::ensure!(Instant::now() < deadline, "agent did not drain: {s}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        Ok((sent, drained(&mut client).await?))
     })?;
 
     let a = World::scrape(world.agent_metrics).context("scraping the agent")?;
@@ -195,17 +200,7 @@ fn records_that_trickle_in_during_an_outage_go_up_in_one_chunk() -> anyhow::Resu
     assert_eq!(held["spool"]["open_records"], RECORDS, "every record kept in open batches: {held}");
 
     let mut ingest = world.start_ingest()?;
-    rt.block_on(async {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let s = client.get_json("/v1/status").await?.body;
-            if s["spool"]["sealed_chunks"] == 0 && s["spool"]["open_bytes"] == 0 && s["upload"]["in_flight"] == 0 {
-                return Ok(());
-            }
-            anyhow::ensure!(Instant::now() < deadline, "agent did not drain: {s}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })?;
+    rt.block_on(drained(&mut client))?;
     let a = World::scrape(world.agent_metrics).context("scraping the agent")?;
     assert_eq!(a.get("edge_uploader_upload_chunks_total{result=\"stored\"}").copied(), Some(1.0), "one chunk");
     let stored = world.export_raw("trickle")?;
