@@ -957,6 +957,97 @@ pub async fn uplink_readings(ctx: &Ctx, paths: &[crate::uplink::Uplink]) -> anyh
     Ok(res)
 }
 
+/// Devices of `edge-bench outage`, each on a stream of its own.
+const OUTAGE_DEVICES: usize = 4;
+/// Readings each device posts per request in `edge-bench outage`: one per sensor.
+const OUTAGE_READINGS: usize = 16;
+/// How often each device posts in `edge-bench outage`: every sensor read four times a second.
+const OUTAGE_EVERY: Duration = Duration::from_millis(250);
+
+/// `edge-bench outage`: a gateway whose uplink is down for `outage`, on each shaped path, in
+/// turn for each of `compressions` within each repetition. Four devices post their sensor
+/// readings at a sensor's pace (16 fresh readings each every 250 ms, about 33 KB/s in all)
+/// while the proxy drops everything; then the path opens, the devices stop, and the case
+/// times the agent from its connection until the ingest has every record and the spool is
+/// empty. Beside that time: the chunks it took, what went up the path per record byte (the
+/// bill on a metered link) and the agent's CPU for it. This is the load where how the spool
+/// seals a slow producer's records during an outage decides how many chunks, and how small,
+/// the backlog goes up in; the drain cases prefill at full speed and never show it.
+pub async fn outage(
+    ctx: &Ctx,
+    paths: &[crate::uplink::Uplink],
+    outage: Duration,
+    compressions: &[&'static str],
+) -> anyhow::Result<Results> {
+    let mut res = Results::default();
+    for link in paths {
+        res.mark_load(link.name);
+        for rep in 0..ctx.reps {
+            for &compression in compressions {
+                let case = format!("{}: {} s outage, compression {compression}", link.name, outage.as_secs());
+                let opts = WorldOptions { compression, ..WorldOptions::default() };
+                let r = outage_once(ctx, &mut res, link, &case, outage, &opts).await;
+                res.failed(&case, rep, r);
+            }
+        }
+    }
+    Ok(res)
+}
+
+/// One repetition of [`outage`] for one path and one configuration.
+async fn outage_once(
+    ctx: &Ctx,
+    res: &mut Results,
+    link: &crate::uplink::Uplink,
+    case: &str,
+    outage: Duration,
+    opts: &WorldOptions,
+) -> anyhow::Result<()> {
+    use edge_testkit::netem::Which;
+    let mut w = World::new(&ctx.bins, &ctx.work.join("outage"), opts)?;
+    w.start_ingest()?;
+    let upstream = std::net::SocketAddr::from(([127, 0, 0, 1], w.ingest_port));
+    let proxy = crate::uplink::Proxy::start(upstream, link.config()).await?;
+    proxy.handle().blackhole(Which::Both, true);
+    w.route_agent_via(proxy.addr())?;
+    w.start_agent()?;
+    let pid = w.agent_pid()?;
+    let p = world::produce_paced(&w.socket, OUTAGE_DEVICES, OUTAGE_READINGS, OUTAGE_EVERY, outage).await?;
+    anyhow::ensure!(w.agent_scrape()?.sum("edge_uploader_connected") == 0.0, "the agent connected during the outage");
+    let cpu0 = sys::cpu_seconds(pid)?;
+    let up0 = proxy.handle().stats().to_server.received_bytes;
+    proxy.handle().blackhole(Which::Both, false);
+    let opened = Instant::now();
+    let t0 = loop {
+        if w.agent_scrape()?.sum("edge_uploader_connected") >= 1.0 {
+            break Instant::now();
+        }
+        if opened.elapsed() > Duration::from_secs(30) {
+            anyhow::bail!("agent did not connect within 30 s of the path opening");
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    let t1 = w.wait_drained(p.records, Duration::from_secs(600))?;
+    let secs = t1.duration_since(t0).as_secs_f64();
+    let cpu = sys::cpu_seconds(pid)? - cpu0;
+    let chunks = w.agent_scrape()?.sum(r#"edge_uploader_upload_chunks_total{result="stored"}"#);
+    let up = (proxy.handle().stats().to_server.received_bytes - up0) as f64 / p.bytes as f64;
+    ctx.progress(format!(
+        "{case}: {} readings ({:.2} MB) in {chunks} chunks, stored {secs:.2} s after the connection; \
+         {up:.3} bytes sent up per record byte; agent {cpu:.3} CPU-s",
+        p.records,
+        p.bytes as f64 / 1e6,
+    ));
+    res.add(UPLINK, case, "s from the connection to every record stored", 2, secs);
+    res.add(UPLINK, case, "chunks", 0, chunks);
+    res.add(UPLINK, case, "records per chunk", 0, p.records as f64 / chunks.max(1.0));
+    res.add(UPLINK, case, "bytes sent up per record byte", 3, up);
+    res.add(UPLINK, case, "agent CPU-s from the path opening to every record stored", 3, cpu);
+    drop(proxy);
+    w.cleanup();
+    Ok(())
+}
+
 const COMPRESSION: &str = "compression";
 
 /// `edge-bench compression`: on loopback, where the two cores rather than a link are the

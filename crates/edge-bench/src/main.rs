@@ -127,6 +127,24 @@ enum Cmd {
         #[arg(long)]
         allow_stale: bool,
     },
+    /// An uplink outage on each shaped path: four devices post sensor readings at a sensor's
+    /// pace while the path is down, then the path opens; the chunks the backlog went up in,
+    /// what went up the path per record byte, the time to store it all and the agent's CPU.
+    Outage {
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Only the paths whose name contains one of these (comma-separated), e.g. `100 Mbit`.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+        /// How long the path is down while the devices post.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        outage: std::time::Duration,
+        /// `spool.compression` settings to measure in turn (comma-separated: `zstd`, `none`).
+        #[arg(long, value_delimiter = ',', default_value = "zstd", value_parser = ["zstd", "none"])]
+        compression: Vec<String>,
+        #[arg(long)]
+        allow_stale: bool,
+    },
     /// Compression on loopback, where the cores are the limit: the drain of fresh sensor
     /// readings and of random (incompressible) records, without compression and with zstd at
     /// levels 1 and 3: records/s, CPU per GiB of records, bytes sent per record byte.
@@ -305,16 +323,14 @@ fn main() -> anyhow::Result<()> {
             if !only.is_empty() {
                 ctx.command.push_str(&format!(" --only {:?}", only.join(",")));
             }
-            let paths: Vec<uplink::Uplink> = uplink::UPLINKS
+            let paths: Vec<uplink::Uplink> = uplink::matching(&only)?
                 .into_iter()
-                .filter(|u| only.is_empty() || only.iter().any(|o| u.name.contains(o.as_str())))
                 .map(|u| uplink::Uplink { mib: mib.unwrap_or(u.mib), ..u })
                 .collect();
             if let Some(m) = mib {
                 anyhow::ensure!(m > 0, "--mib must be at least 1");
                 ctx.command.push_str(&format!(" --mib {m}"));
             }
-            anyhow::ensure!(!paths.is_empty(), "no path matches --only {only:?}");
             if readings {
                 ctx.command.push_str(" --readings");
                 let results = rt.block_on(cases::uplink_readings(&ctx, &paths))?;
@@ -334,6 +350,26 @@ fn main() -> anyhow::Result<()> {
                 ctx.command.push_str(&format!(" --controllers {}", names.join(",")));
             }
             let results = rt.block_on(cases::uplink(&ctx, &paths, &controllers))?;
+            println!("{}", results.markdown(&ctx));
+            Ok(())
+        }
+        Cmd::Outage { reps, only, outage, compression, allow_stale } => {
+            anyhow::ensure!(!outage.is_zero(), "--outage must be above zero");
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
+            ctx.command = format!(
+                "cargo run --release -p edge-bench -- outage --reps {} --outage {} --compression {}",
+                ctx.reps,
+                humantime::format_duration(outage),
+                compression.join(",")
+            );
+            if !only.is_empty() {
+                ctx.command.push_str(&format!(" --only {:?}", only.join(",")));
+            }
+            let paths = uplink::matching(&only)?;
+            let compressions: Vec<&'static str> =
+                compression.iter().map(|c| if c == "none" { "none" } else { "zstd" }).collect();
+            let results = rt.block_on(cases::outage(&ctx, &paths, outage, &compressions))?;
             println!("{}", results.markdown(&ctx));
             Ok(())
         }

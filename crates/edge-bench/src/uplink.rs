@@ -52,6 +52,14 @@ pub const UPLINKS: [Uplink; 3] = [
     },
 ];
 
+/// The paths whose name contains one of `only` (all of them if it is empty).
+pub fn matching(only: &[String]) -> anyhow::Result<Vec<Uplink>> {
+    let paths: Vec<Uplink> =
+        UPLINKS.into_iter().filter(|u| only.is_empty() || only.iter().any(|o| u.name.contains(o.as_str()))).collect();
+    anyhow::ensure!(!paths.is_empty(), "no path matches --only {only:?}");
+    Ok(paths)
+}
+
 impl Uplink {
     /// The link's rate in MB/s (10^6 bytes), the ceiling of every figure on it.
     pub fn mb_s(&self) -> f64 {

@@ -672,17 +672,7 @@ pub async fn produce_fresh(socket: &Path, producers: usize, fresh: Fresh, bytes:
             let stream = format!("sensors-{}", k % 4);
             while accepted.load(Ordering::Relaxed) < bytes {
                 let (body, ctype, n) = fresh.next_body(&mut device);
-                loop {
-                    let (status, answer) = client.post(&stream, ctype, &body).await?;
-                    match status {
-                        200 => break,
-                        503 | 507 => {
-                            refused += 1;
-                            tokio::time::sleep(Duration::from_millis(5)).await;
-                        }
-                        s => bail!("intake answered {s}: {}", String::from_utf8_lossy(&answer)),
-                    }
-                }
+                refused += client.post_until_accepted(&stream, ctype, &body).await?;
                 records += n as u64;
                 accepted.fetch_add(fresh.record_bytes(body.len(), n) as u64, Ordering::Relaxed);
             }
@@ -696,6 +686,51 @@ pub async fn produce_fresh(socket: &Path, producers: usize, fresh: Fresh, bytes:
         refused += r;
     }
     Ok(Produced { records, bytes: accepted.load(Ordering::Relaxed), seconds: start.elapsed().as_secs_f64(), refused })
+}
+
+/// Devices that send at a sensor's pace instead of flat out: `devices` producers (producer `k`
+/// on stream `sensors-{k % 4}`), each posting `per_request` fresh readings every `every` until
+/// `duration` has passed. A request the intake refuses is sent again after 5 ms.
+pub async fn produce_paced(
+    socket: &Path,
+    devices: usize,
+    per_request: usize,
+    every: Duration,
+    duration: Duration,
+) -> anyhow::Result<Produced> {
+    let start = Instant::now();
+    let end = tokio::time::Instant::now() + duration;
+    let fresh = Fresh::Readings { per_request };
+    let mut set = tokio::task::JoinSet::new();
+    for k in 0..devices {
+        let socket = socket.to_path_buf();
+        set.spawn(async move {
+            let mut client = IntakeConn::new(&socket);
+            let mut device = Readings::new(k);
+            let stream = format!("sensors-{}", k % 4);
+            let (mut records, mut bytes, mut refused) = (0u64, 0u64, 0u64);
+            // Staggered over one interval, so the devices' requests do not arrive in waves.
+            let first = tokio::time::Instant::now() + every.mul_f64(k as f64 / devices as f64);
+            let mut tick = tokio::time::interval_at(first, every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            while tick.tick().await < end {
+                let (body, ctype, n) = fresh.next_body(&mut device);
+                refused += client.post_until_accepted(&stream, ctype, &body).await?;
+                records += n as u64;
+                bytes += fresh.record_bytes(body.len(), n) as u64;
+            }
+            anyhow::Ok((records, bytes, refused))
+        });
+    }
+    let mut got = Produced::default();
+    while let Some(r) = set.join_next().await {
+        let (records, bytes, refused) = r??;
+        got.records += records;
+        got.bytes += bytes;
+        got.refused += refused;
+    }
+    got.seconds = start.elapsed().as_secs_f64();
+    Ok(got)
 }
 
 /// One gateway's readings: 16 sensors of four kinds, each a random walk, read in turn every
@@ -834,6 +869,23 @@ struct IntakeConn {
 impl IntakeConn {
     fn new(path: &Path) -> Self {
         Self { path: path.to_path_buf(), conn: None, head: Vec::with_capacity(256) }
+    }
+
+    /// Posts `body` until the intake accepts it, 5 ms after each refusal (503 full, 507 disk
+    /// full); returns the refusals. Any other answer is an error.
+    async fn post_until_accepted(&mut self, stream: &str, ctype: &str, body: &Bytes) -> anyhow::Result<u64> {
+        let mut refused = 0;
+        loop {
+            let (status, answer) = self.post(stream, ctype, body).await?;
+            match status {
+                200 => return Ok(refused),
+                503 | 507 => {
+                    refused += 1;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                s => bail!("intake answered {s}: {}", String::from_utf8_lossy(&answer)),
+            }
+        }
     }
 
     async fn post(&mut self, stream: &str, ctype: &str, body: &Bytes) -> anyhow::Result<(u16, Vec<u8>)> {
