@@ -27,7 +27,10 @@ pub struct Ctx {
     pub work: PathBuf,
     pub reps: usize,
     pub started: Instant,
+    /// The command line the report names; subcommands set their own.
     pub command: String,
+    /// `--allow-stale`: the report adds it to `command`, whichever subcommand set it.
+    pub allow_stale: bool,
 }
 
 impl Ctx {
@@ -53,11 +56,7 @@ impl Ctx {
         } else {
             format!("cargo run --release -p edge-bench -- all --reps {reps}")
         };
-        let mut command = command;
-        if allow_stale {
-            command.push_str(" --allow-stale");
-        }
-        Ok(Ctx { bins, target, work, reps, started: Instant::now(), command })
+        Ok(Ctx { bins, target, work, reps, started: Instant::now(), command, allow_stale })
     }
 
     fn progress(&self, msg: impl AsRef<str>) {
@@ -183,8 +182,9 @@ impl Results {
         }
         let _ = writeln!(
             md,
-            "- **command:** `{}` ({} repetition(s) per case, {:.0} s in all)",
+            "- **command:** `{}{}` ({} repetition(s) per case, {:.0} s in all)",
             ctx.command,
+            if ctx.allow_stale { " --allow-stale" } else { "" },
             ctx.reps,
             ctx.started.elapsed().as_secs_f64()
         );
