@@ -142,6 +142,10 @@ enum Cmd {
         /// `spool.compression` settings to measure in turn (comma-separated: `zstd`, `none`).
         #[arg(long, value_delimiter = ',', default_value = "zstd", value_parser = ["zstd", "none"])]
         compression: Vec<String>,
+        /// The agent's default reconnect backoff (200 ms to 30 s) instead of the bench's 20 to
+        /// 100 ms: how late it connects after a long outage.
+        #[arg(long)]
+        default_backoff: bool,
         #[arg(long)]
         allow_stale: bool,
     },
@@ -353,7 +357,7 @@ fn main() -> anyhow::Result<()> {
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
-        Cmd::Outage { reps, only, outage, compression, allow_stale } => {
+        Cmd::Outage { reps, only, outage, compression, default_backoff, allow_stale } => {
             anyhow::ensure!(!outage.is_zero(), "--outage must be above zero");
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
@@ -366,10 +370,13 @@ fn main() -> anyhow::Result<()> {
             if !only.is_empty() {
                 ctx.command.push_str(&format!(" --only {:?}", only.join(",")));
             }
+            if default_backoff {
+                ctx.command.push_str(" --default-backoff");
+            }
             let paths = uplink::matching(&only)?;
             let compressions: Vec<&'static str> =
                 compression.iter().map(|c| if c == "none" { "none" } else { "zstd" }).collect();
-            let results = rt.block_on(cases::outage(&ctx, &paths, outage, &compressions))?;
+            let results = rt.block_on(cases::outage(&ctx, &paths, outage, &compressions, default_backoff))?;
             println!("{}", results.markdown(&ctx));
             Ok(())
         }

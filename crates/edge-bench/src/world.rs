@@ -101,6 +101,10 @@ pub struct WorldOptions {
     pub jetstream: Option<JetStreamTarget>,
     /// `upload.congestion_controller`.
     pub congestion_controller: edge_transport::CongestionController,
+    /// The agent's own reconnect backoff (`upload.backoff_min` and `backoff_max` left to their
+    /// defaults, 200 ms to 30 s) instead of the bench's 20 to 100 ms, which keeps the cases
+    /// that start the ingest after the agent from timing the backoff.
+    pub default_backoff: bool,
 }
 
 /// A JetStream stream for the ingest's JetStream sink (`edge-bench sink`).
@@ -135,6 +139,7 @@ impl Default for WorldOptions {
             label: String::new(),
             jetstream: None,
             congestion_controller: edge_transport::CongestionController::default(),
+            default_backoff: false,
         }
     }
 }
@@ -193,11 +198,12 @@ impl World {
                 js.stream.to_lowercase(),
             ),
         };
+        let backoff = if opts.default_backoff { "" } else { "backoff_min = \"20ms\"\nbackoff_max = \"100ms\"\n" };
         let agent_toml = format!(
             "[intake]\nsocket = {}\n\n[spool]\npath = {}\nmax_bytes = {}\ndurability = \"{}\"\nchunk_target = \"{}\"\n\
              linger = \"{}\"\ncompression = \"{}\"\nzstd_level = {}\n\n\
              [upload]\nserver = \"127.0.0.1:{port}\"\nserver_name = \"localhost\"\nca = {}\ncert = {}\nkey = {}\n\
-             max_in_flight = {}\nmax_in_flight_bytes = \"{}\"\nbackoff_min = \"20ms\"\nbackoff_max = \"100ms\"\n{}\n\
+             max_in_flight = {}\nmax_in_flight_bytes = \"{}\"\n{backoff}{}\n\
              [metrics]\nlisten = \"127.0.0.1:{agent_metrics}\"\n\n[log]\nlevel = \"warn\"\n",
             q(&socket),
             q(&dir.join("agent/spool.db")),
