@@ -362,9 +362,9 @@ fn main() -> anyhow::Result<()> {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
             ctx.command = format!(
-                "cargo run --release -p edge-bench -- outage --reps {} --outage {} --compression {}",
+                "cargo run --release -p edge-bench -- outage --reps {} --outage {:?} --compression {}",
                 ctx.reps,
-                humantime::format_duration(outage),
+                humantime::format_duration(outage).to_string(),
                 compression.join(",")
             );
             if !only.is_empty() {
