@@ -1014,6 +1014,24 @@ async fn wait_connected(w: &World, since: Instant, limit: Duration) -> anyhow::R
     }
 }
 
+/// An ingest and an agent that reaches it through a proxy shaped as `link`, with the path
+/// closed (the proxy drops everything both ways) until the case opens it.
+async fn behind_a_closed_path(
+    ctx: &Ctx,
+    dir: &str,
+    link: &crate::uplink::Uplink,
+    opts: &WorldOptions,
+) -> anyhow::Result<(World, crate::uplink::Proxy)> {
+    let mut w = World::new(&ctx.bins, &ctx.work.join(dir), opts)?;
+    w.start_ingest()?;
+    let upstream = std::net::SocketAddr::from(([127, 0, 0, 1], w.ingest_port));
+    let proxy = crate::uplink::Proxy::start(upstream, link.config()).await?;
+    proxy.handle().blackhole(edge_testkit::netem::Which::Both, true);
+    w.route_agent_via(proxy.addr())?;
+    w.start_agent()?;
+    Ok((w, proxy))
+}
+
 /// One repetition of [`outage`] for one path and one configuration.
 async fn outage_once(
     ctx: &Ctx,
@@ -1024,13 +1042,7 @@ async fn outage_once(
     opts: &WorldOptions,
 ) -> anyhow::Result<()> {
     use edge_testkit::netem::Which;
-    let mut w = World::new(&ctx.bins, &ctx.work.join("outage"), opts)?;
-    w.start_ingest()?;
-    let upstream = std::net::SocketAddr::from(([127, 0, 0, 1], w.ingest_port));
-    let proxy = crate::uplink::Proxy::start(upstream, link.config()).await?;
-    proxy.handle().blackhole(Which::Both, true);
-    w.route_agent_via(proxy.addr())?;
-    w.start_agent()?;
+    let (mut w, proxy) = behind_a_closed_path(ctx, "outage", link, opts).await?;
     let pid = w.agent_pid()?;
     let p = world::produce_paced(&w.socket, OUTAGE_DEVICES, OUTAGE_READINGS, OUTAGE_EVERY, outage).await?;
     anyhow::ensure!(w.agent_scrape()?.sum("edge_uploader_connected") == 0.0, "the agent connected during the outage");
@@ -1197,13 +1209,7 @@ async fn uplink_drain(
     readings: bool,
 ) -> anyhow::Result<f64> {
     use edge_testkit::netem::Which;
-    let mut w = World::new(&ctx.bins, &ctx.work.join("uplink"), opts)?;
-    w.start_ingest()?;
-    let upstream = std::net::SocketAddr::from(([127, 0, 0, 1], w.ingest_port));
-    let proxy = crate::uplink::Proxy::start(upstream, link.config()).await?;
-    proxy.handle().blackhole(Which::Both, true);
-    w.route_agent_via(proxy.addr())?;
-    w.start_agent()?;
+    let (mut w, proxy) = behind_a_closed_path(ctx, "uplink", link, opts).await?;
     let pid = w.agent_pid()?;
     let p = if readings {
         world::produce_fresh(&w.socket, 4, Fresh::Readings { per_request: READINGS_PER_REQUEST }, link.mib << 20)
