@@ -9,6 +9,7 @@ mod crash_loop;
 mod crash_points;
 mod ingest_status;
 mod jetstream;
+mod link;
 mod metrics;
 mod network;
 mod notify;

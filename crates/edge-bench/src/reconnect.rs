@@ -193,6 +193,7 @@ impl Uploader {
             drain_grace: Duration::from_secs(5),
             tuning: tuning.clone(),
             early_chunks,
+            network: None,
         };
         let agent = Uploader {
             spool: spool.clone(),

@@ -134,6 +134,7 @@ impl Agent {
             limits: edge_proto::Limits::default(),
             drain_grace: Duration::from_secs(5),
             tuning: config.upload.tuning.clone(),
+            network: watch_network(config.upload.watch_network, &cancel_upload),
         };
         let uploader =
             tokio::spawn(crate::uploader::run(uopts, spool.clone(), reader, upload.clone(), cancel_upload.clone()));
@@ -186,7 +187,7 @@ impl Agent {
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 17] = [
+        let fixed: [(&'static str, bool); 18] = [
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
             (
@@ -214,6 +215,7 @@ impl Agent {
             ("spool.compression", a.upload.compression != b.upload.compression),
             ("upload.bind", a.upload.bind != b.upload.bind),
             ("upload.congestion_controller", a.upload.tuning != b.upload.tuning),
+            ("upload.watch_network", a.upload.watch_network != b.upload.watch_network),
             ("metrics.listen", a.metrics_listen != b.metrics_listen),
         ];
         fixed.into_iter().filter(|(_, changed)| *changed).map(|(k, _)| k).collect()
@@ -295,6 +297,21 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
 }
 
 /// Binds the intake socket, replacing a stale socket file but never another kind of file.
+/// The gateway's network watch for the uploader (`upload.watch_network`), or `None` when it is
+/// off or cannot be opened: then the backoff alone decides when to try again.
+fn watch_network(on: bool, cancel: &CancellationToken) -> Option<crate::netwatch::NetEvents> {
+    if !on {
+        return None;
+    }
+    match crate::netwatch::spawn(cancel.clone()) {
+        Ok(events) => Some(events),
+        Err(e) => {
+            warn!(error = %e, "cannot watch the gateway's links and routes (rtnetlink); reconnecting on the backoff alone");
+            None
+        }
+    }
+}
+
 fn bind_unix(path: &Path, mode: u32, key: &str) -> anyhow::Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

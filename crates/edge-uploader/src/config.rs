@@ -122,6 +122,7 @@ pub struct RawUpload {
     pub backoff_max: Duration,
     pub bind: String,
     pub congestion_controller: String,
+    pub watch_network: bool,
 }
 
 impl Default for RawUpload {
@@ -139,6 +140,7 @@ impl Default for RawUpload {
             backoff_max: Duration::from_secs(30),
             bind: "0.0.0.0:0".into(),
             congestion_controller: "cubic".into(),
+            watch_network: true,
         }
     }
 }
@@ -220,6 +222,8 @@ pub struct UploadConfig {
     pub bind: SocketAddr,
     pub compression: Compression,
     pub tuning: edge_transport::Tuning,
+    /// End a reconnect backoff early when a link comes up or a default route appears.
+    pub watch_network: bool,
 }
 
 /// The validated runtime configuration.
@@ -416,6 +420,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             bind,
             compression,
             tuning: edge_transport::Tuning { congestion_controller, ..edge_transport::Tuning::default() },
+            watch_network: raw.upload.watch_network,
         },
         metrics_listen,
         log_level: raw.log.level,

@@ -13,6 +13,7 @@ pub mod demo;
 pub mod handoff;
 pub mod intake;
 pub mod metrics;
+pub mod netwatch;
 pub mod record_stream;
 pub mod spool_check;
 pub mod spool_task;

@@ -72,6 +72,8 @@ pub const CONNECTED: &str = "edge_uploader_connected";
 pub const RECONNECTS_TOTAL: &str = "edge_uploader_reconnects_total";
 /// Connection attempts started, successful or not.
 pub const CONNECT_ATTEMPTS_TOTAL: &str = "edge_uploader_connect_attempts_total";
+/// Reconnect backoff waits ended early by the gateway's network (a link up, a default route).
+pub const NETWORK_WAKEUPS_TOTAL: &str = "edge_uploader_network_wakeups_total";
 /// Histogram: connection attempt started → session established (the server's Welcome).
 pub const CONNECT_SECONDS: &str = "edge_uploader_connect_seconds";
 /// Chunk payload bytes sent and waiting for their ack.
@@ -94,7 +96,7 @@ pub const UPLOAD_CHUNKS_FROM_MEMORY_TOTAL: &str = "edge_uploader_upload_chunks_f
 pub const UPLOAD_WIRE_BYTES_TOTAL: &str = "edge_uploader_upload_wire_bytes_total";
 
 /// Every metric name above.
-pub const ALL: [&str; 26] = [
+pub const ALL: [&str; 27] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
@@ -111,6 +113,7 @@ pub const ALL: [&str; 26] = [
     CONNECTED,
     RECONNECTS_TOTAL,
     CONNECT_ATTEMPTS_TOTAL,
+    NETWORK_WAKEUPS_TOTAL,
     CONNECT_SECONDS,
     BYTES_IN_FLIGHT,
     QUIC_RTT_SECONDS,
@@ -383,6 +386,12 @@ const LIVE_CONNECT_ATTEMPTS: Live = Live::counter(
     CONNECT_ATTEMPTS_TOTAL,
     "Connection attempts to the ingest server since start, successful or not (each bounded by upload.connect_timeout).",
 );
+const LIVE_NETWORK_WAKEUPS: Live = Live::counter(
+    NETWORK_WAKEUPS_TOTAL,
+    "Reconnect backoff waits ended early since start because a link came up or a default route appeared \
+           on the gateway (upload.watch_network): the agent tried again a moment later instead of at the end \
+           of the wait.",
+);
 const LIVE_BYTES_IN_FLIGHT: Live = Live::gauge(
     BYTES_IN_FLIGHT,
     "Chunk payload bytes sent to the server and waiting for their ack (held below upload.max_in_flight_bytes plus one chunk).",
@@ -408,7 +417,7 @@ const LIVE_WIRE_BYTES: Live = Live::counter(
            counted on every attempt, so a chunk sent again counts again. Against \
            edge_uploader_upload_bytes_total it shows what compression saves on the uplink.",
 );
-const LIVE_ALL: [&Live; 17] = [
+const LIVE_ALL: [&Live; 18] = [
     &LIVE_STREAM_BUFFER,
     &LIVE_SPOOL_BYTES,
     &LIVE_SPOOL_DISK_BYTES,
@@ -421,6 +430,7 @@ const LIVE_ALL: [&Live; 17] = [
     &LIVE_CONNECTED,
     &LIVE_RECONNECTS,
     &LIVE_CONNECT_ATTEMPTS,
+    &LIVE_NETWORK_WAKEUPS,
     &LIVE_BYTES_IN_FLIGHT,
     &LIVE_CORRUPT,
     &LIVE_QUARANTINED,
@@ -455,6 +465,7 @@ fn live_families(spool: &SpoolStatsView, intake: &IntakeCounters, u: &UploadCoun
         LIVE_CONNECTED.family(&[("", if u.connected.load(Relaxed) { 1.0 } else { 0.0 })]),
         LIVE_RECONNECTS.family(&[("", u.connects_total.load(Relaxed).saturating_sub(1) as f64)]),
         LIVE_CONNECT_ATTEMPTS.family(&[("", u.connect_attempts_total.load(Relaxed) as f64)]),
+        LIVE_NETWORK_WAKEUPS.family(&[("", u.network_wakeups_total.load(Relaxed) as f64)]),
         LIVE_BYTES_IN_FLIGHT.family(&[("", u.in_flight_bytes.load(Relaxed) as f64)]),
         LIVE_CORRUPT.family(&[("", u.spool_corrupt_chunks.load(Relaxed) as f64)]),
         LIVE_QUARANTINED.family(&[("", s.quarantined_chunks as f64)]),
@@ -600,6 +611,7 @@ mod tests {
         rig.upload.connected.store(true, Ordering::Relaxed);
         rig.upload.connects_total.store(3, Ordering::Relaxed);
         rig.upload.connect_attempts_total.store(7, Ordering::Relaxed);
+        rig.upload.network_wakeups_total.store(2, Ordering::Relaxed);
         rig.upload.in_flight_bytes.store(4096, Ordering::Relaxed);
         rig.intake.stream_buffer(0, 3 << 20);
         rig.intake.stream_buffer(1 << 20, 0);
@@ -620,6 +632,7 @@ mod tests {
         assert_eq!(rig.sample(CONNECTED), Some(1.0));
         assert_eq!(rig.sample(RECONNECTS_TOTAL), Some(2.0));
         assert_eq!(rig.sample(CONNECT_ATTEMPTS_TOTAL), Some(7.0));
+        assert_eq!(rig.sample(NETWORK_WAKEUPS_TOTAL), Some(2.0));
         assert_eq!(rig.sample(BYTES_IN_FLIGHT), Some(4096.0));
         assert_eq!(rig.sample(INTAKE_STREAM_BUFFER_BYTES), Some(f64::from(2 << 20)));
         assert_eq!(rig.intake.stream_buffer_peak_bytes.load(Ordering::Relaxed), 3 << 20);

@@ -35,6 +35,7 @@ use tracing::{debug, error, info, warn};
 use crate::compress::{Compressed, Compressor};
 use crate::config::Compression;
 use crate::handoff::{Next, Payload};
+use crate::netwatch::NetEvents;
 use crate::spool_task::{ReaderHandle, SpoolHandle};
 
 /// Chunk payload bytes at most sent before the Welcome, behind the Hello of a connection to a
@@ -42,6 +43,12 @@ use crate::spool_task::{ReaderHandle, SpoolHandle};
 /// window of a new connection (about 12 KB) lets little more go in the first round trip; the
 /// rest waits in quinn, and the Welcome opens the whole window a round trip later anyway.
 pub const EARLY_BYTES: u64 = 1 << 20;
+
+/// How long after a path event (a link up, a default route; see `netwatch`) the uploader tries
+/// again, drawn at random: the rest of a link's set-up (address, routes) usually lands within
+/// moments and its notifications come in bursts, and gateways whose links come back together
+/// (a cell's outage ending) should not all knock at once.
+pub const NETWORK_SETTLE: std::ops::RangeInclusive<Duration> = Duration::from_millis(100)..=Duration::from_secs(1);
 
 /// Everything the uploader needs, already validated.
 #[derive(Debug, Clone)]
@@ -71,6 +78,9 @@ pub struct UploaderOptions {
     /// Welcome's limits (see [`EARLY_BYTES`]). The daemon always does; off only to measure
     /// what it is worth (`edge-bench reconnect`).
     pub early_chunks: bool,
+    /// Links coming up and default routes appearing on the gateway (`upload.watch_network`):
+    /// each ends a backoff wait early. `None`: the backoff alone.
+    pub network: Option<NetEvents>,
 }
 
 /// Live upload state, read by `GET /v1/status`, the demo and (at scrape time) `/metrics`.
@@ -82,6 +92,8 @@ pub struct UploadCounters {
     pub connects_total: AtomicU64,
     /// Connection attempts started (each bounded by `connect_timeout`).
     pub connect_attempts_total: AtomicU64,
+    /// Backoff waits ended early because a link came up or a default route appeared.
+    pub network_wakeups_total: AtomicU64,
     /// The latest connection attempt and how far it got.
     pub attempt: Mutex<Option<Arc<AttemptTimes>>>,
     /// Chunks the server answered `Stored`.
@@ -271,7 +283,7 @@ fn now_ms() -> u64 {
 
 /// Runs until `cancel` fires, then drains chunks in flight for up to `drain_grace`.
 pub async fn run(
-    opts: UploaderOptions,
+    mut opts: UploaderOptions,
     spool: SpoolHandle,
     reader: ReaderHandle,
     counters: Arc<UploadCounters>,
@@ -287,7 +299,12 @@ pub async fn run(
         Compression::Zstd(level) => Some(Arc::new(Compressor::per_core(level))),
         Compression::None => None,
     };
+    let mut network = opts.network.take();
     while !cancel.is_cancelled() {
+        // Only what happens from now on can bring back a path this attempt did not have.
+        if let Some(n) = network.as_mut() {
+            n.mark_seen();
+        }
         counters.connect_attempts_total.fetch_add(1, Ordering::Relaxed);
         let times = AttemptTimes::start();
         *crate::lock(&counters.attempt) = Some(times.clone());
@@ -349,9 +366,24 @@ pub async fn run(
         }
         let delay = backoff.next_delay();
         debug!(?delay, "reconnecting after backoff");
-        tokio::select! {
+        let woken = tokio::select! {
             () = cancel.cancelled() => break,
-            () = tokio::time::sleep(delay) => {}
+            () = tokio::time::sleep(delay) => false,
+            () = network_changed(network.as_mut()) => true,
+        };
+        if woken {
+            // A link came up or a default route appeared since the attempt started: the path
+            // may be back. Wait a moment (see `NETWORK_SETTLE`), then try.
+            counters.network_wakeups_total.fetch_add(1, Ordering::Relaxed);
+            let settle = Duration::from_micros(
+                rand::rng()
+                    .random_range(NETWORK_SETTLE.start().as_micros() as u64..=NETWORK_SETTLE.end().as_micros() as u64),
+            );
+            info!(server = %opts.server, ?settle, "the gateway's network changed; reconnecting now rather than after the backoff");
+            tokio::select! {
+                () = cancel.cancelled() => break,
+                () = tokio::time::sleep(settle) => {}
+            }
         }
     }
     // Polite close: let the peer learn we are gone rather than time us out. Connections were
@@ -359,6 +391,14 @@ pub async fn run(
     endpoint.close(ErrorCode::NoError.to_u32().into(), b"agent stopping");
     let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
     Ok(())
+}
+
+/// Resolves at the next path event; never without a watch.
+async fn network_changed(network: Option<&mut NetEvents>) {
+    match network {
+        Some(n) => n.changed().await,
+        None => std::future::pending().await,
+    }
 }
 
 async fn connect(endpoint: &quinn::Endpoint, opts: &UploaderOptions) -> anyhow::Result<quinn::Connection> {

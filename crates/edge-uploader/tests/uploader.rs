@@ -79,6 +79,7 @@ impl AgentSide {
             tuning: Tuning::default(),
             connect_timeout: Duration::from_secs(5),
             early_chunks: true,
+            network: None,
         }
     }
 
@@ -296,6 +297,55 @@ async fn after_an_outage_the_agent_connects_within_two_fresh_attempts() {
     conn.close(0u32.into(), b"test over");
     bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
     assert_eq!(counters.connects_total.load(Ordering::Relaxed), 1);
+}
+
+#[tokio::test]
+async fn a_link_coming_up_ends_the_backoff_wait() {
+    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+    let agent = AgentSide::new(&pki, 1000);
+    let blackhole = tokio::net::UdpSocket::bind(localhost()).await.expect("bind blackhole");
+    let addr = blackhole.local_addr().expect("blackhole address");
+    let counters = Arc::new(UploadCounters::default());
+    let cancel = CancellationToken::new();
+    let (net, events) = edge_uploader::netwatch::NetEvents::manual();
+    let mut opts = agent.options(addr);
+    opts.connect_timeout = Duration::from_secs(1);
+    // Without the wake-up the second attempt would come 5 to 10 minutes after the first.
+    opts.backoff_min = Duration::from_secs(600);
+    opts.backoff_max = Duration::from_secs(600);
+    opts.network = Some(events);
+    let uploader = tokio::spawn(edge_uploader::uploader::run(
+        opts,
+        agent.spool.clone(),
+        agent.reader.clone(),
+        counters.clone(),
+        cancel.clone(),
+    ));
+    let mut buf = vec![0u8; 2048];
+    let first = bounded("the first attempt", async {
+        loop {
+            let (n, _from) = blackhole.recv_from(&mut buf).await.expect("receive");
+            if let Some(dcid) = initial_dcid(&buf[..n]) {
+                break dcid.to_vec();
+            }
+        }
+    })
+    .await;
+    // The link comes up while the first attempt still runs: the wait after it ends at once.
+    net.send_modify(|n| *n += 1);
+    bounded("a second attempt, right after the first one failed", async {
+        loop {
+            let (n, _from) = blackhole.recv_from(&mut buf).await.expect("receive");
+            if initial_dcid(&buf[..n]).is_some_and(|dcid| dcid != first) {
+                break;
+            }
+        }
+    })
+    .await;
+    assert_eq!(counters.network_wakeups_total.load(Ordering::Relaxed), 1);
+    assert_eq!(counters.connect_attempts_total.load(Ordering::Relaxed), 2);
+    cancel.cancel();
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
 }
 
 /// Takes the next chunk stream whole, checks its payload against its header's length and
