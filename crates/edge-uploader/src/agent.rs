@@ -296,7 +296,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     Ok(())
 }
 
-/// Binds the intake socket, replacing a stale socket file but never another kind of file.
 /// The gateway's network watch for the uploader (`upload.watch_network`), or `None` when it is
 /// off or cannot be opened: then the backoff alone decides when to try again.
 fn watch_network(on: bool, cancel: &CancellationToken) -> Option<crate::netwatch::NetEvents> {
@@ -312,6 +311,7 @@ fn watch_network(on: bool, cancel: &CancellationToken) -> Option<crate::netwatch
     }
 }
 
+/// Binds the intake socket, replacing a stale socket file but never another kind of file.
 fn bind_unix(path: &Path, mode: u32, key: &str) -> anyhow::Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

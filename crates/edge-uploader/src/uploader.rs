@@ -366,9 +366,10 @@ pub async fn run(
         }
         let delay = backoff.next_delay();
         debug!(?delay, "reconnecting after backoff");
+        let until = tokio::time::Instant::now() + delay;
         let woken = tokio::select! {
             () = cancel.cancelled() => break,
-            () = tokio::time::sleep(delay) => false,
+            () = tokio::time::sleep_until(until) => false,
             () = network_changed(network.as_mut()) => true,
         };
         if woken {
@@ -380,9 +381,11 @@ pub async fn run(
                     .random_range(NETWORK_SETTLE.start().as_micros() as u64..=NETWORK_SETTLE.end().as_micros() as u64),
             );
             info!(server = %opts.server, ?settle, "the gateway's network changed; reconnecting now rather than after the backoff");
+            // Never later than the backoff would have tried anyway.
+            let at = (tokio::time::Instant::now() + settle).min(until);
             tokio::select! {
                 () = cancel.cancelled() => break,
-                () = tokio::time::sleep(settle) => {}
+                () = tokio::time::sleep_until(at) => {}
             }
         }
     }
