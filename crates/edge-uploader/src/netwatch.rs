@@ -102,7 +102,7 @@ fn ne_u32(b: &[u8], at: usize) -> Option<u32> {
 }
 
 /// Path events in one datagram of rtnetlink messages. `links` holds whether each interface
-/// index was last seen running. A malformed message ends the datagram's reading.
+/// index was last seen running, for the interfaces that exist. A malformed message ends the datagram's reading.
 fn path_events(datagram: &[u8], links: &mut HashMap<u32, bool>) -> u64 {
     const RUNNING: u32 = (libc::IFF_UP | libc::IFF_RUNNING) as u32;
     let mut events = 0;
@@ -117,9 +117,15 @@ fn path_events(datagram: &[u8], links: &mut HashMap<u32, bool>) -> u64 {
             // struct ifinfomsg: family, pad, type (u16), index (i32), flags (u32), change (u32).
             libc::RTM_NEWLINK | libc::RTM_DELLINK => {
                 if let (Some(index), Some(flags)) = (ne_u32(body, 4), ne_u32(body, 8)) {
-                    let running = kind == libc::RTM_NEWLINK && flags & RUNNING == RUNNING;
-                    if links.insert(index, running) != Some(true) && running {
-                        events += 1;
+                    if kind == libc::RTM_DELLINK {
+                        // Forgotten, so interfaces that come and go (containers' veths) do not
+                        // grow the map.
+                        links.remove(&index);
+                    } else {
+                        let running = flags & RUNNING == RUNNING;
+                        if links.insert(index, running) != Some(true) && running {
+                            events += 1;
+                        }
                     }
                 }
             }
@@ -183,6 +189,7 @@ mod tests {
         assert_eq!(path_events(&link(libc::RTM_NEWLINK, 3, 0), &mut links), 0, "went down");
         assert_eq!(path_events(&link(libc::RTM_NEWLINK, 3, UP), &mut links), 1, "back");
         assert_eq!(path_events(&link(libc::RTM_DELLINK, 3, UP), &mut links), 0, "removed");
+        assert!(links.is_empty(), "a removed interface is forgotten");
         assert_eq!(path_events(&link(libc::RTM_NEWLINK, 3, UP), &mut links), 1, "a new interface");
         assert_eq!(path_events(&link(libc::RTM_NEWLINK, 4, UP), &mut links), 1, "first news of another one");
     }
