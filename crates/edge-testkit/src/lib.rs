@@ -8,6 +8,7 @@ use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -107,16 +108,40 @@ impl PkiFixture {
     }
 }
 
-/// A free UDP port on 127.0.0.1 (bound and released; fine for tests on one machine).
+/// A free UDP port on 127.0.0.1 for a daemon to bind (see [`free_port`]).
 pub fn free_udp_port() -> anyhow::Result<u16> {
-    let s = std::net::UdpSocket::bind("127.0.0.1:0")?;
-    Ok(s.local_addr()?.port())
+    free_port(|port| std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok())
 }
 
-/// A free TCP port on 127.0.0.1 (bound and released, as [`free_udp_port`]).
+/// A free TCP port on 127.0.0.1 for a daemon to bind (see [`free_port`]).
 pub fn free_tcp_port() -> anyhow::Result<u16> {
-    let s = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(s.local_addr()?.port())
+    free_port(|port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+}
+
+/// The first port `is_free` accepts, from 10000 up to the kernel's ephemeral range
+/// (`net.ipv4.ip_local_port_range`, 32768 to 60999 by default). A port the kernel handed out
+/// for a bind to port 0 could be handed out again, as the source port of any outgoing
+/// connection, before the daemon binds it: a test's own HTTP request took an agent's metrics
+/// port that way in a CI run. Ports below the range are never handed out; only another test
+/// choosing the same one could take it, and each process walks its own stretch of the range.
+fn free_port(is_free: impl Fn(u16) -> bool) -> anyhow::Result<u16> {
+    const FIRST: u32 = 10_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let end = ephemeral.clamp(FIRST + 1_000, 65_535);
+    let span = end - FIRST;
+    let start = std::process::id().wrapping_mul(7_919) % span;
+    for _ in 0..span {
+        let port = FIRST + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
+        let port = u16::try_from(port)?;
+        if is_free(port) {
+            return Ok(port);
+        }
+    }
+    bail!("no free port from {FIRST} to {end}")
 }
 
 /// A daemon running as a child process.
