@@ -5,7 +5,6 @@
 //! case are long-lived child processes measured while they run, and reading `/proc` needs no
 //! `unsafe`.
 
-use std::net::{TcpListener, UdpSocket};
 use std::path::Path;
 
 use anyhow::{Context, bail};
@@ -81,15 +80,9 @@ pub fn device_write_bytes(path: &Path) -> anyhow::Result<u64> {
     Ok(sectors * 512)
 }
 
-/// A UDP port that was free a moment ago on 127.0.0.1.
-pub fn free_udp_port() -> anyhow::Result<u16> {
-    Ok(UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-/// A TCP port that was free a moment ago on 127.0.0.1.
-pub fn free_tcp_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
+/// Free ports on 127.0.0.1 for the daemons and peers, below the kernel's ephemeral range (the
+/// test kit's, see there).
+pub use edge_testkit::{free_tcp_port, free_udp_port};
 
 /// Median and spread of repeated measurements.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
