@@ -33,6 +33,9 @@ fn localhost() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 0))
 }
 
+/// A running uploader's task.
+type Uploading = tokio::task::JoinHandle<anyhow::Result<()>>;
+
 /// The agent side: a spool with one sealed chunk, and the device's TLS client config.
 struct AgentSide {
     dir: tempfile::TempDir,
@@ -83,6 +86,20 @@ impl AgentSide {
         }
     }
 
+    /// Starts the uploader with `opts` against this side's spool.
+    fn spawn(&self, opts: UploaderOptions) -> (Arc<UploadCounters>, CancellationToken, Uploading) {
+        let counters = Arc::new(UploadCounters::default());
+        let cancel = CancellationToken::new();
+        let uploader = tokio::spawn(edge_uploader::uploader::run(
+            opts,
+            self.spool.clone(),
+            self.reader.clone(),
+            counters.clone(),
+            cancel.clone(),
+        ));
+        (counters, cancel, uploader)
+    }
+
     /// Stops the spool thread and lists the sealed chunks left in the file.
     fn sealed_left(self) -> usize {
         let AgentSide { dir, spool, reader, thread, .. } = self;
@@ -130,7 +147,7 @@ struct Rig {
     conn: quinn::Connection,
     counters: Arc<UploadCounters>,
     cancel: CancellationToken,
-    uploader: tokio::task::JoinHandle<anyhow::Result<()>>,
+    uploader: Uploading,
 }
 
 impl Rig {
@@ -140,15 +157,7 @@ impl Rig {
         let agent = AgentSide::new(&pki, chunk_bytes);
         let endpoint = server(&pki, tuning, localhost());
         let addr = endpoint.local_addr().expect("server address");
-        let counters = Arc::new(UploadCounters::default());
-        let cancel = CancellationToken::new();
-        let uploader = tokio::spawn(edge_uploader::uploader::run(
-            agent.options(addr),
-            agent.spool.clone(),
-            agent.reader.clone(),
-            counters.clone(),
-            cancel.clone(),
-        ));
+        let (counters, cancel, uploader) = agent.spawn(agent.options(addr));
         let conn = bounded("connection", async { endpoint.accept().await.expect("endpoint open").await })
             .await
             .expect("handshake");
@@ -229,6 +238,17 @@ async fn a_chunk_stopped_with_stop_answered_waits_for_its_ack_before_it_is_sent_
     rig.store_the_resent_chunk(&mut ctl, &mut session).await;
 }
 
+/// The destination connection id of the next QUIC v1 Initial packet that reaches `socket`.
+async fn next_initial(socket: &tokio::net::UdpSocket) -> Vec<u8> {
+    let mut buf = vec![0u8; 2048];
+    loop {
+        let (n, _from) = socket.recv_from(&mut buf).await.expect("receive");
+        if let Some(dcid) = initial_dcid(&buf[..n]) {
+            return dcid.to_vec();
+        }
+    }
+}
+
 /// The destination connection id of a QUIC v1 Initial packet, `None` for anything else.
 fn initial_dcid(datagram: &[u8]) -> Option<&[u8]> {
     let (&first, rest) = datagram.split_first()?;
@@ -247,28 +267,16 @@ async fn after_an_outage_the_agent_connects_within_two_fresh_attempts() {
     // The outage: the server's address answers nothing. The test reads what arrives there.
     let blackhole = tokio::net::UdpSocket::bind(localhost()).await.expect("bind blackhole");
     let addr = blackhole.local_addr().expect("blackhole address");
-    let counters = Arc::new(UploadCounters::default());
-    let cancel = CancellationToken::new();
     let mut opts = agent.options(addr);
     opts.connect_timeout = Duration::from_secs(1);
-    let uploader = tokio::spawn(edge_uploader::uploader::run(
-        opts,
-        agent.spool.clone(),
-        agent.reader.clone(),
-        counters.clone(),
-        cancel.clone(),
-    ));
+    let (counters, cancel, uploader) = agent.spawn(opts);
 
     // Each attempt is a new connection with its own destination connection id; an attempt
     // left to run would only retransmit its Initial (same id) with a growing interval.
     let mut attempts_seen: HashSet<Vec<u8>> = HashSet::new();
-    let mut buf = vec![0u8; 2048];
     bounded("three abandoned connection attempts", async {
         while attempts_seen.len() < 3 {
-            let (n, _from) = blackhole.recv_from(&mut buf).await.expect("receive");
-            if let Some(dcid) = initial_dcid(&buf[..n]) {
-                attempts_seen.insert(dcid.to_vec());
-            }
+            attempts_seen.insert(next_initial(&blackhole).await);
         }
     })
     .await;
@@ -305,8 +313,6 @@ async fn a_link_coming_up_ends_the_backoff_wait() {
     let agent = AgentSide::new(&pki, 1000);
     let blackhole = tokio::net::UdpSocket::bind(localhost()).await.expect("bind blackhole");
     let addr = blackhole.local_addr().expect("blackhole address");
-    let counters = Arc::new(UploadCounters::default());
-    let cancel = CancellationToken::new();
     let (net, events) = edge_uploader::netwatch::NetEvents::manual();
     let mut opts = agent.options(addr);
     opts.connect_timeout = Duration::from_secs(1);
@@ -314,32 +320,12 @@ async fn a_link_coming_up_ends_the_backoff_wait() {
     opts.backoff_min = Duration::from_secs(600);
     opts.backoff_max = Duration::from_secs(600);
     opts.network = Some(events);
-    let uploader = tokio::spawn(edge_uploader::uploader::run(
-        opts,
-        agent.spool.clone(),
-        agent.reader.clone(),
-        counters.clone(),
-        cancel.clone(),
-    ));
-    let mut buf = vec![0u8; 2048];
-    let first = bounded("the first attempt", async {
-        loop {
-            let (n, _from) = blackhole.recv_from(&mut buf).await.expect("receive");
-            if let Some(dcid) = initial_dcid(&buf[..n]) {
-                break dcid.to_vec();
-            }
-        }
-    })
-    .await;
+    let (counters, cancel, uploader) = agent.spawn(opts);
+    let first = bounded("the first attempt", next_initial(&blackhole)).await;
     // The link comes up while the first attempt still runs: the wait after it ends at once.
     net.send_modify(|n| *n += 1);
     bounded("a second attempt, right after the first one failed", async {
-        loop {
-            let (n, _from) = blackhole.recv_from(&mut buf).await.expect("receive");
-            if initial_dcid(&buf[..n]).is_some_and(|dcid| dcid != first) {
-                break;
-            }
-        }
+        while next_initial(&blackhole).await == first {}
     })
     .await;
     assert_eq!(counters.network_wakeups_total.load(Ordering::Relaxed), 1);
