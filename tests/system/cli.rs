@@ -6,18 +6,13 @@ use std::time::Duration;
 
 use edge_testkit::bin;
 
-use crate::common::{World, json_output, wait_json};
+use crate::common::{World, status_json, wait_json};
 
 fn uploader(world: &World, args: &[&str]) -> anyhow::Result<Output> {
     let cfg = world.agent_config.to_string_lossy().into_owned();
     let mut all = args.to_vec();
     all.extend(["--config", &cfg]);
     Ok(Command::new(bin("edge-uploader")?).args(&all).env("NO_COLOR", "1").output()?)
-}
-
-fn status_json(world: &World) -> anyhow::Result<(i32, serde_json::Value)> {
-    let cfg = world.agent_config.to_string_lossy().into_owned();
-    json_output("edge-uploader", &["status", "--json", "--config", &cfg])
 }
 
 fn wait_status(

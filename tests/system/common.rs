@@ -155,6 +155,12 @@ pub fn json_output(binary: &str, args: &[&str]) -> anyhow::Result<(i32, serde_js
     Ok((out.status.code().unwrap_or(-1), doc))
 }
 
+/// `edge-uploader status --json` for the world's agent, with its exit code.
+pub fn status_json(world: &World) -> anyhow::Result<(i32, serde_json::Value)> {
+    let cfg = world.agent_config.to_string_lossy().into_owned();
+    json_output("edge-uploader", &["status", "--json", "--config", &cfg])
+}
+
 /// Polls `probe` until `pred` holds, for up to a minute (the state lives in another process).
 pub fn wait_json(
     what: &str,

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use edge_testkit::{Daemon, bin, report};
 
-use crate::common::{READY_TIMEOUT, World, json_output, wait_json};
+use crate::common::{READY_TIMEOUT, World, status_json, wait_json};
 
 const INGEST_CONNECTIONS: &str = "edge_ingest_connections_total";
 
@@ -72,11 +72,6 @@ impl Drop for Link {
         // Deleting the namespace deletes its end of the pair, and with it ours.
         let _ = ip(&["netns", "del", &self.ns]);
     }
-}
-
-fn status(world: &World) -> anyhow::Result<(i32, serde_json::Value)> {
-    let cfg = world.agent_config.to_string_lossy().into_owned();
-    json_output("edge-uploader", &["status", "--json", "--config", &cfg])
 }
 
 fn push(world: &World, stream: &str, records: &[String]) -> anyhow::Result<()> {
@@ -147,7 +142,7 @@ fn link_outage(device: &str, backoff: (&str, &str), upload_extra: &str, outage: 
     push(&world, "link.before", &before)?;
     wait_json(
         "the records before the outage acked",
-        || status(&world),
+        || status_json(&world),
         |_, d| d["upload"]["records_acked_total"] == 20,
     )?;
 
@@ -155,12 +150,15 @@ fn link_outage(device: &str, backoff: (&str, &str), upload_extra: &str, outage: 
     let down = Instant::now();
     let during = readings("link.during", 200);
     push(&world, "link.during", &during)?;
-    let lost =
-        wait_json("the agent noticing the link is gone", || status(&world), |_, d| d["upload"]["connected"] == false)?;
+    let lost = wait_json(
+        "the agent noticing the link is gone",
+        || status_json(&world),
+        |_, d| d["upload"]["connected"] == false,
+    )?;
     let attempts_at_loss = lost["upload"]["connect_attempts_total"].as_u64().context("connect_attempts_total")?;
     // The outage itself, not a synchronisation: how long the gateway stays cut off.
     std::thread::sleep(outage.saturating_sub(down.elapsed()));
-    let (_, doc) = status(&world)?;
+    let (_, doc) = status_json(&world)?;
     let attempts_before_up = doc["upload"]["connect_attempts_total"].as_u64().context("connect_attempts_total")?;
     anyhow::ensure!(doc["upload"]["connected"] == false, "connected while the link was down: {doc}");
 
@@ -178,7 +176,7 @@ fn link_outage(device: &str, backoff: (&str, &str), upload_extra: &str, outage: 
     let reconnect = up.elapsed();
     let doc = wait_json(
         "every record acked and the spool empty",
-        || status(&world),
+        || status_json(&world),
         |_, d| d["upload"]["records_acked_total"] == 220 && d["spool"]["total_bytes"] == 0,
     )?;
     let wakeups = doc["upload"]["network_wakeups_total"].as_u64().context("network_wakeups_total")?;
