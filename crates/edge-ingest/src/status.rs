@@ -489,9 +489,8 @@ mod tests {
 
     #[tokio::test]
     async fn fetch_tells_not_running_from_a_status_and_from_something_else() {
-        let free = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let closed = free.local_addr().expect("addr");
-        drop(free);
+        // Below the kernel's ephemeral range: no outgoing connection can take it meanwhile.
+        let closed = SocketAddr::from(([127, 0, 0, 1], edge_testkit::free_tcp_port().expect("free port")));
         let f = tokio::task::spawn_blocking(move || fetch(closed, FETCH_TIMEOUT)).await.expect("join");
         assert!(matches!(f, Fetched::NotRunning(_)), "{f:?}");
 

@@ -43,6 +43,8 @@ pub struct Agent {
     max_in_flight: Arc<AtomicU32>,
     /// Shared with the uploader; changed by a configuration reload.
     max_in_flight_bytes: Arc<AtomicU64>,
+    /// Where `intake.stream_tcp` listens, once bound.
+    stream_tcp_addr: Option<std::net::SocketAddr>,
 }
 
 impl Agent {
@@ -104,9 +106,11 @@ impl Agent {
             let listener = bind_unix(path, config.intake.socket_mode, "intake.stream_socket")?;
             tasks.spawn(crate::record_stream::serve(listener, intake.clone(), cancel_intake.clone(), tasks.clone()));
         }
+        let mut stream_tcp_addr = None;
         if let Some(addr) = config.intake.stream_tcp {
             let listener =
                 TcpListener::bind(addr).await.with_context(|| format!("binding intake.stream_tcp {addr}"))?;
+            stream_tcp_addr = Some(listener.local_addr().context("intake.stream_tcp's bound address")?);
             let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
                 let _ = tcp.set_nodelay(true);
             });
@@ -152,7 +156,14 @@ impl Agent {
                 .collect(),
             max_in_flight,
             max_in_flight_bytes,
+            stream_tcp_addr,
         })
+    }
+
+    /// The address `intake.stream_tcp` is bound to (its port chosen by the kernel if the
+    /// configuration said 0); `None` without that listener.
+    pub fn stream_tcp_addr(&self) -> Option<std::net::SocketAddr> {
+        self.stream_tcp_addr
     }
 
     /// The spool's latest statistics.

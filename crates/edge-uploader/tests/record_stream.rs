@@ -247,16 +247,19 @@ async fn shutdown_answers_503_with_the_committed_count() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tcp_port_speaks_the_same_protocol() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("free port").local_addr().expect("addr").port();
-    let f = start(|raw| raw.intake.stream_tcp = Some(format!("127.0.0.1:{port}"))).await;
-    let io = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connects");
+    // Port 0: the agent binds and keeps whatever port the kernel gives it, so nothing can take it
+    // between a pick and the bind.
+    let f = start(|raw| raw.intake.stream_tcp = Some("127.0.0.1:0".into())).await;
+    let addr = f.agent.stream_tcp_addr().expect("stream_tcp bound");
+    assert_ne!(addr.port(), 0);
+    let io = tokio::net::TcpStream::connect(addr).await.expect("connects");
     let mut c = RecordStreamClient::new(io);
     for i in 0..10 {
         c.record(&name("t"), &record("t", i));
     }
     assert_eq!(c.finish().await.expect("answers"), Reply::Ack { committed: 10 });
     // A refusal reaches the producer over TCP too, though it keeps sending.
-    let io = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.expect("connects");
+    let io = tokio::net::TcpStream::connect(addr).await.expect("connects");
     let mut c = RecordStreamClient::new(io);
     c.raw(&[0x07, 0, 0, 0, 0]);
     c.raw(&vec![0u8; 256 << 10]);
