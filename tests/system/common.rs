@@ -161,6 +161,40 @@ pub fn status_json(world: &World) -> anyhow::Result<(i32, serde_json::Value)> {
     json_output("edge-uploader", &["status", "--json", "--config", &cfg])
 }
 
+/// Replaces `from`, which must occur exactly once, with `to` in the file at `path`.
+pub fn rewrite(path: &Path, from: &str, to: &str) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(path)?;
+    anyhow::ensure!(text.matches(from).count() == 1, "{from:?} not once in {}", path.display());
+    std::fs::write(path, text.replace(from, to))?;
+    Ok(())
+}
+
+/// Sets the world's agent's reconnect backoff (`upload.backoff_min` and `backoff_max`).
+pub fn set_backoff(world: &World, min: &str, max: &str) -> anyhow::Result<()> {
+    rewrite(
+        &world.agent_config,
+        "backoff_min = \"50ms\"\nbackoff_max = \"1s\"\n",
+        &format!("backoff_min = \"{min}\"\nbackoff_max = \"{max}\"\n"),
+    )
+}
+
+/// `edge-uploader push` of `records` (NDJSON lines) to `stream` through the world's agent.
+pub fn push(world: &World, stream: &str, records: &[String]) -> anyhow::Result<()> {
+    let input = world.path().join(format!("{stream}.ndjson"));
+    std::fs::write(&input, records.iter().map(|r| format!("{r}\n")).collect::<String>())?;
+    let cfg = world.agent_config.to_string_lossy().into_owned();
+    let out = std::process::Command::new(bin("edge-uploader")?)
+        .args(["push", "--stream", stream, &input.to_string_lossy(), "--config", &cfg])
+        .output()?;
+    anyhow::ensure!(out.status.success(), "push to {stream}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(())
+}
+
+/// `n` sensor readings of `stream`, each a JSON object.
+pub fn readings(stream: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{{\"stream\":\"{stream}\",\"i\":{i},\"celsius\":{}.5}}", 20 + i % 7)).collect()
+}
+
 /// Polls `probe` until `pred` holds, for up to a minute (the state lives in another process).
 pub fn wait_json(
     what: &str,

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use edge_testkit::{Daemon, bin, report};
 
-use crate::common::{READY_TIMEOUT, World, status_json, wait_json};
+use crate::common::{READY_TIMEOUT, World, push, readings, rewrite, set_backoff, status_json, wait_json};
 
 const INGEST_CONNECTIONS: &str = "edge_ingest_connections_total";
 
@@ -74,21 +74,6 @@ impl Drop for Link {
     }
 }
 
-fn push(world: &World, stream: &str, records: &[String]) -> anyhow::Result<()> {
-    let input = world.path().join(format!("{stream}.ndjson"));
-    std::fs::write(&input, records.iter().map(|r| format!("{r}\n")).collect::<String>())?;
-    let cfg = world.agent_config.to_string_lossy().into_owned();
-    let out = Command::new(bin("edge-uploader")?)
-        .args(["push", "--stream", stream, &input.to_string_lossy(), "--config", &cfg])
-        .output()?;
-    anyhow::ensure!(out.status.success(), "push to {stream}: {}", String::from_utf8_lossy(&out.stderr));
-    Ok(())
-}
-
-fn readings(stream: &str, n: usize) -> Vec<String> {
-    (0..n).map(|i| format!("{{\"stream\":\"{stream}\",\"i\":{i},\"celsius\":{}.5}}", 20 + i % 7)).collect()
-}
-
 /// What one outage showed.
 struct Outage {
     /// The link's return → the ingest's second connection.
@@ -108,12 +93,6 @@ fn link_outage(device: &str, backoff: (&str, &str), upload_extra: &str, outage: 
     let world = World::new(device, upload_extra)?;
     let link = Link::create()?;
     // Both daemons meet on the link instead of loopback.
-    let rewrite = |path: &Path, from: &str, to: &str| -> anyhow::Result<()> {
-        let text = std::fs::read_to_string(path)?;
-        anyhow::ensure!(text.matches(from).count() == 1, "{from:?} not once in {}", path.display());
-        std::fs::write(path, text.replace(from, to))?;
-        Ok(())
-    };
     rewrite(
         &world.ingest_config,
         "[server]\nlisten = \"127.0.0.1:",
@@ -121,11 +100,7 @@ fn link_outage(device: &str, backoff: (&str, &str), upload_extra: &str, outage: 
     )?;
     rewrite(&world.agent_config, "server = \"127.0.0.1:", &format!("server = \"{}:", link.host_ip))?;
     let (min, max) = backoff;
-    rewrite(
-        &world.agent_config,
-        "backoff_min = \"50ms\"\nbackoff_max = \"1s\"\n",
-        &format!("backoff_min = \"{min}\"\nbackoff_max = \"{max}\"\n"),
-    )?;
+    set_backoff(&world, min, max)?;
     let _ingest = world.start_ingest()?;
     let cfg = world.agent_config.to_string_lossy().into_owned();
     let agent_bin = bin("edge-uploader")?.to_string_lossy().into_owned();
@@ -200,8 +175,9 @@ fn link_outage(device: &str, backoff: (&str, &str), upload_extra: &str, outage: 
 #[test]
 fn a_link_coming_back_ends_the_agents_backoff_wait() -> anyhow::Result<()> {
     // A backoff of 30 s flat: after the connection is lost, the agent's next attempt is at
-    // least 15 s away unless something ends the wait.
-    let o = link_outage("gw-link-01", ("30s", "30s"), "connect_timeout = \"1s\"", Duration::ZERO)?;
+    // least 15 s away unless something ends the wait. No probes, so only the watch can.
+    let o =
+        link_outage("gw-link-01", ("30s", "30s"), "connect_timeout = \"1s\"\nprobe_interval = \"0s\"", Duration::ZERO)?;
     report("link_outage_wakes_the_agent", &o.figures)?;
     anyhow::ensure!(o.wakeups >= 1, "the link's return did not end a backoff wait: {}", o.figures);
     anyhow::ensure!(
@@ -216,8 +192,9 @@ fn a_link_coming_back_ends_the_agents_backoff_wait() -> anyhow::Result<()> {
 
 /// The default backoff (200 ms to 30 s) through a 90 s outage of the link, three times with
 /// the watch and three times without it (`watch_network = false`, the agent before it), in
-/// turn: how long after the link's return the agent connects. Figures in RELIABILITY.md and
-/// BENCHMARKS.md.
+/// turn: how long after the link's return the agent connects. Probes are off in both, so the
+/// watch alone is measured (`network::an_ingest_back_after_an_outage_answers_a_probe_and_the_agent_reconnects_at_once`
+/// has them). Figures in RELIABILITY.md and BENCHMARKS.md.
 #[test]
 #[ignore = "long tier"]
 fn a_90s_link_outage_with_the_default_backoff_with_and_without_the_watch() -> anyhow::Result<()> {
@@ -229,7 +206,8 @@ fn a_90s_link_outage_with_the_default_backoff_with_and_without_the_watch() -> an
     for rep in 0..3 {
         for watch in [true, false] {
             let device = format!("gw-link-{rep}{}", u8::from(watch));
-            let o = link_outage(&device, ("200ms", "30s"), &format!("watch_network = {watch}"), outage)?;
+            let extra = format!("watch_network = {watch}\nprobe_interval = \"0s\"");
+            let o = link_outage(&device, ("200ms", "30s"), &extra, outage)?;
             if watch {
                 anyhow::ensure!(o.wakeups >= 1, "the link's return did not end a backoff wait: {}", o.figures);
             } else {

@@ -676,6 +676,69 @@ fn lost_acks_make_the_agent_resend_and_the_ingest_deduplicate() -> anyhow::Resul
     Ok(())
 }
 
+/// The ingest killed and started again a while later, with the agent's backoff at 30 s flat:
+/// the agent's attempts get no answer, so its wait probes the server every second, and the
+/// restarted server's answer ends the wait long before the backoff would.
+#[test]
+fn an_ingest_back_after_an_outage_answers_a_probe_and_the_agent_reconnects_at_once() -> anyhow::Result<()> {
+    use crate::common::{push, readings, set_backoff, status_json, wait_json};
+    let world = World::new("gw-net-probe", "connect_timeout = \"1s\"\nprobe_interval = \"1s\"\nwatch_network = false")?;
+    set_backoff(&world, "30s", "30s")?;
+    let mut ingest = world.start_ingest()?;
+    let agent = world.start_agent()?;
+    let before = readings("probe.before", 20);
+    push(&world, "probe.before", &before)?;
+    wait_json("the first records acked", || status_json(&world), |_, d| d["upload"]["records_acked_total"] == 20)?;
+
+    ingest.kill9()?;
+    let during = readings("probe.during", 200);
+    push(&world, "probe.during", &during)?;
+    // The connection ends at the agent's idle timeout; the attempt after it gets no answer, and
+    // the 30 s wait that follows probes.
+    let probing = wait_json(
+        "the agent probing the server",
+        || status_json(&world),
+        |_, d| d["upload"]["connected"] == false && d["upload"]["probes_sent_total"].as_u64() >= Some(1),
+    )?;
+    let attempts = probing["upload"]["connect_attempts_total"].as_u64().context("connect_attempts_total")?;
+    ingest = world.start_ingest()?;
+    let back = Instant::now();
+    let doc = wait_json(
+        "the agent connected to the restarted ingest",
+        || status_json(&world),
+        |_, d| d["upload"]["connected"] == true,
+    )?;
+    let reconnect = back.elapsed();
+    let doc = wait_json(
+        "every record acked and the spool empty",
+        || status_json(&world),
+        |_, d| d["upload"]["records_acked_total"] == 220 && d["spool"]["total_bytes"] == 0,
+    )
+    .map_err(|e| e.context(format!("connected: {doc}")))?;
+    let wakeups = doc["upload"]["probe_wakeups_total"].as_u64().context("probe_wakeups_total")?;
+    let attempts_after = doc["upload"]["connect_attempts_total"].as_u64().context("connect_attempts_total")? - attempts;
+    let probes = doc["upload"]["probes_sent_total"].as_u64().context("probes_sent_total")?;
+    drop(agent);
+    drop(ingest);
+    for (stream, sent) in [("probe.before", &before), ("probe.during", &during)] {
+        let stored: Vec<String> =
+            world.export_raw(stream)?.into_iter().map(|r| String::from_utf8_lossy(&r).into_owned()).collect();
+        anyhow::ensure!(&stored == sent, "{stream}: {} stored of {} sent, or not in order", stored.len(), sent.len());
+    }
+    let figures = serde_json::json!({
+        "backoff": "30s flat", "probe_interval_seconds": 1, "ingest_ready_to_connected_seconds": reconnect.as_secs_f64(),
+        "probe_wakeups": wakeups, "probes_sent": probes, "attempts_after_the_restart": attempts_after,
+        "records": 220, "stored_exactly_once": true,
+    });
+    report("ingest_outage_probe", &figures)?;
+    anyhow::ensure!(wakeups == 1, "not one wait ended by a probe's answer: {figures}");
+    anyhow::ensure!(attempts_after == 1, "one attempt, the one the answer started: {figures}");
+    // The status is polled every 100 ms and the probe goes out every second: about a second
+    // and a half at most, against at least 15 s (less the ingest's start) for the backoff.
+    anyhow::ensure!(reconnect < Duration::from_secs(8), "connected {reconnect:?} after the ingest was back: {figures}");
+    Ok(())
+}
+
 #[test]
 fn a_restarted_ingest_resets_its_predecessors_connections_so_agents_reconnect_at_once() -> anyhow::Result<()> {
     use crate::crash_loop::{Producers, agent_status, chunks_acked, drain, runtime, wait_status};

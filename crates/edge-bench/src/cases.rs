@@ -979,16 +979,27 @@ pub async fn outage(
     outage: Duration,
     compressions: &[&'static str],
     default_backoff: bool,
+    probes: &[Option<String>],
 ) -> anyhow::Result<Results> {
     let mut res = Results::default();
     for link in paths {
         res.mark_load(link.name);
         for rep in 0..ctx.reps {
             for &compression in compressions {
-                let case = format!("{}: {} s outage, compression {compression}", link.name, outage.as_secs());
-                let opts = WorldOptions { compression, default_backoff, ..WorldOptions::default() };
-                let r = outage_once(ctx, &mut res, link, &case, outage, &opts).await;
-                res.failed(&case, rep, r);
+                for probe_interval in probes {
+                    let mut case = format!("{}: {} s outage, compression {compression}", link.name, outage.as_secs());
+                    if let Some(p) = probe_interval {
+                        case.push_str(&format!(", probe_interval {p}"));
+                    }
+                    let opts = WorldOptions {
+                        compression,
+                        default_backoff,
+                        probe_interval: probe_interval.clone(),
+                        ..WorldOptions::default()
+                    };
+                    let r = outage_once(ctx, &mut res, link, &case, outage, &opts).await;
+                    res.failed(&case, rep, r);
+                }
             }
         }
     }
@@ -1047,6 +1058,11 @@ async fn outage_once(
     let p = world::produce_paced(&w.socket, OUTAGE_DEVICES, OUTAGE_READINGS, OUTAGE_EVERY, outage).await?;
     anyhow::ensure!(w.agent_scrape()?.sum("edge_uploader_connected") == 0.0, "the agent connected during the outage");
     let up0 = proxy.handle().stats().to_server.received_bytes;
+    // What the agent sent while the path was down: its probes (`upload.probe_interval`) and
+    // its attempts (absent from daemons older than the metric: 0).
+    let down = w.agent_scrape()?;
+    let probes = down.sum("edge_uploader_probes_sent_total");
+    let attempts = down.sum("edge_uploader_connect_attempts_total");
     proxy.handle().blackhole(Which::Both, false);
     let opened = Instant::now();
     // The agent's own backoff can wait up to 30 s between attempts, then one attempt.
@@ -1066,6 +1082,8 @@ async fn outage_once(
         p.bytes as f64 / 1e6,
     ));
     res.add(UPLINK, case, "s from the path opening to the connection", 2, connected);
+    res.add(UPLINK, case, "probes sent while the path was down", 0, probes);
+    res.add(UPLINK, case, "connection attempts while the path was down", 0, attempts);
     res.add(UPLINK, case, "s from the connection to every record stored", 2, secs);
     res.add(UPLINK, case, "chunks", 0, chunks);
     res.add(UPLINK, case, "records per chunk", 0, p.records as f64 / chunks.max(1.0));

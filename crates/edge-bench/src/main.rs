@@ -146,6 +146,10 @@ enum Cmd {
         /// 100 ms: how late it connects after a long outage.
         #[arg(long)]
         default_backoff: bool,
+        /// `upload.probe_interval` settings to measure in turn (comma-separated, e.g. `5s,0s`;
+        /// `0s` is no probing); none given: the agent's default.
+        #[arg(long, value_delimiter = ',', value_parser = humantime::parse_duration)]
+        probe_interval: Vec<std::time::Duration>,
         #[arg(long)]
         allow_stale: bool,
     },
@@ -357,7 +361,7 @@ fn main() -> anyhow::Result<()> {
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
-        Cmd::Outage { reps, only, outage, compression, default_backoff, allow_stale } => {
+        Cmd::Outage { reps, only, outage, compression, default_backoff, probe_interval, allow_stale } => {
             anyhow::ensure!(!outage.is_zero(), "--outage must be above zero");
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
@@ -373,10 +377,19 @@ fn main() -> anyhow::Result<()> {
             if default_backoff {
                 ctx.command.push_str(" --default-backoff");
             }
+            let probes: Vec<Option<String>> = if probe_interval.is_empty() {
+                vec![None]
+            } else {
+                probe_interval.iter().map(|p| Some(humantime::format_duration(*p).to_string())).collect()
+            };
+            if !probe_interval.is_empty() {
+                let list: Vec<&str> = probes.iter().flatten().map(String::as_str).collect();
+                ctx.command.push_str(&format!(" --probe-interval {}", list.join(",")));
+            }
             let paths = uplink::matching(&only)?;
             let compressions: Vec<&'static str> =
                 compression.iter().map(|c| if c == "none" { "none" } else { "zstd" }).collect();
-            let results = rt.block_on(cases::outage(&ctx, &paths, outage, &compressions, default_backoff))?;
+            let results = rt.block_on(cases::outage(&ctx, &paths, outage, &compressions, default_backoff, &probes))?;
             println!("{}", results.markdown(&ctx));
             Ok(())
         }

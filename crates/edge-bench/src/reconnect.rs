@@ -194,6 +194,7 @@ impl Uploader {
             tuning: tuning.clone(),
             early_chunks,
             network: None,
+            probe_interval: None,
         };
         let agent = Uploader {
             spool: spool.clone(),

@@ -105,6 +105,9 @@ pub struct WorldOptions {
     /// defaults, 200 ms to 30 s) instead of the bench's 20 to 100 ms, which keeps the cases
     /// that start the ingest after the agent from timing the backoff.
     pub default_backoff: bool,
+    /// `upload.probe_interval` (e.g. `"5s"`, `"0s"` for none); `None` leaves the agent's
+    /// default and writes no key, so daemons from before the key still run.
+    pub probe_interval: Option<String>,
 }
 
 /// A JetStream stream for the ingest's JetStream sink (`edge-bench sink`).
@@ -140,6 +143,7 @@ impl Default for WorldOptions {
             jetstream: None,
             congestion_controller: edge_transport::CongestionController::default(),
             default_backoff: false,
+            probe_interval: None,
         }
     }
 }
@@ -198,7 +202,14 @@ impl World {
                 js.stream.to_lowercase(),
             ),
         };
-        let backoff = if opts.default_backoff { "" } else { "backoff_min = \"20ms\"\nbackoff_max = \"100ms\"\n" };
+        let mut backoff = if opts.default_backoff {
+            String::new()
+        } else {
+            "backoff_min = \"20ms\"\nbackoff_max = \"100ms\"\n".into()
+        };
+        if let Some(p) = &opts.probe_interval {
+            backoff.push_str(&format!("probe_interval = \"{p}\"\n"));
+        }
         let agent_toml = format!(
             "[intake]\nsocket = {}\n\n[spool]\npath = {}\nmax_bytes = {}\ndurability = \"{}\"\nchunk_target = \"{}\"\n\
              linger = \"{}\"\ncompression = \"{}\"\nzstd_level = {}\n\n\

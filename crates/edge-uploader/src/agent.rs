@@ -139,6 +139,7 @@ impl Agent {
             drain_grace: Duration::from_secs(5),
             tuning: config.upload.tuning.clone(),
             network: watch_network(config.upload.watch_network, &cancel_upload),
+            probe_interval: config.upload.probe_interval,
         };
         let uploader =
             tokio::spawn(crate::uploader::run(uopts, spool.clone(), reader, upload.clone(), cancel_upload.clone()));
@@ -198,7 +199,7 @@ impl Agent {
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 18] = [
+        let fixed: [(&'static str, bool); 19] = [
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
             (
@@ -227,6 +228,7 @@ impl Agent {
             ("upload.bind", a.upload.bind != b.upload.bind),
             ("upload.congestion_controller", a.upload.tuning != b.upload.tuning),
             ("upload.watch_network", a.upload.watch_network != b.upload.watch_network),
+            ("upload.probe_interval", a.upload.probe_interval != b.upload.probe_interval),
             ("metrics.listen", a.metrics_listen != b.metrics_listen),
         ];
         fixed.into_iter().filter(|(_, changed)| *changed).map(|(k, _)| k).collect()

@@ -19,6 +19,9 @@ pub const DEFAULT_CONFIG_PATH: &str = "/etc/edge-uploader/edge-uploader.toml";
 /// Environment prefix for overrides.
 pub const ENV_PREFIX: &str = "EDGE_UPLOADER";
 
+/// The shortest `upload.probe_interval` other than zero (off): each probe is 1,200 bytes.
+pub const MIN_PROBE_INTERVAL: Duration = Duration::from_secs(1);
+
 /// File name of the record-stream socket when `intake.stream_socket` is not set: it sits in the
 /// directory of `intake.socket`.
 pub const DEFAULT_STREAM_SOCKET: &str = "records.sock";
@@ -123,6 +126,8 @@ pub struct RawUpload {
     pub bind: String,
     pub congestion_controller: String,
     pub watch_network: bool,
+    #[serde(with = "humantime_serde_compat")]
+    pub probe_interval: Duration,
 }
 
 impl Default for RawUpload {
@@ -141,6 +146,7 @@ impl Default for RawUpload {
             bind: "0.0.0.0:0".into(),
             congestion_controller: "cubic".into(),
             watch_network: true,
+            probe_interval: Duration::from_secs(5),
         }
     }
 }
@@ -224,6 +230,9 @@ pub struct UploadConfig {
     pub tuning: edge_transport::Tuning,
     /// End a reconnect backoff early when a link comes up or a default route appears.
     pub watch_network: bool,
+    /// After attempts that got no answer, probe the server this often while the backoff waits;
+    /// `None` (`"0s"` in the file): never.
+    pub probe_interval: Option<Duration>,
 }
 
 /// The validated runtime configuration.
@@ -366,6 +375,14 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     if raw.upload.backoff_min.is_zero() || raw.upload.backoff_min > raw.upload.backoff_max {
         bail!("upload.backoff_min must be above zero and at most upload.backoff_max");
     }
+    let probe_interval = raw.upload.probe_interval;
+    if !probe_interval.is_zero() && probe_interval < MIN_PROBE_INTERVAL {
+        bail!(
+            "upload.probe_interval: {} is below {}; each probe is a datagram of 1,200 bytes (\"0s\" turns probing off)",
+            humantime::format_duration(probe_interval),
+            humantime::format_duration(MIN_PROBE_INTERVAL)
+        );
+    }
     for (key, p) in [("upload.ca", &raw.upload.ca), ("upload.cert", &raw.upload.cert), ("upload.key", &raw.upload.key)]
     {
         if !p.is_file() {
@@ -421,6 +438,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             compression,
             tuning: edge_transport::Tuning { congestion_controller, ..edge_transport::Tuning::default() },
             watch_network: raw.upload.watch_network,
+            probe_interval: (!probe_interval.is_zero()).then_some(probe_interval),
         },
         metrics_listen,
         log_level: raw.log.level,

@@ -14,6 +14,7 @@ pub mod handoff;
 pub mod intake;
 pub mod metrics;
 pub mod netwatch;
+pub mod probe;
 pub mod record_stream;
 pub mod spool_check;
 pub mod spool_task;

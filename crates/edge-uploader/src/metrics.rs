@@ -74,6 +74,8 @@ pub const RECONNECTS_TOTAL: &str = "edge_uploader_reconnects_total";
 pub const CONNECT_ATTEMPTS_TOTAL: &str = "edge_uploader_connect_attempts_total";
 /// Reconnect backoff waits ended early by the gateway's network (a link up, a default route).
 pub const NETWORK_WAKEUPS_TOTAL: &str = "edge_uploader_network_wakeups_total";
+pub const PROBES_SENT_TOTAL: &str = "edge_uploader_probes_sent_total";
+pub const PROBE_WAKEUPS_TOTAL: &str = "edge_uploader_probe_wakeups_total";
 /// Histogram: connection attempt started → session established (the server's Welcome).
 pub const CONNECT_SECONDS: &str = "edge_uploader_connect_seconds";
 /// Chunk payload bytes sent and waiting for their ack.
@@ -392,6 +394,16 @@ const LIVE_NETWORK_WAKEUPS: Live = Live::counter(
            on the gateway (upload.watch_network): the agent tried again a moment later instead of at the end \
            of the wait.",
 );
+const LIVE_PROBES_SENT: Live = Live::counter(
+    PROBES_SENT_TOTAL,
+    "Probes (1,200-byte datagrams) sent to the ingest server since start while a reconnect backoff waited \
+           after attempts that got no answer (upload.probe_interval).",
+);
+const LIVE_PROBE_WAKEUPS: Live = Live::counter(
+    PROBE_WAKEUPS_TOTAL,
+    "Reconnect backoff waits ended early since start because the ingest server answered a probe \
+           (upload.probe_interval): the agent tried again at once instead of at the end of the wait.",
+);
 const LIVE_BYTES_IN_FLIGHT: Live = Live::gauge(
     BYTES_IN_FLIGHT,
     "Chunk payload bytes sent to the server and waiting for their ack (held below upload.max_in_flight_bytes plus one chunk).",
@@ -466,6 +478,8 @@ fn live_families(spool: &SpoolStatsView, intake: &IntakeCounters, u: &UploadCoun
         LIVE_RECONNECTS.family(&[("", u.connects_total.load(Relaxed).saturating_sub(1) as f64)]),
         LIVE_CONNECT_ATTEMPTS.family(&[("", u.connect_attempts_total.load(Relaxed) as f64)]),
         LIVE_NETWORK_WAKEUPS.family(&[("", u.network_wakeups_total.load(Relaxed) as f64)]),
+        LIVE_PROBES_SENT.family(&[("", u.probes_sent_total.load(Relaxed) as f64)]),
+        LIVE_PROBE_WAKEUPS.family(&[("", u.probe_wakeups_total.load(Relaxed) as f64)]),
         LIVE_BYTES_IN_FLIGHT.family(&[("", u.in_flight_bytes.load(Relaxed) as f64)]),
         LIVE_CORRUPT.family(&[("", u.spool_corrupt_chunks.load(Relaxed) as f64)]),
         LIVE_QUARANTINED.family(&[("", s.quarantined_chunks as f64)]),
@@ -612,6 +626,8 @@ mod tests {
         rig.upload.connects_total.store(3, Ordering::Relaxed);
         rig.upload.connect_attempts_total.store(7, Ordering::Relaxed);
         rig.upload.network_wakeups_total.store(2, Ordering::Relaxed);
+        rig.upload.probes_sent_total.store(9, Ordering::Relaxed);
+        rig.upload.probe_wakeups_total.store(4, Ordering::Relaxed);
         rig.upload.in_flight_bytes.store(4096, Ordering::Relaxed);
         rig.intake.stream_buffer(0, 3 << 20);
         rig.intake.stream_buffer(1 << 20, 0);
@@ -633,6 +649,8 @@ mod tests {
         assert_eq!(rig.sample(RECONNECTS_TOTAL), Some(2.0));
         assert_eq!(rig.sample(CONNECT_ATTEMPTS_TOTAL), Some(7.0));
         assert_eq!(rig.sample(NETWORK_WAKEUPS_TOTAL), Some(2.0));
+        assert_eq!(rig.sample(PROBES_SENT_TOTAL), Some(9.0));
+        assert_eq!(rig.sample(PROBE_WAKEUPS_TOTAL), Some(4.0));
         assert_eq!(rig.sample(BYTES_IN_FLIGHT), Some(4096.0));
         assert_eq!(rig.sample(INTAKE_STREAM_BUFFER_BYTES), Some(f64::from(2 << 20)));
         assert_eq!(rig.intake.stream_buffer_peak_bytes.load(Ordering::Relaxed), 3 << 20);

@@ -1,6 +1,8 @@
 //! The uploader: keeps one QUIC connection to the ingest server and up to `max_in_flight`
 //! chunks (and about `max_in_flight_bytes` of payload) on parallel uni-streams, deletes a chunk
-//! from the spool only after its ack, and reconnects with exponential backoff and jitter.
+//! from the spool only after its ack, and reconnects with exponential backoff and jitter. A
+//! backoff wait ends early when the gateway's link comes back (`netwatch`) or, after attempts
+//! that got no answer, when the server answers a probe (`probe`).
 //!
 //! Per connection:
 //! 1. open the control bi-stream, run the client session's handshake (Hello → Welcome). From
@@ -81,6 +83,9 @@ pub struct UploaderOptions {
     /// Links coming up and default routes appearing on the gateway (`upload.watch_network`):
     /// each ends a backoff wait early. `None`: the backoff alone.
     pub network: Option<NetEvents>,
+    /// After an attempt that got no answer, probe the server this often while the backoff
+    /// waits (`upload.probe_interval`, see `probe`); an answer ends the wait. `None`: never.
+    pub probe_interval: Option<Duration>,
 }
 
 /// Live upload state, read by `GET /v1/status`, the demo and (at scrape time) `/metrics`.
@@ -94,6 +99,10 @@ pub struct UploadCounters {
     pub connect_attempts_total: AtomicU64,
     /// Backoff waits ended early because a link came up or a default route appeared.
     pub network_wakeups_total: AtomicU64,
+    /// Probes sent while the backoff waited (`upload.probe_interval`).
+    pub probes_sent_total: AtomicU64,
+    /// Backoff waits ended early because the server answered a probe.
+    pub probe_wakeups_total: AtomicU64,
     /// The latest connection attempt and how far it got.
     pub attempt: Mutex<Option<Arc<AttemptTimes>>>,
     /// Chunks the server answered `Stored`.
@@ -218,6 +227,11 @@ impl UploadCounters {
         *crate::lock(&self.last_error) = Some(e.into());
     }
 
+    /// The latest error of a connection or an attempt.
+    pub fn last_error(&self) -> Option<String> {
+        crate::lock(&self.last_error).clone()
+    }
+
     /// Chunks the server holds durably on our behalf: answered `Stored` or `Duplicate`.
     pub fn chunks_acked(&self) -> u64 {
         self.stored.chunks() + self.duplicate.chunks()
@@ -300,6 +314,12 @@ pub async fn run(
         Compression::None => None,
     };
     let mut network = opts.network.take();
+    // Whether the backoff wait may probe the server (`probe`): after an attempt or a connection
+    // that got no answer, unless the attempt a probe's answer started got none either (then the
+    // backoff alone, until a connection succeeds: a server that answers probes but not
+    // handshakes is not helped by more attempts).
+    let mut probe_allowed = true;
+    let mut woken_by = Wake::Backoff;
     while !cancel.is_cancelled() {
         // Only what happens from now on can bring back a path this attempt did not have.
         if let Some(n) = network.as_mut() {
@@ -312,11 +332,17 @@ pub async fn run(
         let attempt = tokio::select! {
             () = cancel.cancelled() => break,
             r = tokio::time::timeout(opts.connect_timeout, connect(&endpoint, &opts)) => r.unwrap_or_else(|_| {
-                Err(anyhow::anyhow!("no handshake within {}", humantime::format_duration(opts.connect_timeout)))
+                Err(AttemptTimedOut(opts.connect_timeout).into())
             }),
         };
+        let mut silent = matches!(&attempt, Err(e) if got_no_answer(e));
+        if silent && woken_by == Wake::Probe {
+            probe_allowed = false;
+            info!(server = %opts.server, "the server answered a probe but not the attempt that followed; probing stops until a connection succeeds");
+        }
         match attempt {
             Ok(conn) => {
+                probe_allowed = true;
                 counters.connects_total.fetch_add(1, Ordering::Relaxed);
                 counters.connected.store(true, Ordering::Release);
                 counters.set_session(&opts, Some(conn.remote_address().to_string()));
@@ -346,6 +372,7 @@ pub async fn run(
                         conn.close(ErrorCode::NoError.to_u32().into(), b"bye");
                     }
                     Err(e) => {
+                        silent = e.went_silent();
                         warn!(server = %opts.server, error = %e, "connection ended");
                         counters.set_error(e.to_string());
                         if let ConnError::Protocol(p) = &e {
@@ -367,12 +394,18 @@ pub async fn run(
         let delay = backoff.next_delay();
         debug!(?delay, "reconnecting after backoff");
         let until = tokio::time::Instant::now() + delay;
-        let woken = tokio::select! {
+        let probe_every = opts.probe_interval.filter(|_| silent && probe_allowed);
+        woken_by = tokio::select! {
             () = cancel.cancelled() => break,
-            () = tokio::time::sleep_until(until) => false,
-            () = network_changed(network.as_mut()) => true,
+            () = tokio::time::sleep_until(until) => Wake::Backoff,
+            () = network_changed(network.as_mut()) => Wake::Network,
+            server = probe_answered(&opts, probe_every, &counters.probes_sent_total) => {
+                counters.probe_wakeups_total.fetch_add(1, Ordering::Relaxed);
+                info!(server = %opts.server, %server, "the server answers again; reconnecting now rather than after the backoff");
+                Wake::Probe
+            }
         };
-        if woken {
+        if woken_by == Wake::Network {
             // A link came up or a default route appeared since the attempt started: the path
             // may be back. Wait a moment (see `NETWORK_SETTLE`), then try.
             counters.network_wakeups_total.fetch_add(1, Ordering::Relaxed);
@@ -396,6 +429,17 @@ pub async fn run(
     Ok(())
 }
 
+/// What ended a backoff wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wake {
+    /// The wait ran out.
+    Backoff,
+    /// A path event on the gateway (`netwatch`).
+    Network,
+    /// The server answered a probe (`probe`).
+    Probe,
+}
+
 /// Resolves at the next path event; never without a watch.
 async fn network_changed(network: Option<&mut NetEvents>) {
     match network {
@@ -404,15 +448,42 @@ async fn network_changed(network: Option<&mut NetEvents>) {
     }
 }
 
-async fn connect(endpoint: &quinn::Endpoint, opts: &UploaderOptions) -> anyhow::Result<quinn::Connection> {
+/// Resolves with the server's address when it answers a probe; never if `every` is `None`.
+async fn probe_answered(opts: &UploaderOptions, every: Option<Duration>, sent: &AtomicU64) -> SocketAddr {
+    match every {
+        Some(every) => crate::probe::until_answered(|| resolve(opts), opts.bind.ip(), every, sent).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Whether a failed attempt got no answer at all (our bound on it ran out, or quinn's idle
+/// timeout did), as when the server or the path to it is down; not a refusal, a failed
+/// handshake or a failed name lookup, which mean something answered.
+fn got_no_answer(e: &anyhow::Error) -> bool {
+    e.is::<AttemptTimedOut>()
+        || matches!(e.downcast_ref::<quinn::ConnectionError>(), Some(quinn::ConnectionError::TimedOut))
+}
+
+/// A connection attempt that ran past `connect_timeout`.
+#[derive(Debug, thiserror::Error)]
+#[error("no handshake within {}", humantime::format_duration(*.0))]
+struct AttemptTimedOut(Duration);
+
+/// The server's address for the next attempt (and probe): its name resolved now, the first
+/// address of the family of `upload.bind` if there is one.
+async fn resolve(opts: &UploaderOptions) -> anyhow::Result<SocketAddr> {
     let addrs: Vec<SocketAddr> = tokio::net::lookup_host(&opts.server).await?.collect();
     let want_v4 = opts.bind.is_ipv4();
-    let addr = addrs
+    addrs
         .iter()
         .find(|a| a.is_ipv4() == want_v4)
         .or_else(|| addrs.first())
         .copied()
-        .ok_or_else(|| anyhow::anyhow!("{} resolved to no address", opts.server))?;
+        .ok_or_else(|| anyhow::anyhow!("{} resolved to no address", opts.server))
+}
+
+async fn connect(endpoint: &quinn::Endpoint, opts: &UploaderOptions) -> anyhow::Result<quinn::Connection> {
+    let addr = resolve(opts).await?;
     let connecting = endpoint.connect_with(opts.client_config.clone(), addr, &opts.server_name)?;
     Ok(connecting.await?)
 }
@@ -455,12 +526,22 @@ enum ConnError {
     #[error("spool: {0}")]
     Spool(#[from] SpoolError),
     #[error("connection lost after progress: {0}")]
-    LostAfterProgress(String),
+    LostAfterProgress(quinn::ConnectionError),
 }
 
 impl ConnError {
     fn made_progress(&self) -> bool {
         matches!(self, ConnError::LostAfterProgress(_))
+    }
+
+    /// The server stopped answering (quinn's idle timeout ran out), as when it or the path to
+    /// it goes down.
+    fn went_silent(&self) -> bool {
+        matches!(
+            self,
+            ConnError::Lost(quinn::ConnectionError::TimedOut)
+                | ConnError::LostAfterProgress(quinn::ConnectionError::TimedOut)
+        )
     }
 }
 
@@ -868,7 +949,7 @@ impl<'a> Connection<'a> {
         control.abort();
         match end {
             Ok(()) => Ok(progress),
-            Err(ConnError::Lost(e)) if progress => Err(ConnError::LostAfterProgress(e.to_string())),
+            Err(ConnError::Lost(e)) if progress => Err(ConnError::LostAfterProgress(e)),
             Err(e) => Err(e),
         }
     }

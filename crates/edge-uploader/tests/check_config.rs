@@ -48,7 +48,7 @@ fn a_valid_config_passes_with_exit_0() {
 #[test]
 fn broken_configs_exit_78_and_name_the_key() {
     let f = files();
-    let cases: [(&str, String, &[&str]); 9] = [
+    let cases: [(&str, String, &[&str]); 10] = [
         ("unknown key", format!("[spool]\nmax_byte = \"1GiB\"\n[upload]\n{}", f.tls), &["max_byte", "line 2"]),
         ("wrong type", format!("[upload]\nmax_in_flight = \"lots\"\n{}", f.tls), &["max_in_flight", "line 2"]),
         ("bad duration", format!("[spool]\nlinger = \"soon\"\n[upload]\n{}", f.tls), &["linger", "soon"]),
@@ -65,6 +65,11 @@ fn broken_configs_exit_78_and_name_the_key() {
             &["upload.max_in_flight_bytes"],
         ),
         ("zero connect timeout", format!("[upload]\nconnect_timeout = \"0s\"\n{}", f.tls), &["upload.connect_timeout"]),
+        (
+            "probe interval below a second",
+            format!("[upload]\nprobe_interval = \"200ms\"\n{}", f.tls),
+            &["upload.probe_interval", "200ms", "\"0s\""],
+        ),
         (
             "unknown congestion controller",
             format!("[upload]\ncongestion_controller = \"reno\"\n{}", f.tls),

@@ -83,6 +83,7 @@ impl AgentSide {
             connect_timeout: Duration::from_secs(5),
             early_chunks: true,
             network: None,
+            probe_interval: None,
         }
     }
 
@@ -330,6 +331,133 @@ async fn a_link_coming_up_ends_the_backoff_wait() {
     .await;
     assert_eq!(counters.network_wakeups_total.load(Ordering::Relaxed), 1);
     assert_eq!(counters.connect_attempts_total.load(Ordering::Relaxed), 2);
+    cancel.cancel();
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+}
+
+/// The next probe (`edge_uploader::probe`) that arrives at `socket`: its sender and datagram.
+async fn next_probe(socket: &tokio::net::UdpSocket) -> (SocketAddr, Vec<u8>) {
+    let mut buf = vec![0u8; 2048];
+    loop {
+        let (n, from) = socket.recv_from(&mut buf).await.expect("receive");
+        if buf[..n].get(1..5) == Some(&edge_uploader::probe::RESERVED_VERSION.to_be_bytes()[..]) {
+            assert_eq!(n, edge_uploader::probe::PROBE_BYTES, "a probe is a full-size datagram");
+            return (from, buf[..n].to_vec());
+        }
+    }
+}
+
+/// A Version Negotiation answering `probe`, as a server lays it out: the probe's IDs swapped,
+/// QUIC version 1 listed.
+fn version_negotiation(probe: &[u8]) -> Vec<u8> {
+    let dcid = &probe[6..14];
+    let scid = &probe[15..23];
+    let mut a = vec![0xc0, 0, 0, 0, 0, 8];
+    a.extend_from_slice(scid);
+    a.push(8);
+    a.extend_from_slice(dcid);
+    a.extend_from_slice(&1u32.to_be_bytes());
+    a
+}
+
+/// Options whose backoff alone would keep a second attempt 5 to 10 minutes away, with 1 s
+/// attempts and a probe every second.
+fn probing(agent: &AgentSide, addr: SocketAddr) -> UploaderOptions {
+    let mut opts = agent.options(addr);
+    opts.connect_timeout = Duration::from_secs(1);
+    opts.backoff_min = Duration::from_secs(600);
+    opts.backoff_max = Duration::from_secs(600);
+    opts.probe_interval = Some(Duration::from_secs(1));
+    opts
+}
+
+#[tokio::test]
+async fn a_server_answering_a_probe_ends_the_backoff_wait() {
+    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+    let agent = AgentSide::new(&pki, 1000);
+    // The server is down and its address answers nothing.
+    let blackhole = tokio::net::UdpSocket::bind(localhost()).await.expect("bind blackhole");
+    let addr = blackhole.local_addr().expect("blackhole address");
+    let (counters, cancel, uploader) = agent.spawn(probing(&agent, addr));
+    bounded("the first attempt", next_initial(&blackhole)).await;
+    // The attempt got no answer: the wait after it probes, from a socket of its own.
+    let (from, _probe) = bounded("a probe", next_probe(&blackhole)).await;
+    assert_ne!(from.port(), 0);
+    assert_eq!(counters.connect_attempts_total.load(Ordering::Relaxed), 1, "no attempt but the first");
+    // The server comes back on the same address: a real quinn endpoint answers the next probe,
+    // and the attempt that follows connects.
+    drop(blackhole);
+    let endpoint = server(&pki, &Tuning::default(), addr);
+    let conn = bounded("a connection long before the backoff's 5 minutes", async {
+        loop {
+            if let Ok(conn) = endpoint.accept().await.expect("endpoint open").await {
+                break conn;
+            }
+        }
+    })
+    .await;
+    assert_eq!(counters.probe_wakeups_total.load(Ordering::Relaxed), 1);
+    assert!(counters.probes_sent_total.load(Ordering::Relaxed) >= 2, "the unanswered probe and the answered one");
+    assert_eq!(counters.connect_attempts_total.load(Ordering::Relaxed), 2);
+    cancel.cancel();
+    conn.close(0u32.into(), b"test over");
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+}
+
+#[tokio::test]
+async fn a_server_that_answers_probes_but_not_handshakes_gets_the_backoff_alone() {
+    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+    let agent = AgentSide::new(&pki, 1000);
+    // Something at the server's address answers probes and swallows Initials.
+    let odd = tokio::net::UdpSocket::bind(localhost()).await.expect("bind");
+    let addr = odd.local_addr().expect("address");
+    let (counters, cancel, uploader) = agent.spawn(probing(&agent, addr));
+    bounded("the first attempt", next_initial(&odd)).await;
+    let (from, probe) = bounded("a probe", next_probe(&odd)).await;
+    odd.send_to(&version_negotiation(&probe), from).await.expect("answer the probe");
+    bounded("the attempt the answer started", next_initial(&odd)).await;
+    assert_eq!(counters.probe_wakeups_total.load(Ordering::Relaxed), 1);
+    // That attempt gets no answer either (1 s): from then on the 10-minute backoff alone.
+    let sent = bounded("the second attempt's end", async {
+        while !counters.last_error().is_some_and(|e| e.contains("no handshake")) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        counters.probes_sent_total.load(Ordering::Relaxed)
+    })
+    .await;
+    // An observation window of three probe intervals, in which a probe would have gone out
+    // (the second attempt's resent Initials may still arrive; they are not probes).
+    let quiet = tokio::time::timeout(Duration::from_secs(3), next_probe(&odd)).await;
+    if let Ok((from, _)) = quiet {
+        panic!("a probe arrived from {from} after probing should have stopped");
+    }
+    assert_eq!(counters.probes_sent_total.load(Ordering::Relaxed), sent);
+    assert_eq!(counters.connect_attempts_total.load(Ordering::Relaxed), 2);
+    cancel.cancel();
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+}
+
+#[tokio::test]
+async fn a_refusing_server_is_not_probed() {
+    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+    let agent = AgentSide::new(&pki, 1000);
+    let endpoint = server(&pki, &Tuning::default(), localhost());
+    let addr = endpoint.local_addr().expect("server address");
+    let (counters, cancel, uploader) = agent.spawn(probing(&agent, addr));
+    // The server answers the attempt with a refusal: something answered, so no probing.
+    bounded("the attempt", endpoint.accept()).await.expect("endpoint open").refuse();
+    bounded("the refusal reaching the agent", async {
+        while counters.last_error().is_none() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let error = counters.last_error().unwrap_or_default();
+    assert!(!error.contains("no handshake"), "{error}");
+    // Three probe intervals, in which a probe would have been sent.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(counters.probes_sent_total.load(Ordering::Relaxed), 0);
+    assert_eq!(counters.connect_attempts_total.load(Ordering::Relaxed), 1);
     cancel.cancel();
     bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
 }
