@@ -93,19 +93,26 @@ fn cid(buf: &[u8]) -> Option<(&[u8], &[u8])> {
     (rest.len() >= len).then(|| rest.split_at(len))
 }
 
-/// Sends a probe to `server` every `interval`, the first one `interval` from now, from a socket
-/// bound to `bind_ip`, and resolves with the server's address at the first answer. Failures (no
+/// Sends a probe to the server every `interval`, the first one at `first` (at once if that has
+/// passed), from a socket bound to `bind_ip`, and resolves with the server's address at the
+/// first answer. Failures (no
 /// socket, no route, an ICMP error, a stray datagram) only wait for the next probe; the caller
 /// bounds the whole by the backoff's wait. `resolve` is asked for the server's address until it
 /// gives one. Every probe sent adds one to `sent`.
-pub async fn until_answered<F, Fut>(resolve: F, bind_ip: IpAddr, interval: Duration, sent: &AtomicU64) -> SocketAddr
+pub async fn until_answered<F, Fut>(
+    resolve: F,
+    bind_ip: IpAddr,
+    first: tokio::time::Instant,
+    interval: Duration,
+    sent: &AtomicU64,
+) -> SocketAddr
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<SocketAddr>>,
 {
     let ids = ProbeIds::random();
     let probe = packet(&ids);
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+    let mut tick = tokio::time::interval_at(first, interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut socket: Option<(UdpSocket, SocketAddr)> = None;
     // Room for any answer; one that fills it is not a Version Negotiation of ours anyway.
@@ -252,7 +259,8 @@ mod tests {
                 }
             }
         };
-        let probing = until_answered(|| async { Ok(addr) }, addr.ip(), Duration::from_millis(50), &sent);
+        let now = tokio::time::Instant::now();
+        let probing = until_answered(|| async { Ok(addr) }, addr.ip(), now, Duration::from_millis(50), &sent);
         let (answered, probes) =
             tokio::time::timeout(Duration::from_secs(30), async { tokio::join!(probing, responder) })
                 .await

@@ -326,6 +326,7 @@ pub async fn run(
             n.mark_seen();
         }
         counters.connect_attempts_total.fetch_add(1, Ordering::Relaxed);
+        let attempt_started = tokio::time::Instant::now();
         let times = AttemptTimes::start();
         *crate::lock(&counters.attempt) = Some(times.clone());
         // Dropping an unfinished attempt closes it, so it stops sending.
@@ -394,12 +395,18 @@ pub async fn run(
         let delay = backoff.next_delay();
         debug!(?delay, "reconnecting after backoff");
         let until = tokio::time::Instant::now() + delay;
-        let probe_every = opts.probe_interval.filter(|_| silent && probe_allowed);
+        // The server hears from the agent at least every probe interval while it is silent: the
+        // first probe goes out one interval after the attempt started (at once if the attempt
+        // took longer, as it does when the server is down and connect_timeout is the longer).
+        let probing = opts
+            .probe_interval
+            .filter(|_| silent && probe_allowed)
+            .map(|every| Probing { first: (attempt_started + every).max(tokio::time::Instant::now()), every });
         woken_by = tokio::select! {
             () = cancel.cancelled() => break,
             () = tokio::time::sleep_until(until) => Wake::Backoff,
             () = network_changed(network.as_mut()) => Wake::Network,
-            server = probe_answered(&opts, probe_every, &counters.probes_sent_total) => {
+            server = probe_answered(&opts, probing, &counters.probes_sent_total) => {
                 counters.probe_wakeups_total.fetch_add(1, Ordering::Relaxed);
                 info!(server = %opts.server, %server, "the server answers again; reconnecting now rather than after the backoff");
                 Wake::Probe
@@ -448,10 +455,17 @@ async fn network_changed(network: Option<&mut NetEvents>) {
     }
 }
 
-/// Resolves with the server's address when it answers a probe; never if `every` is `None`.
-async fn probe_answered(opts: &UploaderOptions, every: Option<Duration>, sent: &AtomicU64) -> SocketAddr {
-    match every {
-        Some(every) => crate::probe::until_answered(|| resolve(opts), opts.bind.ip(), every, sent).await,
+/// When a backoff wait probes the server.
+#[derive(Debug, Clone, Copy)]
+struct Probing {
+    first: tokio::time::Instant,
+    every: Duration,
+}
+
+/// Resolves with the server's address when it answers a probe; never without `probing`.
+async fn probe_answered(opts: &UploaderOptions, probing: Option<Probing>, sent: &AtomicU64) -> SocketAddr {
+    match probing {
+        Some(p) => crate::probe::until_answered(|| resolve(opts), opts.bind.ip(), p.first, p.every, sent).await,
         None => std::future::pending().await,
     }
 }
