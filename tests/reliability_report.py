@@ -36,6 +36,11 @@ def fmt(v):
     return str(v)
 
 
+def cell(text):
+    """`text` fit for one table cell: no column separator, no line break."""
+    return " ".join(text.replace("|", "/").split("\n"))
+
+
 def rows(report_dirs):
     """The rendered rows of the files in `report_dirs`, by (test, tier)."""
     files = {}
@@ -54,7 +59,7 @@ def rows(report_dirs):
         commit = f"`{commit}`" if commit else "(not recorded)"
         test, tier = doc.get("test", name), doc.get("tier", "?")
         out[(test, tier)] = (f"| `{test}` | {tier} | "
-                             f"{when:%Y-%m-%d %H:%M} | {commit} | {figures.replace('|', '/')} |")
+                             f"{when:%Y-%m-%d %H:%M} | {commit} | {cell(figures)} |")
     return out
 
 

@@ -165,7 +165,7 @@ fn link_outage(device: &str, backoff: (&str, &str), upload_extra: &str, outage: 
         anyhow::ensure!(&stored == sent, "{stream}: {} stored of {} sent, or not in order", stored.len(), sent.len());
     }
     let figures = serde_json::json!({
-        "backoff_min": min, "backoff_max": max, "upload": upload_extra, "outage_seconds": down.elapsed().as_secs_f64() - up.elapsed().as_secs_f64(),
+        "backoff_min": min, "backoff_max": max, "upload": upload_extra.replace('\n', "; "), "outage_seconds": down.elapsed().as_secs_f64() - up.elapsed().as_secs_f64(),
         "link_up_to_connected_seconds": reconnect.as_secs_f64(), "network_wakeups": wakeups,
         "attempts_during_outage": attempts_before_up - attempts_at_loss, "records": 220, "stored_exactly_once": true,
     });
