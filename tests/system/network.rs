@@ -693,8 +693,8 @@ fn an_ingest_back_after_an_outage_answers_a_probe_and_the_agent_reconnects_at_on
     ingest.kill9()?;
     let during = readings("probe.during", 200);
     push(&world, "probe.during", &during)?;
-    // The connection ends at the agent's idle timeout; the attempt after it gets no answer, and
-    // the 30 s wait that follows probes.
+    // The connection ends at the agent's idle timeout (the server went silent), so the 30 s wait
+    // that follows probes.
     let probing = wait_json(
         "the agent probing the server",
         || status_json(&world),

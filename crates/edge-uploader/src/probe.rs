@@ -95,10 +95,9 @@ fn cid(buf: &[u8]) -> Option<(&[u8], &[u8])> {
 
 /// Sends a probe to the server every `interval`, the first one at `first` (at once if that has
 /// passed), from a socket bound to `bind_ip`, and resolves with the server's address at the
-/// first answer. Failures (no
-/// socket, no route, an ICMP error, a stray datagram) only wait for the next probe; the caller
-/// bounds the whole by the backoff's wait. `resolve` is asked for the server's address until it
-/// gives one. Every probe sent adds one to `sent`.
+/// first answer. Failures (no socket, no route, an ICMP error, a stray datagram) only wait for
+/// the next probe; the caller bounds the whole by the backoff's wait. `resolve` is asked for the
+/// server's address until it gives one. Every probe sent adds one to `sent`.
 pub async fn until_answered<F, Fut>(
     resolve: F,
     bind_ip: IpAddr,

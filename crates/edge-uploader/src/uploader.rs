@@ -83,8 +83,9 @@ pub struct UploaderOptions {
     /// Links coming up and default routes appearing on the gateway (`upload.watch_network`):
     /// each ends a backoff wait early. `None`: the backoff alone.
     pub network: Option<NetEvents>,
-    /// After an attempt that got no answer, probe the server this often while the backoff
-    /// waits (`upload.probe_interval`, see `probe`); an answer ends the wait. `None`: never.
+    /// After an attempt or a connection that got no answer, probe the server this often while
+    /// the backoff waits (`upload.probe_interval`, see `probe`); an answer ends the wait.
+    /// `None`: never.
     pub probe_interval: Option<Duration>,
 }
 
