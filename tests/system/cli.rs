@@ -62,6 +62,7 @@ fn status_reports_not_running_degraded_and_healthy_with_its_exit_codes() -> anyh
     let text = uploader(&world, &["status"])?;
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("0 sealed chunks, 3 records not sealed yet"), "{text}");
+    assert!(text.contains("reconnecting: ") && text.contains(" attempts, "), "{text}");
 
     // With the server up, the backlog drains and the agent is healthy (exit 0). Drained means
     // nothing left in the spool at all: right after connecting, before the new connection seals
@@ -78,6 +79,7 @@ fn status_reports_not_running_degraded_and_healthy_with_its_exit_codes() -> anyh
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("healthy") && text.contains("temperature") && !text.contains('\x1b'), "{text}");
     assert!(text.contains("connection: connected to 127.0.0.1:"), "{text}");
+    assert!(!text.contains("reconnecting:"), "{text}");
 
     // A bad stream name is refused before anything is sent, naming it.
     let out = uploader(&world, &["push", "--stream", "bad name", &input.to_string_lossy()])?;

@@ -126,6 +126,18 @@ pub fn render(status: &Value, reasons: &[String], now_ms: u64) -> String {
         up["connects_total"],
         up["in_flight"],
     ));
+    if up["connected"] != true {
+        // What the agent does about it: attempts, and the probes and path events that ended
+        // backoff waits early (absent from an older agent's status: not shown).
+        if let Some(attempts) = up["connect_attempts_total"].as_u64() {
+            out.push_str(&format!(
+                "reconnecting: {attempts} attempts, {} probes sent ({} answered), {} network changes seen, since start\n",
+                opt(&up["probes_sent_total"]),
+                opt(&up["probe_wakeups_total"]),
+                opt(&up["network_wakeups_total"]),
+            ));
+        }
+    }
     let r = &status["rates"];
     if let Some(w) = r["window_s"].as_f64() {
         out.push_str(&format!(
@@ -238,5 +250,23 @@ mod tests {
         assert!(text.contains("p99 - ms"), "{text}");
         assert!(text.contains("to ingest:4433 (10.0.0.1:4433)") && text.contains("rtt 1.5 ms"), "{text}");
         assert!(text.contains("rates (last 60 s)") && text.contains("drain eta 5s"), "{text}");
+        assert!(!text.contains("reconnecting:"), "connected: {text}");
+    }
+
+    #[test]
+    fn a_disconnected_agent_shows_how_it_tries_to_reconnect() {
+        let mut d = doc(false, Some(0));
+        d["upload"]["connect_attempts_total"] = json!(7);
+        d["upload"]["probes_sent_total"] = json!(12);
+        d["upload"]["probe_wakeups_total"] = json!(1);
+        d["upload"]["network_wakeups_total"] = json!(0);
+        let text = render(&d, &[], 1000);
+        assert!(
+            text.contains("reconnecting: 7 attempts, 12 probes sent (1 answered), 0 network changes seen"),
+            "{text}"
+        );
+        // An older agent's status has none of these: no line rather than a wrong one.
+        let text = render(&doc(false, Some(0)), &[], 1000);
+        assert!(!text.contains("reconnecting:"), "{text}");
     }
 }
