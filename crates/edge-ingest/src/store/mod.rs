@@ -4,6 +4,9 @@
 //! [`ChunkKey`] `(device, spool, stream, seq)` and says [`PersistOutcome::Stored`] only once the
 //! bytes are on stable storage. Chunks are written in group commits: one `write` and one
 //! `fdatasync` for a whole batch, which [`StoreHandle`] fills from every connection at once.
+//! The committed pages then leave the page cache (`posix_fadvise(DONTNEED)`, all but the
+//! partial last one): nothing in the server reads them back, and their freed pages are what
+//! the next commits write into.
 //! [`export`] reads the chunks back, also while a server runs on the same directory.
 //!
 //! # On-disk layout

@@ -395,6 +395,7 @@ impl Store {
             }
             seg.created = false;
         }
+        drop_from_page_cache(&seg.file, start_len, total);
 
         seg.len = start_len + total;
         self.last_good_commit = commit;
@@ -504,6 +505,32 @@ fn write_all_vectored(file: &mut File, mut slices: &mut [IoSlice<'_>]) -> io::Re
         }
     }
     Ok(())
+}
+
+/// Drops the pages of `len` bytes at `offset`, just made durable, from the page cache.
+///
+/// Nothing in the ingest reads them back soon: the dedup index is in memory, and export and
+/// the start-up scan read segments long after. Kept, they would only fill the page cache
+/// with data written once. Dropped at once, their pages go back to the kernel's free lists
+/// while still warm and the next commits' writes reuse them. That matters most on a virtual
+/// machine that hands free memory back to its host (a balloon with free page reporting, as
+/// on the machines our benchmarks run on): there a page the guest has not touched for a few
+/// seconds costs a host fault on first write, and copying a growing store into such pages
+/// was about a third of the ingest's CPU (`BENCHMARKS.md`, "Where the time goes").
+///
+/// The range starts at the page boundary below `offset` (4 KiB; the kernel rounds up to its
+/// own page size if that is larger), so the page the previous commit left partial goes too
+/// once this commit has filled it: every byte before `offset` is durable already. The kernel
+/// drops only whole pages: the partial page at the end stays cached, so the next commit's
+/// write into it does not read it back from disk. Advice only: an error changes nothing
+/// that was stored, and is not reported.
+fn drop_from_page_cache(file: &File, offset: u64, len: u64) {
+    let from = offset - offset % 4096;
+    if let Some(len) = std::num::NonZeroU64::new(len + (offset - from))
+        && let Err(e) = rustix::fs::fadvise(file, from, Some(len), rustix::fs::Advice::DontNeed)
+    {
+        tracing::trace!(error = %e, "posix_fadvise(DONTNEED) of a committed range failed");
+    }
 }
 
 fn now_ms() -> u64 {
@@ -841,5 +868,47 @@ mod tests {
         assert_eq!(store.persist(vec![chunk(2, b"b")]), vec![PersistOutcome::Stored]);
         drop(store);
         assert_eq!(exported_seqs(dir.path()).0, vec![1, 2]);
+    }
+
+    /// Bytes of `path` in the page cache, as util-linux's `fincore` reports them.
+    fn cached_bytes(path: &Path) -> u64 {
+        let out = std::process::Command::new("fincore")
+            .args(["--bytes", "--noheadings", "--output", "RES"])
+            .arg(path)
+            .output()
+            .expect("fincore (util-linux) runs");
+        assert!(out.status.success(), "fincore failed: {}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.trim().parse().unwrap_or_else(|e| panic!("fincore printed {text:?}: {e}"))
+    }
+
+    #[test]
+    fn committed_bytes_leave_the_page_cache_but_the_partial_last_page_and_every_entry_stay_readable() {
+        // On a disk file system: tmpfs pages cannot be dropped, and `/tmp` may be one.
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-tmp");
+        fs::create_dir_all(&base).expect("create target/test-tmp");
+        let dir = tempfile::tempdir_in(&base).expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        let big = vec![0x5a; 256 << 10];
+        let batch: Vec<IncomingChunk> = (1..=8).map(|seq| chunk(seq, &big)).collect();
+        assert_eq!(store.persist(batch), vec![PersistOutcome::Stored; 8]);
+        let path = dir.path().join(SEGMENTS_DIR).join(format::segment_file_name(1));
+        let len = segment_len(dir.path(), 1);
+        assert!(len > 2 << 20, "{len}");
+        let cached = cached_bytes(&path);
+        // The whole pages of the commit are gone; only its partial last page may remain.
+        assert!(cached <= 4096, "{cached} of the segment's {len} bytes still cached after the commit");
+        // The next commit appends into that last page: nothing before it may change.
+        assert_eq!(store.persist(vec![chunk(9, &big)]), vec![PersistOutcome::Stored]);
+        // It filled that page, which went with the rest of the second commit.
+        let cached = cached_bytes(&path);
+        assert!(cached <= 4096, "{cached} of the segment's {} bytes still cached", segment_len(dir.path(), 1));
+        drop(store);
+        let (seqs, report) = exported_seqs(dir.path());
+        assert_eq!(seqs, (1..=9).collect::<Vec<_>>());
+        assert_eq!((report.corrupt, report.corrupt_regions), (0, 0), "{report:?}");
+        let (_, reopened) = open(dir.path());
+        assert_eq!(reopened.chunks, 9);
+        assert_eq!(reopened.truncated_bytes, 0);
     }
 }
