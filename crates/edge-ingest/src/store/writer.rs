@@ -523,7 +523,7 @@ fn write_all_vectored(file: &mut File, mut slices: &mut [IoSlice<'_>]) -> io::Re
 /// once this commit has filled it: every byte before `offset` is durable already. The kernel
 /// drops only whole pages: the partial page at the end stays cached, so the next commit's
 /// write into it does not read it back from disk. Advice only: an error changes nothing
-/// that was stored, and is not reported.
+/// that was stored, and is logged at trace level only.
 fn drop_from_page_cache(file: &File, offset: u64, len: u64) {
     let from = offset - offset % 4096;
     if let Some(len) = std::num::NonZeroU64::new(len + (offset - from))
