@@ -14,25 +14,20 @@ profile).
 """
 import argparse
 import collections
+import os
 import re
 import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from perf_groups import samples  # noqa: E402
 
 
 def stacks(path):
-    """Yields each sample's frames, leaf first, as symbol names."""
-    frames = []
-    with open(path, errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                if frames:
-                    yield frames
-                frames = []
-            elif line[0] in " \t":
-                parts = line.strip().split(None, 1)
-                if len(parts) == 2:
-                    frames.append(re.sub(r"\s+\([^)]*\)$", "", parts[1]))
-    if frames:
-        yield frames
+    """Yields each sample's frames, leaf first, as symbol names (perf_groups.py's reader,
+    without the library in parentheses after each name)."""
+    for _thread, frames in samples(path):
+        yield [re.sub(r"\s+\([^)]*\)$", "", f) for f in frames]
 
 
 def main():
