@@ -126,17 +126,17 @@ pub fn render(status: &Value, reasons: &[String], now_ms: u64) -> String {
         up["connects_total"],
         up["in_flight"],
     ));
-    if up["connected"] != true {
-        // What the agent does about it: attempts, and the probes and path events that ended
-        // backoff waits early (absent from an older agent's status: not shown).
-        if let Some(attempts) = up["connect_attempts_total"].as_u64() {
-            out.push_str(&format!(
-                "reconnecting: {attempts} attempts, {} probes sent ({} answered), {} network changes seen, since start\n",
-                opt(&up["probes_sent_total"]),
-                opt(&up["probe_wakeups_total"]),
-                opt(&up["network_wakeups_total"]),
-            ));
-        }
+    // Disconnected: what the agent does about it, its attempts and the probes and path events
+    // that ended backoff waits early (absent from an older agent's status: not shown).
+    if up["connected"] != true
+        && let Some(attempts) = up["connect_attempts_total"].as_u64()
+    {
+        out.push_str(&format!(
+            "reconnecting: {attempts} attempts, {} probes sent ({} answered), {} network changes seen, since start\n",
+            opt(&up["probes_sent_total"]),
+            opt(&up["probe_wakeups_total"]),
+            opt(&up["network_wakeups_total"]),
+        ));
     }
     let r = &status["rates"];
     if let Some(w) = r["window_s"].as_f64() {
