@@ -627,7 +627,11 @@ pub async fn profile(
     };
     let t0 = Instant::now();
     if !drain {
-        ctx.progress(format!("profile: pushing {} MiB, {per_request} record(s) per request", bytes / MIB));
+        let how = match load.window {
+            Some(window) => format!("through the record stream, {window} records unacknowledged per producer"),
+            None => format!("{per_request} record(s) per request"),
+        };
+        ctx.progress(format!("profile: pushing {} MiB, {how}", bytes / MIB));
         accepted = world::produce(&w.socket, &load).await?;
     }
     w.wait_drained(accepted.records, Duration::from_secs(1200))?;
