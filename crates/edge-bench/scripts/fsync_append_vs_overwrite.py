@@ -10,8 +10,12 @@ the median and p90 fdatasync time, the process CPU per write+fdatasync, the proc
 (sectors written in /sys/dev/block/MAJ:MIN/stat, from every process on the machine).
 
 "append" grows a new file, as a new spool segment is written; "overwrite" writes over a
-16 MiB file written and fsynced beforehand, as a recycled segment (the spare) is.
+16 MiB file written and fsynced beforehand, as a recycled segment (the spare) is; "reserved"
+grows a new file whose 16 MiB of disk blocks were reserved first with
+fallocate(FALLOC_FL_KEEP_SIZE), as the ingest's active segment is (the fallocate is measured
+with the writes).
 """
+import ctypes
 import os
 import resource
 import shutil
@@ -36,7 +40,18 @@ def proc_written():
     raise RuntimeError("no write_bytes in /proc/self/io")
 
 
-def run(d, name, prewrite):
+FALLOC_FL_KEEP_SIZE = 1
+libc = ctypes.CDLL(None, use_errno=True)
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def reserve(fd, length):
+    if libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"fallocate(KEEP_SIZE): {os.strerror(e)}")
+
+
+def run(d, name, prewrite, reserved=False):
     p = os.path.join(d, name)
     if os.path.exists(p):
         os.unlink(p)
@@ -52,6 +67,8 @@ def run(d, name, prewrite):
     times = []
     w0, d0 = proc_written(), device_written(d)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
+    if reserved:
+        reserve(fd, 16 << 20)
     off = 0
     while off < TOTAL:
         os.pwrite(fd, piece, off)
@@ -81,6 +98,7 @@ def main():
         for _ in range(2):
             run(d, "append", False)
             run(d, "overwrite", True)
+            run(d, "reserved", False, reserved=True)
     finally:
         shutil.rmtree(d)
 

@@ -6,7 +6,10 @@
 //! `fdatasync` for a whole batch, which [`StoreHandle`] fills from every connection at once.
 //! The committed pages then leave the page cache (`posix_fadvise(DONTNEED)`, all but the
 //! partial last one): nothing in the server reads them back, and their freed pages are what
-//! the next commits write into.
+//! the next commits write into. The active segment's disk blocks are reserved up to 16 MiB
+//! ahead of its writes (`fallocate(FALLOC_FL_KEEP_SIZE)`, where the file system can), which
+//! leaves its length alone; what is reserved past its end is given back when it is rolled, or
+//! at open when it will not be appended to again.
 //! [`export`] reads the chunks back, also while a server runs on the same directory.
 //!
 //! # On-disk layout
