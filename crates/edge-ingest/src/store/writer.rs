@@ -939,12 +939,17 @@ mod tests {
         text.trim().parse().unwrap_or_else(|e| panic!("fincore printed {text:?}: {e}"))
     }
 
-    #[test]
-    fn committed_bytes_leave_the_page_cache_but_the_partial_last_page_and_every_entry_stay_readable() {
-        // On a disk file system: tmpfs pages cannot be dropped, and `/tmp` may be one.
+    /// A temporary directory on the disk file system under `target/`: `/tmp` may be tmpfs,
+    /// whose pages cannot be dropped and whose `fallocate` is not a disk's.
+    fn disk_tempdir() -> tempfile::TempDir {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-tmp");
         fs::create_dir_all(&base).expect("create target/test-tmp");
-        let dir = tempfile::tempdir_in(&base).expect("tempdir");
+        tempfile::tempdir_in(&base).expect("tempdir")
+    }
+
+    #[test]
+    fn committed_bytes_leave_the_page_cache_but_the_partial_last_page_and_every_entry_stay_readable() {
+        let dir = disk_tempdir();
         let (mut store, _) = open(dir.path());
         let big = vec![0x5a; 256 << 10];
         let batch: Vec<IncomingChunk> = (1..=8).map(|seq| chunk(seq, &big)).collect();
@@ -977,10 +982,7 @@ mod tests {
 
     #[test]
     fn disk_blocks_are_reserved_ahead_of_the_active_segment_and_given_back_when_it_is_done() {
-        // On a disk file system, as above: what tmpfs does with `fallocate` is not the point.
-        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-tmp");
-        fs::create_dir_all(&base).expect("create target/test-tmp");
-        let dir = tempfile::tempdir_in(&base).expect("tempdir");
+        let dir = disk_tempdir();
         let max = 4 << 20;
         let opts = |max| StoreOptions { segment_max_bytes: max, ..StoreOptions::new(dir.path()) };
         let seg = |n| dir.path().join(SEGMENTS_DIR).join(format::segment_file_name(n));
@@ -1007,7 +1009,8 @@ mod tests {
         let large = vec![0xa5; 3 << 19];
         let batch: Vec<IncomingChunk> = (2..=5).map(|seq| chunk(seq, &large)).collect();
         assert!(store.persist(batch).iter().all(PersistOutcome::is_durable));
-        assert_eq!(store.stats().active_segment, 2, "{:?}", store.stats());
+        let last = store.stats().active_segment;
+        assert_eq!(last, 2, "{:?}", store.stats());
         let full = segment_len(dir.path(), 1);
         assert!(full < max - (512 << 10), "segment 1 rolled at {full} bytes");
         assert!(
@@ -1018,7 +1021,6 @@ mod tests {
         drop(store);
         // A segment the next run will not append to (here: reopened with a smaller maximum)
         // gives its reservation back at open.
-        let last = store_last_segment(dir.path());
         let last_len = fs::metadata(seg(last)).expect("last segment").len();
         let (store, _) = Store::open(opts(last_len)).expect("reopen with a smaller maximum");
         assert!(store.active.is_none(), "the last segment is full for this maximum");
@@ -1031,14 +1033,5 @@ mod tests {
         let (seqs, report) = exported_seqs(dir.path());
         assert_eq!(seqs, (1..=5).collect::<Vec<_>>());
         assert_eq!((report.corrupt, report.corrupt_regions), (0, 0), "{report:?}");
-    }
-
-    fn store_last_segment(dir: &Path) -> u64 {
-        scan::list_segments(&dir.join(SEGMENTS_DIR))
-            .expect("list")
-            .into_iter()
-            .map(|(n, _)| n)
-            .max()
-            .expect("a segment")
     }
 }
