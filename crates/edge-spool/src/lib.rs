@@ -95,7 +95,9 @@
 //! segment when it appends); a call with nothing to do opens no
 //! transaction. At `COMMIT` SQLite appends the changed pages to `-wal` with a
 //! commit frame; under `synchronous=FULL` it then fsyncs `-wal` before `COMMIT` returns, under
-//! `NORMAL` it does not. Checkpoints (automatic, every ~1000 WAL pages, and when the last
+//! `NORMAL` it does not. [`Spool::defer_wal_sync`] switches a `Full` spool to `NORMAL` and
+//! returns a [`WalSync`] that fsyncs `-wal` on another thread, for every commit that returned
+//! before it starts, while the writer goes on (see `walsync.rs`). Checkpoints (automatic, every ~1000 WAL pages, and when the last
 //! connection closes) copy WAL pages into the main file and fsync both in either mode; the WAL is
 //! then reset and kept at most 64 MiB (`journal_size_limit`). Rows are never changed outside
 //! such a transaction, so every crash point lands on a committed state.
@@ -105,7 +107,9 @@
 //! * When [`Spool::append`] returns `Ok` (or [`Spool::commit`] returns `Ok` with
 //!   [`CommitReport::appends`] `Ok`), every request reported [`AppendOutcome::Accepted`] is in
 //!   a committed transaction. With [`Durability::Full`] (`synchronous=FULL`) the WAL was fsynced
-//!   before `COMMIT` returned, so the batches survive a process crash *and* a power cut. With
+//!   before `COMMIT` returned, so the batches survive a process crash *and* a power cut; after
+//!   [`Spool::defer_wal_sync`] that holds once a [`WalSync::sync`] begun after the call has
+//!   returned `Ok`, and until then readers do not list the chunks sealed since. With
 //!   [`Durability::Normal`] (`synchronous=NORMAL`) they survive a process crash; after a power
 //!   cut or OS crash the last transactions (those since the last WAL sync/checkpoint) may be
 //!   rolled back, but the database stays consistent.
@@ -181,6 +185,8 @@
 //! * `recovery.rs`: opening a file, quick check, quarantine of a bad file.
 //! * `check.rs`: [`check`], the read-only audit behind `edge-uploader spool check`.
 //! * `reserve.rs`: the disk reserve that keeps acks working on a full file system.
+//! * `walsync.rs`: [`WalSync`], the WAL's sync off the commit path, and the watermark readers
+//!   list chunks up to.
 //! * `state.rs`: the in-memory counters.
 //! * `spool.rs`: the writer [`Spool`].
 //! * `reader.rs`: [`SpoolReader`].
@@ -210,6 +216,7 @@ mod schema;
 mod segment;
 mod spool;
 mod state;
+mod walsync;
 
 use std::fmt;
 use std::path::PathBuf;
@@ -220,6 +227,7 @@ pub use error::SpoolError;
 pub use reader::SpoolReader;
 pub use segment::disk_usage;
 pub use spool::Spool;
+pub use walsync::WalSync;
 
 /// The identity of one spool file, 16 random bytes drawn when the file is created.
 ///
@@ -246,7 +254,8 @@ impl fmt::Display for SpoolId {
 /// How hard `COMMIT` works before it returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Durability {
-    /// `synchronous=FULL`: the WAL is fsynced on every commit; survives power cuts.
+    /// `synchronous=FULL`: the WAL is fsynced on every commit (by `COMMIT` itself, or by a
+    /// [`WalSync`] after [`Spool::defer_wal_sync`]); survives power cuts.
     #[default]
     Full,
     /// `synchronous=NORMAL`: survives process crashes; a power cut may roll back the last commits.

@@ -10,6 +10,7 @@ use crate::error::ctx;
 use crate::rowcrc::{self, BatchRow, ChunkRow, SegRef};
 use crate::schema;
 use crate::segment::SegmentFiles;
+use crate::walsync::Visible;
 use crate::{ChunkId, ChunkMeta, ChunkPayload, QuarantinedChunk, SpoolError};
 
 /// A read-only connection to a spool file, made by [`Spool::reader`](crate::Spool::reader).
@@ -20,17 +21,26 @@ pub struct SpoolReader {
     /// `meta.legacy_batches_through`: batch rows up to this id may have no row checksum.
     legacy_batches_through: i64,
     segments: SegmentFiles,
+    /// Chunks with a greater id are committed but not durable yet (see `walsync.rs`).
+    visible: Visible,
 }
 
 const META_COLUMNS: &str = "c.id, s.name, c.seq, c.records, c.bytes, c.first_ms, c.sealed_ms";
 
 impl SpoolReader {
-    pub(crate) fn open(path: &Path, legacy_batches_through: i64) -> Result<SpoolReader, SpoolError> {
-        Ok(SpoolReader { conn: schema::open_reader(path)?, legacy_batches_through, segments: SegmentFiles::new(path) })
+    pub(crate) fn open(path: &Path, legacy_batches_through: i64, visible: Visible) -> Result<SpoolReader, SpoolError> {
+        Ok(SpoolReader {
+            conn: schema::open_reader(path)?,
+            legacy_batches_through,
+            segments: SegmentFiles::new(path),
+            visible,
+        })
     }
 
     /// Up to `limit` sealed, not quarantined chunks with an id greater than `after` (all if
-    /// `None`), ordered by id, which is sealing order.
+    /// `None`), ordered by id, which is sealing order. While the writer defers its WAL sync
+    /// ([`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync)), only chunks a sync has made
+    /// durable.
     ///
     /// # Errors
     /// SQLite errors; a row with values our schema cannot hold gives a
@@ -45,10 +55,10 @@ impl SpoolReader {
             .conn
             .prepare_cached(&format!(
                 "SELECT {META_COLUMNS} FROM chunks c JOIN streams s ON s.id = c.stream_id
-                 WHERE c.id > ?1 AND c.quarantine IS NULL ORDER BY c.id"
+                 WHERE c.id > ?1 AND c.id <= ?2 AND c.quarantine IS NULL ORDER BY c.id"
             ))
             .map_err(ctx("listing sealed chunks"))?;
-        let rows = stmt.query_map([after], meta_from_row).map_err(ctx("listing sealed chunks"))?;
+        let rows = stmt.query_map([after, self.visible.get()], meta_from_row).map_err(ctx("listing sealed chunks"))?;
         rows.take(limit).collect::<Result<_, _>>().map_err(ctx("listing sealed chunks"))
     }
 

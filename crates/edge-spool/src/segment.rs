@@ -185,8 +185,9 @@ pub(crate) struct SegmentWriter {
     retired: BTreeSet<i64>,
     /// Spare files (deleted segments kept for reuse), at most [`SPARES`].
     spares: Vec<PathBuf>,
-    /// `synchronous=NORMAL`: a commit is not durable when it returns, so the WAL is fsynced
-    /// before segments are deleted, lest a power cut bring back rows that point into them.
+    /// `synchronous=NORMAL` (configured, or deferred syncs): a commit is not durable when it
+    /// returns, so the WAL is fsynced before segments are deleted, lest a power cut bring back
+    /// rows that point into them.
     sync_wal_before_delete: bool,
     /// Unit tests: every write fails as on a full file system.
     #[cfg(test)]
@@ -449,6 +450,12 @@ impl SegmentWriter {
             self.drop_spares();
         }
         self.remove(dead, recycle);
+    }
+
+    /// Whether the WAL is fsynced before dead segments are deleted: needed whenever a commit
+    /// may return before it is durable.
+    pub(crate) fn sync_wal_before_delete(&mut self, on: bool) {
+        self.sync_wal_before_delete = on;
     }
 
     /// Deletes the spare segment files (their space is needed: the disk is full).

@@ -17,6 +17,7 @@ use crate::rowcrc::{self, BatchRow, ChunkRow, SegRef};
 use crate::schema::{BATCH_LEN, META_DROPPED_CHUNKS, META_DROPPED_RECORDS, META_ROW_CRC};
 use crate::segment::{SegmentUse, SegmentWriter};
 use crate::state::{State, StreamState, min_opt};
+use crate::walsync::{Visible, WalSync};
 use crate::{
     AckReport, AppendOutcome, AppendRequest, Batch, ChunkId, ChunkMeta, CommitReport, FullPolicy, OpenReport, SealWhat,
     SpoolError, SpoolId, SpoolOptions, SpoolStats, len_u64,
@@ -32,6 +33,8 @@ pub struct Spool {
     state: State,
     reserve: Reserve,
     segments: SegmentWriter,
+    /// The newest chunk id readers may list (see `walsync.rs`).
+    visible: Visible,
 }
 
 impl Spool {
@@ -71,7 +74,15 @@ impl Spool {
             opened.created,
             opts.durability,
         )?;
-        let spool = Spool { conn: opened.conn, id: opened.id, opts, state: opened.state, reserve, segments };
+        let spool = Spool {
+            conn: opened.conn,
+            id: opened.id,
+            opts,
+            state: opened.state,
+            reserve,
+            segments,
+            visible: Visible::default(),
+        };
         Ok((spool, report))
     }
 
@@ -431,7 +442,43 @@ impl Spool {
     /// # Errors
     /// When SQLite cannot open the file.
     pub fn reader(&self) -> Result<SpoolReader, SpoolError> {
-        SpoolReader::open(&self.opts.path, self.state.meta.legacy_batches_through)
+        SpoolReader::open(&self.opts.path, self.state.meta.legacy_batches_through, self.visible.clone())
+    }
+
+    /// The id of the newest chunk ever sealed in this file (acked or not), from memory; `None`
+    /// before the first seal.
+    pub fn newest_chunk(&self) -> Option<ChunkId> {
+        let newest = self.state.next_chunk_id.saturating_sub(1);
+        (newest > 0).then_some(ChunkId(newest))
+    }
+
+    /// Takes the WAL's sync off the commit path, for [`Durability::Full`](crate::Durability::Full)
+    /// (with `Normal` there is no sync to move, and this returns `None`).
+    ///
+    /// From this call on, the connection runs `synchronous=NORMAL`: a write returns once its
+    /// transaction is in the WAL, **before it is durable**, and the returned [`WalSync`] makes
+    /// it durable. The caller must not act on a commit (answer a producer, send what it sealed)
+    /// before a [`WalSync::sync`] that started after the commit returned `Ok`. Readers from
+    /// [`Spool::reader`] list chunks only up to the `sealed_through` of the last good sync, and
+    /// payload segments are deleted only after a sync of the WAL of their own (else a power
+    /// cut could bring back rows that point into a deleted file). Everything committed so far
+    /// is synced here, so every chunk in the file now is visible.
+    ///
+    /// # Errors
+    /// When the pragma cannot be set or the WAL cannot be synced; the spool is then unchanged
+    /// (still `synchronous=FULL`).
+    pub fn defer_wal_sync(&mut self) -> Result<Option<WalSync>, SpoolError> {
+        if self.opts.durability != crate::Durability::Full {
+            return Ok(None);
+        }
+        let mut sync = WalSync::open(recovery::with_suffix(&self.opts.path, "-wal"), self.visible.clone())?;
+        // Commits before this call were synced by `FULL`, or made under `Normal` by an earlier
+        // run: sync once, then every chunk in the file is durable.
+        sync.sync(None)?;
+        self.conn.pragma_update(None, "synchronous", "NORMAL").map_err(ctx("setting synchronous"))?;
+        self.segments.sync_wal_before_delete(true);
+        self.visible.set(self.newest_chunk().map_or(0, |c| c.0));
+        Ok(Some(sync))
     }
 
     /// Runs a write that frees (or must not be blocked by a lack of) disk space. On
@@ -1460,6 +1507,63 @@ mod tests {
             assert_eq!(mode, "wal");
             assert_eq!(count(&spool, "PRAGMA user_version"), crate::schema::SCHEMA_VERSION);
         }
+    }
+
+    #[test]
+    fn deferring_the_wal_sync_switches_full_to_normal_and_normal_has_nothing_to_defer() {
+        let (_dir, mut opts) = setup();
+        opts.durability = Durability::Normal;
+        let (mut spool, _) = open(&opts);
+        assert!(spool.defer_wal_sync().expect("defer").is_none());
+        assert_eq!(count(&spool, "PRAGMA synchronous"), 1);
+
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        assert!(spool.defer_wal_sync().expect("defer").is_some());
+        assert_eq!(count(&spool, "PRAGMA synchronous"), 1, "the sync thread syncs instead of COMMIT");
+    }
+
+    #[test]
+    fn readers_list_a_chunk_sealed_under_a_deferred_sync_only_after_a_sync_covers_it() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"before")])], 1).expect("append");
+        spool.seal_all(2).expect("seal");
+        let mut reader = spool.reader().expect("reader made before the deferral");
+        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
+        // What was sealed before the deferral is durable, and listed.
+        let first = spool.newest_chunk().expect("a chunk");
+        let ids =
+            |r: &mut SpoolReader| r.sealed_after(None, 10).expect("list").iter().map(|c| c.id).collect::<Vec<_>>();
+        assert_eq!(ids(&mut reader), vec![first]);
+
+        spool.append(&[req(vec![batch("a", b"after")])], 3).expect("append");
+        spool.seal_all(4).expect("seal");
+        let second = spool.newest_chunk().expect("a chunk");
+        assert!(second > first);
+        // Committed (the writer's counters say so) but not durable yet: not listed, by any
+        // reader, old or new.
+        assert_eq!(spool.stats().sealed_chunks, 2);
+        assert_eq!(ids(&mut reader), vec![first]);
+        assert_eq!(ids(&mut spool.reader().expect("reader")), vec![first]);
+
+        sync.sync(Some(second)).expect("sync");
+        assert_eq!(ids(&mut reader), vec![first, second]);
+        // A sync that covers fewer chunks never hides one again.
+        sync.sync(Some(first)).expect("sync");
+        assert_eq!(ids(&mut reader), vec![first, second]);
+    }
+
+    #[test]
+    fn newest_chunk_counts_acked_chunks_too() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        assert_eq!(spool.newest_chunk(), None);
+        spool.append(&[req(vec![batch("a", b"x")])], 1).expect("append");
+        spool.seal_all(2).expect("seal");
+        let id = spool.newest_chunk().expect("a chunk");
+        spool.ack(&[id]).expect("ack");
+        assert_eq!(spool.newest_chunk(), Some(id));
     }
 
     #[test]
