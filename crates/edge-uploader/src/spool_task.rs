@@ -6,21 +6,31 @@
 //! seals the chunks whose linger expired (`Spool::commit`): one fsync per iteration. Acks with
 //! nothing else to commit wait up to `ACK_LINGER` for company. The thread wakes the uploader
 //! whenever a commit sealed at least one chunk.
+//!
+//! Under `durability = "full"` the WAL's fsync is not on that thread: the spool runs
+//! `synchronous=NORMAL` and a second thread, `edge-spool-sync`, `fdatasync`s the WAL for every
+//! commit queued when it starts ([`edge_spool::WalSync`]) while the writer builds the next
+//! transaction. Only after that sync is a commit *settled*: producers get their answers,
+//! `seal_all` callers return, the chunks it sealed become visible to the spool's readers and
+//! are handed to the uploader, and the uploader is woken. A failed sync answers every
+//! outstanding request with an error and ends the process (status 74): nothing committed since
+//! the last good sync can be promised any more, and a restart reopens the spool from what is on
+//! disk.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use edge_spool::{
-    AppendOutcome, AppendRequest, ChunkId, ChunkPayload, FullPolicy, SealWhat, Spool, SpoolError, SpoolId, SpoolReader,
-    SpoolStats,
+    AppendOutcome, AppendRequest, ChunkId, ChunkMeta, ChunkPayload, FullPolicy, SealWhat, Spool, SpoolError, SpoolId,
+    SpoolReader, SpoolStats, WalSync,
 };
 use tokio::sync::{Notify, oneshot};
 use tracing::{error, warn};
 
-use crate::handoff::{Handoff, Retained};
+use crate::handoff::{Handoff, Payload, Retained};
 
 /// Largest amount of request bytes put in one transaction.
 const MAX_GROUP_BYTES: u64 = 64 << 20;
@@ -33,6 +43,9 @@ const ACK_LINGER: Duration = Duration::from_millis(10);
 
 /// Acks that get a commit at once, however young.
 const ACK_GROUP: usize = 64;
+
+/// The exit status after a failed WAL sync (`EX_IOERR`).
+const EXIT_SYNC_FAILED: i32 = 74;
 
 /// Why an append did not go through.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -110,8 +123,13 @@ impl SpoolThread {
 }
 
 impl SpoolHandle {
-    /// Starts the thread owning `spool`.
-    pub fn spawn(spool: Spool) -> std::io::Result<(SpoolHandle, SpoolThread)> {
+    /// Starts the thread owning `spool` (and, under [`edge_spool::Durability::Full`], the
+    /// thread that syncs its WAL: see the module doc).
+    ///
+    /// # Errors
+    /// When a thread cannot be started, or the spool cannot defer its WAL sync.
+    pub fn spawn(mut spool: Spool) -> std::io::Result<(SpoolHandle, SpoolThread)> {
+        let wal_sync = spool.defer_wal_sync().map_err(std::io::Error::other)?;
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(Mutex::new(spool.stats()));
         let sealed = Arc::new(Notify::new());
@@ -130,9 +148,15 @@ impl SpoolHandle {
             path,
             handoff: handoff.clone(),
         };
-        let shared = Shared { stats, sealed, uploader_idle, pending_acks, handoff };
-        let join =
-            std::thread::Builder::new().name("edge-spool".into()).spawn(move || writer_loop(spool, rx, shared))?;
+        let settler = Settler { sealed, handoff, settling: Arc::new(AtomicU64::new(0)) };
+        let syncer = match wal_sync {
+            Some(wal) => Some(Syncer::spawn(wal, settler.clone())?),
+            None => None,
+        };
+        let shared = Shared { stats, uploader_idle, pending_acks, settler };
+        let join = std::thread::Builder::new()
+            .name("edge-spool".into())
+            .spawn(move || writer_loop(spool, rx, shared, syncer))?;
         Ok((handle, SpoolThread { join: Some(join) }))
     }
 
@@ -280,21 +304,145 @@ fn now_ms() -> u64 {
 /// few hundred bytes. The open batches are as durable as sealed chunks, and are sealed by
 /// `linger` again as soon as the uploader takes seals. Not while they hold an eighth of
 /// `spool.max_bytes` or more: only sealed chunks can be dropped to make room.
-fn held_back(spool: &Spool, handoff: &Handoff) -> bool {
-    !handoff.wants_seals() && spool.total_open_bytes() < spool.options().max_bytes / 8
+///
+/// Chunks sealed by commits that are not settled yet count as chunks the uploader has not
+/// taken.
+fn held_back(spool: &Spool, handoff: &Handoff, settling: &AtomicU64) -> bool {
+    let waiting = settling.load(Ordering::Acquire) > 0 || !handoff.wants_seals();
+    waiting && spool.total_open_bytes() < spool.options().max_bytes / 8
 }
 
 /// What the spool thread shares with the handles.
 struct Shared {
     stats: Arc<Mutex<SpoolStats>>,
-    sealed: Arc<Notify>,
     uploader_idle: Arc<AtomicBool>,
     pending_acks: Arc<Mutex<Vec<ChunkId>>>,
-    handoff: Arc<Handoff>,
+    settler: Settler,
 }
 
-fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared) {
-    let Shared { stats, sealed, uploader_idle, pending_acks, handoff } = shared;
+/// What one commit promised, kept until it is durable.
+struct Settle {
+    replies: Vec<oneshot::Sender<Result<(), AppendFailure>>>,
+    answer: Result<Vec<AppendOutcome>, AppendFailure>,
+    seal_waiters: Vec<oneshot::Sender<()>>,
+    /// The chunks sealed, for the handoff.
+    handed: Vec<(ChunkMeta, Option<Payload>)>,
+    sealed_any: bool,
+    /// The newest chunk id in the file after the commit.
+    sealed_through: Option<ChunkId>,
+}
+
+/// Settles commits: answers, hands over and wakes, once they are durable.
+#[derive(Clone)]
+struct Settler {
+    sealed: Arc<Notify>,
+    handoff: Arc<Handoff>,
+    /// Chunks sealed by commits not settled yet (see [`held_back`]).
+    settling: Arc<AtomicU64>,
+}
+
+impl Settler {
+    /// `durable` is `Err` when the commit may be lost: its producers get the error, and
+    /// nothing it sealed is handed over.
+    fn settle(&self, s: Settle, durable: Result<(), &AppendFailure>) {
+        let Settle { replies, answer, seal_waiters, handed, sealed_any, sealed_through: _ } = s;
+        let sealed_count = handed.len() as u64;
+        let answer = match durable {
+            Ok(()) => {
+                // Before the answers and the wake-up: a `seal_all` caller or a woken uploader
+                // finds the chunks queued.
+                if !handed.is_empty() {
+                    self.handoff.sealed(handed);
+                }
+                answer
+            }
+            Err(failure) => {
+                self.handoff.stop();
+                Err(failure.clone())
+            }
+        };
+        self.settling.fetch_sub(sealed_count, Ordering::AcqRel);
+        match &answer {
+            Ok(outcomes) => {
+                for (reply, outcome) in replies.into_iter().zip(outcomes) {
+                    let r = match outcome {
+                        AppendOutcome::Accepted => Ok(()),
+                        AppendOutcome::Full => Err(AppendFailure::Full),
+                    };
+                    let _gone = reply.send(r);
+                }
+            }
+            Err(failure) => {
+                if !replies.is_empty() {
+                    warn!(error = %failure, requests = replies.len(), "group commit failed; producers get an error and nothing is stored");
+                }
+                for reply in replies {
+                    let _gone = reply.send(Err(failure.clone()));
+                }
+            }
+        }
+        for w in seal_waiters {
+            let _gone = w.send(());
+        }
+        // Wake the uploader for every chunk sealed, not for a net growth of the sealed count:
+        // acks in the same commit may delete as many chunks as were sealed.
+        if sealed_any && durable.is_ok() {
+            self.sealed.notify_one();
+        }
+    }
+}
+
+/// The `edge-spool-sync` thread: syncs the WAL for the commits queued, then settles them.
+struct Syncer {
+    tx: mpsc::Sender<Settle>,
+    join: JoinHandle<()>,
+}
+
+impl Syncer {
+    fn spawn(mut wal: WalSync, settler: Settler) -> std::io::Result<Syncer> {
+        let (tx, rx) = mpsc::channel::<Settle>();
+        let join = std::thread::Builder::new().name("edge-spool-sync".into()).spawn(move || {
+            while let Ok(first) = rx.recv() {
+                // One sync for every commit queued by now: each returned before the sync starts.
+                let mut group = vec![first];
+                group.extend(rx.try_iter());
+                let through = group.iter().filter_map(|s| s.sealed_through).max();
+                let synced = wal.sync(through).map_err(|e| {
+                    let failure = AppendFailure::Storage(format!("{e}: {}", error_chain(&e)));
+                    error!(error = %failure, "could not fsync the spool's WAL: the last commits may not survive a power cut; exiting");
+                    failure
+                });
+                let failed = synced.is_err();
+                for s in group {
+                    settler.settle(s, synced.as_ref().map(|_| ()));
+                }
+                if failed {
+                    // Whatever is queued still gets its error; then no further promise is made.
+                    for s in rx.try_iter() {
+                        settler.settle(s, synced.as_ref().map(|_| ()));
+                    }
+                    std::process::exit(EXIT_SYNC_FAILED);
+                }
+            }
+        })?;
+        Ok(Syncer { tx, join })
+    }
+}
+
+/// The sources of an error, joined, for the one line a producer gets.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = Vec::new();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push(s.to_string());
+        source = s.source();
+    }
+    out.join(": ")
+}
+
+fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer: Option<Syncer>) {
+    let Shared { stats, uploader_idle, pending_acks, settler } = shared;
+    let Settler { sealed, handoff, settling } = settler.clone();
     let mut retained = Retained::default();
     let mut dropped_chunks = spool.stats().dropped_chunks;
     let tick = (spool.options().linger / 2).clamp(Duration::from_millis(1), Duration::from_millis(50));
@@ -357,7 +505,7 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared) {
         let early = uploader_idle.load(Ordering::Relaxed);
         let seal = if !seal_waiters.is_empty() || !open || early {
             SealWhat::All
-        } else if held_back(&spool, &handoff) {
+        } else if held_back(&spool, &handoff, &settling) {
             SealWhat::Nothing
         } else {
             SealWhat::Due
@@ -383,48 +531,45 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared) {
         // Publish the new state before answering, so a producer that got its 200 never sees
         // statistics from before its own commit.
         let dropped_before = std::mem::replace(&mut dropped_chunks, publish(&spool, &stats));
-        match &answer {
-            Ok(outcomes) => {
-                for (reply, outcome) in replies.into_iter().zip(outcomes) {
-                    let r = match outcome {
-                        AppendOutcome::Accepted => Ok(()),
-                        AppendOutcome::Full => Err(AppendFailure::Full),
-                    };
-                    let _gone = reply.send(r);
-                }
-            }
-            Err(failure) => {
-                if !replies.is_empty() {
-                    warn!(error = %failure, requests = replies.len(), "group commit failed; producers get an error and nothing is stored");
-                }
-                for reply in replies {
-                    let _gone = reply.send(Err(failure.clone()));
-                }
-            }
-        }
-        for w in seal_waiters.drain(..) {
-            let _gone = w.send(());
-        }
-        // After the answers, so that producers do not wait for it: the committed batches are
-        // kept for the chunks they will be sealed into, and the chunks sealed now are handed
-        // to the uploader if it follows.
+        // The committed batches are kept for the chunks they will be sealed into, and the
+        // chunks sealed now are handed to the uploader if it follows (once settled).
         let accepted = answer.as_deref().unwrap_or_default();
         let handed = retained.committed(reqs, accepted, &sealed_now, &spool);
+        settling.fetch_add(handed.len() as u64, Ordering::AcqRel);
         if dropped_chunks != dropped_before {
             // The cap dropped chunks the handoff may hold: the uploader reads the spool again.
+            // At once, not once the commit settles: a dropped chunk is not to be sent.
             handoff.stop();
         }
-        if !handed.is_empty() {
-            handoff.sealed(handed);
+        if early && !sealed_now.is_empty() {
+            // The uploader has work now (once the commit settles); it says when it is idle
+            // again. Cleared here, not at the settling, lest the commits meanwhile seal early too.
+            uploader_idle.store(false, Ordering::Relaxed);
         }
-        // Wake the uploader for every chunk sealed, not for a net growth of the sealed count:
-        // acks in the same commit may delete as many chunks as were sealed.
-        if !sealed_now.is_empty() {
-            if early {
-                // The uploader has work now; it says when it is idle again.
-                uploader_idle.store(false, Ordering::Relaxed);
+        let settle = Settle {
+            replies,
+            answer,
+            seal_waiters: std::mem::take(&mut seal_waiters),
+            handed,
+            sealed_any: !sealed_now.is_empty(),
+            sealed_through: spool.newest_chunk(),
+        };
+        match &syncer {
+            Some(syncer) => {
+                if let Err(mpsc::SendError(settle)) = syncer.tx.send(settle) {
+                    // The sync thread is gone only if it exited the process; settle anyway.
+                    settler.settle(settle, Err(&AppendFailure::Storage("the spool's sync thread has stopped".into())));
+                }
             }
-            sealed.notify_one();
+            // Every commit was durable when it returned.
+            None => settler.settle(settle, Ok(())),
+        }
+    }
+    if let Some(Syncer { tx, join }) = syncer {
+        // The sync thread settles what is queued, then ends; the spool closes after it.
+        drop(tx);
+        if join.join().is_err() {
+            error!("spool sync thread panicked");
         }
     }
 }
@@ -592,16 +737,34 @@ mod tests {
         thread.join();
     }
 
+    #[test]
+    fn seals_not_settled_yet_hold_back_the_next_like_chunks_the_uploader_has_not_taken() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (spool, _) = Spool::open(SpoolOptions::new(dir.path().join("spool.db"))).expect("open spool");
+        let handoff = Handoff::default();
+        assert!(handoff.follow(handoff.generation()));
+        let settling = AtomicU64::new(0);
+        assert!(!held_back(&spool, &handoff, &settling), "following, nothing queued, nothing settling");
+        settling.store(1, Ordering::Release);
+        assert!(held_back(&spool, &handoff, &settling), "a chunk is about to be queued");
+    }
+
     #[tokio::test]
     async fn open_batches_holding_an_eighth_of_the_cap_are_sealed_by_linger_all_the_same() {
         let dir = tempfile::tempdir().expect("tempdir");
-        // An eighth of the cap is one request's 5 bytes: only sealed chunks can be dropped to
-        // make room, so open batches that large are not held back.
-        let (handle, thread) = spawn_due_at_once(dir.path(), 40);
+        // An eighth of the cap is 6 bytes, more than one request's 5: only sealed chunks can be
+        // dropped to make room, so open batches that large are not held back.
+        let (handle, thread) = spawn_due_at_once(dir.path(), 48);
         handle.append(request()).await.expect("append");
-        assert_eq!(counts(&handle), (0, 1));
+        assert_eq!(counts(&handle), (0, 1), "5 bytes open: held back (no uploader takes seals)");
+        // 10 bytes open: the next tick's commit seals them (maybe before the producer has its
+        // answer, which waits for the WAL's sync while the spool thread goes on).
         handle.append(request()).await.expect("append");
-        assert_eq!(counts(&handle), (1, 0));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while counts(&handle) != (1, 0) {
+            assert!(Instant::now() < deadline, "never sealed: {:?}", counts(&handle));
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
 
         drop(handle);
         thread.join();
