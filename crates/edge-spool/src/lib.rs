@@ -278,7 +278,7 @@ pub enum FullPolicy {
 pub struct SpoolOptions {
     /// The database file; its parent directory is created if missing.
     pub path: PathBuf,
-    /// `synchronous` mode of the writer connection.
+    /// Whether a commit survives a power cut (see [`Durability`]).
     pub durability: Durability,
     /// Cap on stored payload bytes (sum of batch data lengths, sealed and open, quarantine
     /// excluded). SQLite overhead (pages, indexes, WAL) comes on top.
