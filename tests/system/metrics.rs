@@ -131,6 +131,10 @@ fn counters_of_both_daemons_agree_with_what_was_sent_and_stored() -> anyhow::Res
         "the default compression sent {wire} bytes for {framed} framed record bytes"
     );
     assert_eq!(status["upload"]["wire_bytes_total"], wire, "status and metrics count the same: {status}");
+    // Every accepted request waited for a spool commit, timed once per commit (a group commit
+    // answers many requests; a commit that only seals counts too).
+    let commits = get(&a, "edge_uploader_spool_commit_seconds_count")?;
+    assert!((1..=records_sent + chunks).contains(&commits), "{commits} spool commits timed");
 
     // Nothing left behind.
     assert_eq!(get(&a, "edge_uploader_spool_bytes")?, 0);

@@ -96,9 +96,11 @@ pub const SPOOL_QUARANTINED_CHUNKS: &str = "edge_uploader_spool_quarantined_chun
 pub const UPLOAD_CHUNKS_FROM_MEMORY_TOTAL: &str = "edge_uploader_upload_chunks_from_memory_total";
 /// Chunk payload bytes written to the ingest's streams, after compression, every attempt.
 pub const UPLOAD_WIRE_BYTES_TOTAL: &str = "edge_uploader_upload_wire_bytes_total";
+/// Histogram: a spool commit that producers or seals wait for, from its start to settled.
+pub const SPOOL_COMMIT_SECONDS: &str = "edge_uploader_spool_commit_seconds";
 
 /// Every metric name above.
-pub const ALL: [&str; 27] = [
+pub const ALL: [&str; 28] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
@@ -126,6 +128,7 @@ pub const ALL: [&str; 27] = [
     SPOOL_QUARANTINED_CHUNKS,
     UPLOAD_CHUNKS_FROM_MEMORY_TOTAL,
     UPLOAD_WIRE_BYTES_TOTAL,
+    SPOOL_COMMIT_SECONDS,
 ];
 
 /// Distinct `stream` label values before further streams are folded into [`OTHER_STREAM`].
@@ -137,6 +140,25 @@ pub const OTHER_STREAM: &str = "other";
 /// lossy uplink, and after an outage, chunks wait minutes for their ack.
 pub const LATENCY_BUCKETS: [f64; 18] =
     [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0];
+
+/// Buckets of [`SPOOL_COMMIT_SECONDS`] in seconds, 100 µs to 10 s, 1-2.5-5 steps: a commit and
+/// its syncs are far quicker than a chunk's trip to the server, and as slow as the disk.
+pub const COMMIT_BUCKETS: [f64; 16] =
+    [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+
+/// The histogram behind [`SPOOL_COMMIT_SECONDS`]; the spool thread observes it.
+pub(crate) fn spool_commit_histogram() -> Histogram {
+    Histogram::with_opts(
+        HistogramOpts::new(
+            SPOOL_COMMIT_SECONDS,
+            "Time from the start of a spool commit that appends records or seals chunks to the moment it is settled: \
+             committed and, with durability = \"full\", the WAL fsynced after it. What producers wait for once the \
+             spool thread takes their requests.",
+        )
+        .buckets(COMMIT_BUCKETS.to_vec()),
+    )
+    .expect("constant name and help, increasing buckets")
+}
 
 /// How often the QUIC path figures are sampled while connected.
 pub const QUIC_SAMPLE_PERIOD: Duration = Duration::from_secs(1);
@@ -334,6 +356,7 @@ pub fn register(
 ) -> prometheus::Result<()> {
     intake.metrics.register(registry)?;
     upload.metrics.register(registry)?;
+    registry.register(Box::new(spool.commit_seconds().clone()))?;
     let (intake, upload) = (intake.clone(), upload.clone());
     registry.register(Box::new(LiveCollector::new(&LIVE_ALL, move || live_families(&spool, &intake, &upload))?))?;
     #[cfg(target_os = "linux")]
@@ -597,6 +620,7 @@ mod tests {
         let kind = |n: &str| families.iter().find(|(f, _)| f == n).map(|(_, k)| k.as_str());
         assert_eq!(kind(CHUNK_UPLOAD_LATENCY_SECONDS), Some("histogram"));
         assert_eq!(kind(END_TO_END_LATENCY_SECONDS), Some("histogram"));
+        assert_eq!(kind(SPOOL_COMMIT_SECONDS), Some("histogram"));
         assert_eq!(kind(CONNECTED), Some("gauge"));
     }
 

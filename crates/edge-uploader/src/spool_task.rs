@@ -27,6 +27,7 @@ use edge_spool::{
     AppendOutcome, AppendRequest, ChunkId, ChunkMeta, ChunkPayload, FullPolicy, SealWhat, Spool, SpoolError, SpoolId,
     SpoolReader, SpoolStats, WalSync,
 };
+use prometheus::Histogram;
 use tokio::sync::{Notify, oneshot};
 use tracing::{error, warn};
 
@@ -103,6 +104,8 @@ pub struct SpoolHandle {
     path: Arc<std::path::Path>,
     /// Sealed chunks handed to the uploader in memory (see `handoff.rs`).
     handoff: Arc<Handoff>,
+    /// See [`crate::metrics::SPOOL_COMMIT_SECONDS`].
+    commit_seconds: Histogram,
 }
 
 /// Joins the spool thread when the last handle is gone.
@@ -138,6 +141,7 @@ impl SpoolHandle {
         let pending_acks = Arc::new(Mutex::new(Vec::new()));
         let path: Arc<std::path::Path> = Arc::from(spool.options().path.as_path());
         let handoff = Arc::new(Handoff::default());
+        let commit_seconds = crate::metrics::spool_commit_histogram();
         let handle = SpoolHandle {
             tx,
             stats: stats.clone(),
@@ -147,8 +151,9 @@ impl SpoolHandle {
             id,
             path,
             handoff: handoff.clone(),
+            commit_seconds: commit_seconds.clone(),
         };
-        let settler = Settler { sealed, handoff, settling: Arc::new(AtomicU64::new(0)) };
+        let settler = Settler { sealed, handoff, settling: Arc::new(AtomicU64::new(0)), commit_seconds };
         let syncer = match wal_sync {
             Some(wal) => Some(Syncer::spawn(wal, settler.clone())?),
             None => None,
@@ -224,7 +229,11 @@ impl SpoolHandle {
     /// A read-only view of the statistics for observers (the metrics collector). Unlike a
     /// handle it does not keep the spool thread running, so shutdown is not held up by it.
     pub fn stats_view(&self) -> SpoolStatsView {
-        SpoolStatsView { stats: self.stats.clone(), path: self.path.clone() }
+        SpoolStatsView {
+            stats: self.stats.clone(),
+            path: self.path.clone(),
+            commit_seconds: self.commit_seconds.clone(),
+        }
     }
 
     /// Disk space the spool's files take now (see [`edge_spool::disk_usage`]); `None` when the
@@ -263,6 +272,7 @@ impl SpoolHandle {
 pub struct SpoolStatsView {
     stats: Arc<Mutex<SpoolStats>>,
     path: Arc<std::path::Path>,
+    commit_seconds: Histogram,
 }
 
 impl SpoolStatsView {
@@ -274,6 +284,11 @@ impl SpoolStatsView {
     /// As [`SpoolHandle::disk_bytes`].
     pub fn disk_bytes(&self) -> Option<u64> {
         disk_bytes(&self.path)
+    }
+
+    /// The spool thread's commit times ([`crate::metrics::SPOOL_COMMIT_SECONDS`]).
+    pub fn commit_seconds(&self) -> &Histogram {
+        &self.commit_seconds
     }
 }
 
@@ -330,6 +345,18 @@ struct Settle {
     sealed_any: bool,
     /// The newest chunk id in the file after the commit.
     sealed_through: Option<ChunkId>,
+    /// When the spool thread began the commit.
+    started: Instant,
+}
+
+impl Settle {
+    /// Whether anyone waits for this commit to be settled: a producer, a `seal_all` caller, or
+    /// the uploader for the chunks it sealed. A commit of acks alone, or of nothing (a tick
+    /// with nothing due), is made durable by the next sync, or never needs to be: an ack lost
+    /// in a power cut only costs a duplicate.
+    fn awaited(&self) -> bool {
+        !self.replies.is_empty() || !self.seal_waiters.is_empty() || !self.handed.is_empty()
+    }
 }
 
 /// Settles commits: answers, hands over and wakes, once they are durable.
@@ -339,13 +366,15 @@ struct Settler {
     handoff: Arc<Handoff>,
     /// Chunks sealed by commits not settled yet (see [`held_back`]).
     settling: Arc<AtomicU64>,
+    commit_seconds: Histogram,
 }
 
 impl Settler {
     /// `durable` is `Err` when the commit may be lost: its producers get the error, and
     /// nothing it sealed is handed over.
     fn settle(&self, s: Settle, durable: Result<(), &AppendFailure>) {
-        let Settle { replies, answer, seal_waiters, handed, sealed_any, sealed_through: _ } = s;
+        let Settle { replies, answer, seal_waiters, handed, sealed_any, sealed_through: _, started } = s;
+        self.commit_seconds.observe(started.elapsed().as_secs_f64());
         let sealed_count = handed.len() as u64;
         let answer = match durable {
             Ok(()) => {
@@ -442,7 +471,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 
 fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer: Option<Syncer>) {
     let Shared { stats, uploader_idle, pending_acks, settler } = shared;
-    let Settler { sealed, handoff, settling } = settler.clone();
+    let Settler { sealed, handoff, settling, .. } = settler.clone();
     let mut retained = Retained::default();
     let mut dropped_chunks = spool.stats().dropped_chunks;
     let tick = (spool.options().linger / 2).clamp(Duration::from_millis(1), Duration::from_millis(50));
@@ -499,6 +528,7 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
             }
             acks_since = None;
         }
+        let started = Instant::now();
         let now = now_ms();
         let (reqs, replies): (Vec<_>, Vec<_>) = std::mem::take(&mut appends).into_iter().unzip();
         let ids = std::mem::take(&mut *crate::lock(&pending_acks));
@@ -553,7 +583,11 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
             handed,
             sealed_any: !sealed_now.is_empty(),
             sealed_through: spool.newest_chunk(),
+            started,
         };
+        if !settle.awaited() {
+            continue;
+        }
         match &syncer {
             Some(syncer) => {
                 if let Err(mpsc::SendError(settle)) = syncer.tx.send(settle) {
@@ -765,6 +799,35 @@ mod tests {
             assert!(Instant::now() < deadline, "never sealed: {:?}", counts(&handle));
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+
+        drop(handle);
+        thread.join();
+    }
+
+    #[tokio::test]
+    async fn only_commits_someone_waits_for_are_synced_and_timed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut opts = SpoolOptions::new(dir.path().join("spool.db"));
+        // A tick every millisecond; no uploader follows, so nothing is due for sealing.
+        opts.linger = Duration::from_millis(2);
+        let (spool, _) = Spool::open(opts).expect("open spool");
+        let mut reader = spool.reader().expect("reader");
+        let (handle, thread) = SpoolHandle::spawn(spool).expect("spawn spool thread");
+        let commits = handle.stats_view().commit_seconds().clone();
+
+        handle.append(request()).await.expect("append");
+        assert_eq!(commits.get_sample_count(), 1, "the producer's commit");
+        handle.seal_all().await;
+        assert_eq!(commits.get_sample_count(), 2, "the seal_all caller's commit");
+        let chunks = reader.sealed_after(None, usize::MAX).expect("list");
+        assert_eq!(chunks.len(), 1);
+
+        // An ack alone, then dozens of ticks with nothing to do: no one waits for them, so none
+        // gets a sync of its own (an idle agent would otherwise fsync a thousand times a second).
+        handle.ack(vec![chunks[0].id]);
+        until_no_sealed_chunks(&handle).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(commits.get_sample_count(), 2);
 
         drop(handle);
         thread.join();
