@@ -340,9 +340,8 @@ struct Settle {
     replies: Vec<oneshot::Sender<Result<(), AppendFailure>>>,
     answer: Result<Vec<AppendOutcome>, AppendFailure>,
     seal_waiters: Vec<oneshot::Sender<()>>,
-    /// The chunks sealed, for the handoff.
+    /// The chunks sealed (each one, with or without its bytes), for the handoff.
     handed: Vec<(ChunkMeta, Option<Payload>)>,
-    sealed_any: bool,
     /// The newest chunk id in the file after the commit.
     sealed_through: Option<ChunkId>,
     /// When the spool thread began the commit.
@@ -373,9 +372,10 @@ impl Settler {
     /// `durable` is `Err` when the commit may be lost: its producers get the error, and
     /// nothing it sealed is handed over.
     fn settle(&self, s: Settle, durable: Result<(), &AppendFailure>) {
-        let Settle { replies, answer, seal_waiters, handed, sealed_any, sealed_through: _, started } = s;
+        let Settle { replies, answer, seal_waiters, handed, sealed_through: _, started } = s;
         self.commit_seconds.observe(started.elapsed().as_secs_f64());
         let sealed_count = handed.len() as u64;
+        let sealed_any = !handed.is_empty();
         let answer = match durable {
             Ok(()) => {
                 // Before the answers and the wake-up: a `seal_all` caller or a woken uploader
@@ -437,7 +437,7 @@ impl Syncer {
                 group.extend(rx.try_iter());
                 let through = group.iter().filter_map(|s| s.sealed_through).max();
                 let synced = wal.sync(through).map_err(|e| {
-                    let failure = AppendFailure::Storage(format!("{e}: {}", error_chain(&e)));
+                    let failure = AppendFailure::Storage(edge_telemetry::logging::error_chain(&e));
                     error!(error = %failure, "could not fsync the spool's WAL: the last commits may not survive a power cut; exiting");
                     failure
                 });
@@ -456,17 +456,6 @@ impl Syncer {
         })?;
         Ok(Syncer { tx, join })
     }
-}
-
-/// The sources of an error, joined, for the one line a producer gets.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = Vec::new();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push(s.to_string());
-        source = s.source();
-    }
-    out.join(": ")
 }
 
 fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer: Option<Syncer>) {
@@ -581,7 +570,6 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
             answer,
             seal_waiters: std::mem::take(&mut seal_waiters),
             handed,
-            sealed_any: !sealed_now.is_empty(),
             sealed_through: spool.newest_chunk(),
             started,
         };
@@ -686,13 +674,18 @@ mod tests {
         (handle, thread, reader)
     }
 
-    /// Waits (10 s at most) until every sealed chunk is acked and committed.
-    async fn until_no_sealed_chunks(handle: &SpoolHandle) {
+    /// Waits (10 s at most) until the spool's statistics satisfy `done`.
+    async fn until(handle: &SpoolHandle, what: &str, done: impl Fn(&SpoolStats) -> bool) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while handle.stats().sealed_chunks != 0 {
-            assert!(std::time::Instant::now() < deadline, "acks never committed: {:?}", handle.stats());
+        while !done(&handle.stats()) {
+            assert!(std::time::Instant::now() < deadline, "{what}: never happened; {:?}", handle.stats());
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+    }
+
+    /// Waits (10 s at most) until every sealed chunk is acked and committed.
+    async fn until_no_sealed_chunks(handle: &SpoolHandle) {
+        until(handle, "acks committed", |s| s.sealed_chunks == 0).await;
     }
 
     fn request() -> AppendRequest {
@@ -794,11 +787,7 @@ mod tests {
         // 10 bytes open: the next tick's commit seals them (maybe before the producer has its
         // answer, which waits for the WAL's sync while the spool thread goes on).
         handle.append(request()).await.expect("append");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while counts(&handle) != (1, 0) {
-            assert!(Instant::now() < deadline, "never sealed: {:?}", counts(&handle));
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        until(&handle, "sealed", |s| (s.sealed_chunks, s.open_records) == (1, 0)).await;
 
         drop(handle);
         thread.join();
