@@ -459,6 +459,7 @@ fn agent_disk_full_answers_507_then_recovers_once_uploads_free_the_spool() -> an
     // full, and intake must accept again.
     let mut ingest = world.start_ingest()?;
     let ingest_up = Instant::now();
+    let full_before_ingest = ingest_up.duration_since(full_since);
     wait_for("intake to accept again", Duration::from_secs(90), || {
         Ok(total(&producers, |p| p.acked.load(Ordering::Relaxed)) > acked_at_full + acked_while_full + 100)
     })?;
@@ -482,7 +483,7 @@ fn agent_disk_full_answers_507_then_recovers_once_uploads_free_the_spool() -> an
         "acked_before_full": acked_at_full,
         "acked_while_full_without_ingest": acked_while_full,
         "refused_507": refused,
-        "full_for_s_before_ingest": full_since.elapsed().as_secs_f64() - recovered_after.as_secs_f64(),
+        "full_for_s_before_ingest": full_before_ingest.as_secs_f64(),
         "recovered_s_after_ingest_up": recovered_after.as_secs_f64(),
         "check": r.to_json(),
     });
