@@ -88,16 +88,26 @@ pub enum TransportVariant {
     /// quinn's BBR instead of Cubic as the sender's congestion controller (`edge-bench
     /// uplink`; not in the loopback sweep, where no controller limits anything).
     Bbr,
+    /// The sender asks the receiver (by the ACK-frequency extension) to ACK once more than 3
+    /// ack-eliciting packets have arrived instead of every second packet.
+    AckThreshold3,
+    /// The same, more than 10 packets.
+    AckThreshold10,
+    /// The same, more than 30 packets.
+    AckThreshold30,
 }
 
 impl TransportVariant {
     /// The variants of the loopback sweep.
-    pub const ALL: [TransportVariant; 5] = [
+    pub const ALL: [TransportVariant; 8] = [
         TransportVariant::Default,
         TransportVariant::GsoOff,
         TransportVariant::MtuDiscoveryOff,
         TransportVariant::KernelSocketBuffers,
         TransportVariant::QuinnWindows,
+        TransportVariant::AckThreshold3,
+        TransportVariant::AckThreshold10,
+        TransportVariant::AckThreshold30,
     ];
 
     pub fn tuning(self) -> edge_transport::Tuning {
@@ -113,6 +123,9 @@ impl TransportVariant {
             TransportVariant::Bbr => {
                 edge_transport::Tuning { congestion_controller: edge_transport::CongestionController::Bbr, ..t }
             }
+            TransportVariant::AckThreshold3 => edge_transport::Tuning { ack_eliciting_threshold: Some(3), ..t },
+            TransportVariant::AckThreshold10 => edge_transport::Tuning { ack_eliciting_threshold: Some(10), ..t },
+            TransportVariant::AckThreshold30 => edge_transport::Tuning { ack_eliciting_threshold: Some(30), ..t },
         }
     }
 
@@ -125,6 +138,9 @@ impl TransportVariant {
             TransportVariant::KernelSocketBuffers => "kernel-socket-buffers",
             TransportVariant::QuinnWindows => "quinn-windows",
             TransportVariant::Bbr => "bbr",
+            TransportVariant::AckThreshold3 => "ack-threshold3",
+            TransportVariant::AckThreshold10 => "ack-threshold10",
+            TransportVariant::AckThreshold30 => "ack-threshold30",
         }
     }
 }
@@ -344,6 +360,12 @@ async fn quic_server(pki: &Pki, total: u64, tuning: edge_transport::Tuning) -> a
     }
     let seconds = start.elapsed().as_secs_f64();
     let cpu_s = sys::self_cpu_seconds()? - cpu0;
+    // How often the receiver acknowledged: what the ACK-frequency variants of the sweep change.
+    let stats = conn.stats();
+    eprintln!(
+        "raw quinn receiver: {} ACK frames sent, {} packets received",
+        stats.frame_tx.acks, stats.udp_rx.datagrams
+    );
     conn.close(0u32.into(), b"done");
     endpoint.wait_idle().await;
     Ok(RoleResult { bytes: received, seconds, cpu_s, detail: String::new() })

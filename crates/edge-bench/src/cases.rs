@@ -662,7 +662,7 @@ fn attach(cmd: &[String], agent: u32, ingest: u32) -> anyhow::Result<std::proces
 }
 
 /// Configuration sweep of the knobs that need no code change: raw quinn with each transport
-/// variant (GSO, MTU discovery, socket buffers, windows), then live (10 KiB, one record per
+/// variant (GSO, MTU discovery, socket buffers, windows, ACK frequency), then live (10 KiB, one record per
 /// request) and the drain of a 256 MiB spool for each variant of the agent's configuration
 /// (durability, chunk size, chunks in flight, linger, zstd).
 pub async fn sweep(ctx: &Ctx, only: &[String]) -> anyhow::Result<Results> {

@@ -185,7 +185,7 @@ enum Cmd {
         allow_stale: bool,
     },
     /// Configuration sweep: raw quinn per transport knob (GSO, MTU discovery, socket buffers,
-    /// windows); live and drain per agent setting (durability, chunk size, chunks in flight,
+    /// windows, ACK frequency); live and drain per agent setting (durability, chunk size, chunks in flight,
     /// linger, zstd).
     Sweep {
         #[arg(long, default_value_t = 1)]

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use quinn::congestion::{BbrConfig, ControllerFactory, CubicConfig};
-use quinn::{IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
+use quinn::{AckFrequencyConfig, IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
 
 use crate::TransportError;
 
@@ -71,6 +71,10 @@ pub struct Tuning {
     pub outage_tolerant_congestion: bool,
     /// Client side: the congestion controller of the agent's connections. Default Cubic.
     pub congestion_controller: CongestionController,
+    /// Ask the peer (by the QUIC ACK-frequency extension, which quinn peers support) to send an
+    /// ACK only once more than this many ack-eliciting packets have arrived, instead of for every
+    /// second one. `None` (the default) leaves the peer at its own rate.
+    pub ack_eliciting_threshold: Option<u32>,
 }
 
 /// The congestion controller of the agent's connections (the sender of nearly every byte).
@@ -126,6 +130,7 @@ impl Default for Tuning {
             segmentation_offload: true,
             outage_tolerant_congestion: true,
             congestion_controller: CongestionController::default(),
+            ack_eliciting_threshold: None,
         }
     }
 }
@@ -235,6 +240,11 @@ impl Tuning {
             .enable_segmentation_offload(self.segmentation_offload)
             // The protocol uses no datagrams: do not advertise a datagram buffer to peers.
             .datagram_receive_buffer_size(None);
+        if let Some(threshold) = self.ack_eliciting_threshold {
+            let mut ack = AckFrequencyConfig::default();
+            ack.ack_eliciting_threshold(VarInt::from_u32(threshold));
+            transport.ack_frequency_config(Some(ack));
+        }
         Ok(transport)
     }
 }
@@ -274,7 +284,18 @@ mod tests {
         assert_eq!(t.socket_buffer_bytes, 4 * 1024 * 1024);
         assert_eq!(t.initial_rtt, Duration::from_millis(333));
         assert!(t.segmentation_offload);
+        assert_eq!(t.ack_eliciting_threshold, None);
         t.validate().expect("defaults are valid");
+    }
+
+    #[test]
+    fn an_ack_threshold_asks_the_peer_by_the_ack_frequency_extension() {
+        let asks = |t: &Tuning| {
+            let debug = format!("{:?}", t.client_transport().expect("valid"));
+            !debug.contains("ack_frequency_config: None")
+        };
+        assert!(!asks(&Tuning::default()));
+        assert!(asks(&Tuning { ack_eliciting_threshold: Some(10), ..Tuning::default() }));
     }
 
     #[test]
