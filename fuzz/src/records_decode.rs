@@ -15,9 +15,14 @@
 //! - a decoded payload has exactly `raw_len` bytes, and for codec `None` is the wire bytes;
 //! - `split_records` and `RecordIter` agree, the records re-frame to exactly the raw payload,
 //!   and a count mismatch is reported with both counts;
-//! - a payload compressed with `compress_payload` decodes back to itself.
+//! - a payload compressed with `compress_payload` decodes back to itself;
+//! - `check_payload` (the server's check, which never holds the raw payload whole) concludes
+//!   what decoding and splitting conclude: the same error, or for a zstd error a zstd error,
+//!   unless it refuses a frame for the window it asks for.
 
-use edge_proto::records::{RecordError, RecordIter, compress_payload, decode_payload, encode_record, split_records};
+use edge_proto::records::{
+    RecordError, RecordIter, check_payload, compress_payload, decode_payload, encode_record, split_records,
+};
 use edge_proto::{ChunkHeader, Codec, Limits, StreamName};
 
 /// Runs one input; panics if a property is broken.
@@ -58,6 +63,14 @@ pub fn run(data: &[u8]) {
     };
     if header.validate(&limits).is_err() {
         return;
+    }
+    let checked = check_payload(codec, &wire, raw_len, records);
+    let reference = decode_payload(codec, &wire, raw_len).and_then(|raw| split_records(&raw, records).map(drop));
+    match (&reference, &checked) {
+        (Err(RecordError::Decompress(_)), Err(RecordError::Decompress(_))) => {}
+        // The check's bound on the window a frame may ask for, which decoding alone lacks.
+        (_, Err(RecordError::Decompress(m))) if m.contains("too much memory") => {}
+        _ => assert_eq!(checked, reference, "check_payload differs from decoding and splitting"),
     }
     let raw = match decode_payload(codec, &wire, raw_len) {
         Ok(raw) => raw,

@@ -1197,16 +1197,7 @@ fn payload_deadline(len: usize) -> Duration {
 
 /// Checks that the payload splits into exactly the announced records.
 fn check_records(header: &ChunkHeader, payload: &[u8]) -> Result<(), edge_proto::records::RecordError> {
-    let raw = edge_proto::records::decode_payload(header.codec, payload, header.raw_len)?;
-    let mut count: u32 = 0;
-    for r in edge_proto::records::RecordIter::new(&raw) {
-        r?;
-        count = count.saturating_add(1);
-    }
-    if count != header.records {
-        return Err(edge_proto::records::RecordError::CountMismatch { expected: header.records, found: count });
-    }
-    Ok(())
+    edge_proto::records::check_payload(header.codec, payload, header.raw_len, header.records)
 }
 
 fn lock(state: &Mutex<ConnState>) -> std::sync::MutexGuard<'_, ConnState> {

@@ -153,6 +153,157 @@ fn decompress_bounded(wire: &[u8], raw_len: usize) -> Result<Vec<u8>, RecordErro
     Ok(out)
 }
 
+/// Checks a wire payload the way a receiver must before it stores it: it decodes to exactly
+/// `raw_len` bytes that hold exactly `expected` framed records. The result is that of
+/// [`decode_payload`] followed by [`split_records`] (the same errors, found in the same order),
+/// but the raw payload is never kept whole: a compressed one goes through a buffer of
+/// [`CHECK_BUFFER`] bytes, with a zstd context kept per thread. Decompressing each chunk
+/// into a buffer of its own cost the receiver a context, a window and up to the chunk's raw
+/// size in fresh memory per chunk.
+///
+/// A zstd frame may ask for a window of at most 8 MiB, or twice the announced raw size if that
+/// is more (zstd's own limit is 128 MiB): a frame of a few bytes cannot make the kept context
+/// grow beyond that. zstd shrinks the window of a frame whose size it knows to that size, as
+/// [`compress_payload`] does.
+pub fn check_payload(codec: Codec, wire: &[u8], raw_len: u32, expected: u32) -> Result<(), RecordError> {
+    let mut walk = Walk::default();
+    match codec {
+        Codec::None => {
+            if wire.len() != raw_len as usize {
+                return Err(RecordError::RawLenMismatch { expected: raw_len, found: wire.len() });
+            }
+            walk.feed(wire);
+        }
+        Codec::Zstd => {
+            let found = CHECKER
+                .try_with(|c| {
+                    let mut c = c.borrow_mut();
+                    let c = match &mut *c {
+                        Some(c) => c,
+                        none => none.insert(Checker::new()?),
+                    };
+                    c.walk_zstd(wire, raw_len as usize, &mut walk)
+                })
+                // This thread is exiting: a context for this payload alone.
+                .unwrap_or_else(|_| Checker::new()?.walk_zstd(wire, raw_len as usize, &mut walk))?;
+            if found != raw_len as usize {
+                return Err(RecordError::RawLenMismatch { expected: raw_len, found });
+            }
+        }
+    }
+    walk.finish(expected)
+}
+
+/// Bytes decompressed at a time by [`check_payload`].
+pub const CHECK_BUFFER: usize = 128 * 1024;
+
+/// The window a frame may ask for when [`check_payload`] decompresses it, as a power of two, if
+/// twice the raw size is less.
+const CHECK_WINDOW_LOG: u32 = 23;
+
+thread_local! {
+    static CHECKER: std::cell::RefCell<Option<Checker>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A zstd decompression context and the buffer it decompresses into, kept by a thread.
+struct Checker {
+    ctx: zstd::zstd_safe::DCtx<'static>,
+    buf: Box<[u8]>,
+}
+
+impl Checker {
+    fn new() -> Result<Self, RecordError> {
+        let ctx = zstd::zstd_safe::DCtx::try_create()
+            .ok_or_else(|| RecordError::Decompress("cannot allocate a zstd context".into()))?;
+        Ok(Checker { ctx, buf: vec![0; CHECK_BUFFER].into_boxed_slice() })
+    }
+
+    /// Decompresses `wire` through `walk`, stopping one byte past `raw_len`; returns the bytes
+    /// it produced.
+    fn walk_zstd(&mut self, wire: &[u8], raw_len: usize, walk: &mut Walk) -> Result<usize, RecordError> {
+        use std::io::Read;
+        use zstd::zstd_safe::{DParameter, ResetDirective};
+        let zstd_err = |code: usize| RecordError::Decompress(zstd::zstd_safe::get_error_name(code).to_owned());
+        // A context left inside a frame by an earlier payload's error starts afresh.
+        self.ctx.reset(ResetDirective::SessionOnly).map_err(zstd_err)?;
+        // The least power of two over `raw_len`: at most twice it.
+        let raw_log = usize::BITS - raw_len.leading_zeros();
+        self.ctx.set_parameter(DParameter::WindowLogMax(raw_log.clamp(CHECK_WINDOW_LOG, 27))).map_err(zstd_err)?;
+        let mut decoder = zstd::stream::read::Decoder::with_context(wire, &mut self.ctx);
+        let limit = raw_len.saturating_add(1);
+        let mut found = 0;
+        while found < limit {
+            let room = (limit - found).min(self.buf.len());
+            match decoder.read(&mut self.buf[..room]) {
+                Ok(0) => break,
+                Ok(n) => {
+                    walk.feed(&self.buf[..n]);
+                    found += n;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(RecordError::Decompress(e.to_string())),
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// The record framing of a raw payload read piece by piece: counts the records and notices
+/// one cut off at the end.
+#[derive(Debug, Default)]
+struct Walk {
+    /// Bytes fed so far.
+    at: usize,
+    /// Where the record being read starts.
+    start: usize,
+    records: u32,
+    /// The length prefix read so far, `have` bytes of it.
+    prefix: [u8; RECORD_OVERHEAD],
+    have: usize,
+    /// Bytes of the current record's body still to come.
+    left: usize,
+}
+
+impl Walk {
+    fn feed(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            let n = if self.left > 0 {
+                let n = self.left.min(bytes.len());
+                self.left -= n;
+                n
+            } else {
+                if self.have == 0 {
+                    self.start = self.at;
+                }
+                let n = (RECORD_OVERHEAD - self.have).min(bytes.len());
+                self.prefix[self.have..self.have + n].copy_from_slice(&bytes[..n]);
+                self.have += n;
+                if self.have == RECORD_OVERHEAD {
+                    self.left = u32::from_le_bytes(self.prefix) as usize;
+                    self.have = 0;
+                    self.records = self.records.saturating_add(1);
+                }
+                n
+            };
+            self.at += n;
+            bytes = &bytes[n..];
+        }
+    }
+
+    fn finish(self, expected: u32) -> Result<(), RecordError> {
+        if self.have > 0 {
+            return Err(RecordError::Truncated { offset: self.start, needed: RECORD_OVERHEAD - self.have });
+        }
+        if self.left > 0 {
+            return Err(RecordError::Truncated { offset: self.start, needed: self.left });
+        }
+        if self.records != expected {
+            return Err(RecordError::CountMismatch { expected, found: self.records });
+        }
+        Ok(())
+    }
+}
+
 /// Compresses a raw payload for the wire with zstd at `level`.
 pub fn compress_payload(raw: &[u8], level: i32) -> std::io::Result<Vec<u8>> {
     zstd::bulk::compress(raw, level)
@@ -224,5 +375,127 @@ mod tests {
         assert!(matches!(decode_payload(Codec::Zstd, &trailing, 300_000), Err(RecordError::Decompress(_))));
         let cut = decode_payload(Codec::Zstd, &wire[..wire.len() - 3], 300_000);
         assert!(matches!(cut, Err(RecordError::Decompress(_) | RecordError::RawLenMismatch { .. })), "{cut:?}");
+    }
+
+    /// What the receiver concluded before [`check_payload`]: the payload decoded whole, then split.
+    fn reference(codec: Codec, wire: &[u8], raw_len: u32, expected: u32) -> Result<(), RecordError> {
+        let raw = decode_payload(codec, wire, raw_len)?;
+        split_records(&raw, expected).map(drop)
+    }
+
+    /// The same result; zstd's messages may differ with the pieces it is read in.
+    fn assert_same(codec: Codec, wire: &[u8], raw_len: u32, expected: u32) {
+        let checked = check_payload(codec, wire, raw_len, expected);
+        match (reference(codec, wire, raw_len, expected), checked) {
+            (Err(RecordError::Decompress(_)), Err(RecordError::Decompress(_))) => {}
+            (want, got) => assert_eq!(got, want, "codec {codec:?}, raw_len {raw_len}, expected {expected}"),
+        }
+    }
+
+    fn framed(records: &[Vec<u8>]) -> Vec<u8> {
+        let mut raw = Vec::new();
+        for r in records {
+            encode_record(&mut raw, r);
+        }
+        raw
+    }
+
+    #[test]
+    fn a_checked_payload_reads_as_the_decoded_one_through_every_error() {
+        let raw = framed(&[b"one".to_vec(), Vec::new(), vec![b'x'; 200_000], b"four".to_vec()]);
+        for codec in [Codec::None, Codec::Zstd] {
+            let wire = if codec == Codec::Zstd { compress_payload(&raw, 3).expect("compress") } else { raw.clone() };
+            let len = raw.len() as u32;
+            assert_eq!(check_payload(codec, &wire, len, 4), Ok(()));
+            for (raw_len, expected) in [(len, 3), (len, 5), (len - 1, 4), (len + 1, 4), (0, 0), (10, 4)] {
+                assert_same(codec, &wire, raw_len, expected);
+            }
+            // Cut inside a length prefix, inside a record's body, and at a record's end.
+            for cut in [1, 3, 5, 7, 9, 100, 200_000, raw.len() - 5, raw.len() - 1] {
+                let raw = &raw[..cut];
+                let wire =
+                    if codec == Codec::Zstd { compress_payload(raw, 1).expect("compress") } else { raw.to_vec() };
+                for expected in [0, 2, 3, 4] {
+                    assert_same(codec, &wire, raw.len() as u32, expected);
+                }
+            }
+        }
+        assert_eq!(
+            check_payload(Codec::None, &raw[..9], 9, 2),
+            Err(RecordError::Truncated { offset: 7, needed: 2 }),
+            "two bytes of the second record's prefix are missing"
+        );
+    }
+
+    #[test]
+    fn a_corrupt_frame_fails_alone_and_the_kept_context_checks_the_next_one() {
+        let raw = framed(&vec![vec![b'r'; 1000]; 300]);
+        let wire = compress_payload(&raw, 3).expect("compress");
+        let len = raw.len() as u32;
+        let mut trailing = wire.clone();
+        trailing.extend_from_slice(b"junk");
+        let mut two = wire.clone();
+        two.extend_from_slice(&wire);
+        for (bad, raw_len) in [(&wire[..wire.len() - 3], len), (&trailing[..], len), (&wire[..wire.len() / 2], len)] {
+            assert_same(Codec::Zstd, bad, raw_len, 300);
+            assert!(check_payload(Codec::Zstd, bad, raw_len, 300).is_err());
+            assert_eq!(check_payload(Codec::Zstd, &wire, len, 300), Ok(()), "after a failed payload");
+        }
+        assert_eq!(check_payload(Codec::Zstd, &two, 2 * len, 600), Ok(()), "frames back to back");
+        for at in (0..wire.len()).step_by(7) {
+            let mut flipped = wire.clone();
+            flipped[at] ^= 0xa5;
+            assert_same(Codec::Zstd, &flipped, len, 300);
+        }
+    }
+
+    #[test]
+    fn a_frame_asking_for_a_window_far_over_its_size_is_refused_by_the_check() {
+        use std::io::Write;
+        let raw = framed(&[b"small".to_vec()]);
+        // A streaming encoder that does not know the size keeps the window it is told: 128 MiB.
+        let mut e = zstd::stream::Encoder::new(Vec::new(), 3).expect("encoder");
+        e.window_log(27).expect("window log");
+        e.write_all(&raw).expect("write");
+        let wire = e.finish().expect("finish");
+        assert_eq!(decode_payload(Codec::Zstd, &wire, raw.len() as u32).as_deref(), Ok(&raw[..]));
+        match check_payload(Codec::Zstd, &wire, raw.len() as u32, 1) {
+            Err(RecordError::Decompress(m)) => assert!(m.contains("memory"), "{m}"),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        // Up to 8 MiB is taken whatever the size: a window of 2 MiB (zstd level 3 streaming).
+        let mut e = zstd::stream::Encoder::new(Vec::new(), 3).expect("encoder");
+        e.window_log(21).expect("window log");
+        e.write_all(&raw).expect("write");
+        assert_eq!(check_payload(Codec::Zstd, &e.finish().expect("finish"), raw.len() as u32, 1), Ok(()));
+        // A chunk compressed as the agent does, of 16 MiB, whose window is its size.
+        let big = framed(&vec![vec![b'b'; 1 << 20]; 16]);
+        let wire = compress_payload(&big, 1).expect("compress");
+        assert_eq!(check_payload(Codec::Zstd, &wire, big.len() as u32, 16), Ok(()));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_walk_reads_records_cut_into_any_pieces_as_a_whole(
+            records in proptest::collection::vec(proptest::collection::vec(proptest::prelude::any::<u8>(), 0..40), 0..20),
+            cut in 0usize..1000,
+            pieces in proptest::collection::vec(1usize..13, 1..200),
+            extra in 0u32..3,
+        ) {
+            let raw = framed(&records);
+            let raw = &raw[..cut.min(raw.len())];
+            let mut walk = Walk::default();
+            let mut rest = raw;
+            for p in pieces.iter().cycle() {
+                if rest.is_empty() {
+                    break;
+                }
+                let (piece, tail) = rest.split_at((*p).min(rest.len()));
+                walk.feed(piece);
+                rest = tail;
+            }
+            let expected = (records.len() as u32 + extra).saturating_sub(1);
+            proptest::prop_assert_eq!(walk.finish(expected), split_records(raw, expected).map(drop));
+        }
     }
 }
