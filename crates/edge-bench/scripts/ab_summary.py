@@ -5,6 +5,10 @@ quinn sender's of the same run (as the goals of issue 5 divide them), which take
 the shared machine was during each run.
 
     python3 crates/edge-bench/scripts/ab_summary.py /tmp/ab
+    python3 crates/edge-bench/scripts/ab_summary.py /tmp/ab --every   # every row of the reports
+
+`--every` is for reports of other subcommands (ab.sh's CASES, e.g. `compression`): each
+(case, figure) row found, in the order of the first report, instead of the pipeline's list.
 """
 import re
 import statistics
@@ -53,8 +57,14 @@ def figures(path):
     return out
 
 
+def every(path):
+    """The (case, unit) rows of one report, in order."""
+    return list(figures(path))
+
+
 def main():
     folder = Path(sys.argv[1])
+    all_rows = "--every" in sys.argv[2:]
     runs = {"A": [], "B": []}
     for p in sorted(folder.glob("*.md")):
         label = p.stem.rsplit("-", 1)[-1]
@@ -63,7 +73,11 @@ def main():
     n = {k: len(v) for k, v in runs.items()}
     print(f"| figure | A (n={n['A']}) | B (n={n['B']}) | B ÷ A (medians) |")
     print("|---|---|---|---|")
-    rows = [(name, lambda f, c=case, u=unit: f.get((c, u))) for case, unit, name in FIGURES]
+    listed = FIGURES
+    if all_rows:
+        first = sorted(folder.glob("*.md"))[0]
+        listed = [(case, unit, f"{case}: {unit}") for case, unit in every(first)]
+    rows = [(name, lambda f, c=case, u=unit: f.get((c, u))) for case, unit, name in listed]
     rows += [
         (name, lambda f, c=case, u=unit: f[(c, u)] / f[SENDER] if (c, u) in f and f.get(SENDER) else None)
         for case, unit, name in RATIOS
