@@ -155,8 +155,9 @@ fn decompress_bounded(wire: &[u8], raw_len: usize) -> Result<Vec<u8>, RecordErro
 
 /// Checks a wire payload the way a receiver must before it stores it: it decodes to exactly
 /// `raw_len` bytes that hold exactly `expected` framed records. The result is that of
-/// [`decode_payload`] followed by [`split_records`] (the same errors, found in the same order),
-/// but the raw payload is never kept whole: a compressed one goes through a buffer of
+/// [`decode_payload`] followed by [`split_records`] (the same errors, found in the same order;
+/// zstd's messages may differ, and a frame is refused for the window bound below), but the raw
+/// payload is never kept whole: a compressed one goes through a buffer of
 /// [`CHECK_BUFFER`] bytes, with a zstd context kept per thread. Decompressing each chunk
 /// into a buffer of its own cost the receiver a context, a window and up to the chunk's raw
 /// size in fresh memory per chunk.
