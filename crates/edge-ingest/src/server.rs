@@ -1116,7 +1116,7 @@ async fn process_chunk(
     let status = if let Err(e) = header.verify_payload_summary(payload.len(), payload.crc32c()) {
         warn!(device = %ctx.device, stream = %key_stream, seq, error = %e, "chunk failed verification");
         AckStatus::Rejected(e.reject_reason().unwrap_or(RejectReason::Malformed))
-    } else if let Err(e) = check_records(&header, &payload) {
+    } else if let Err(e) = edge_proto::records::check_payload(header.codec, &payload, header.raw_len, header.records) {
         warn!(device = %ctx.device, stream = %key_stream, seq, error = %e, "chunk records are malformed");
         AckStatus::Rejected(RejectReason::BadRecords)
     } else {
@@ -1193,11 +1193,6 @@ const PAYLOAD_ALLOWANCE: Duration = Duration::from_secs(10);
 /// Time allowed for a payload of `len` bytes to arrive.
 fn payload_deadline(len: usize) -> Duration {
     PAYLOAD_ALLOWANCE + Duration::from_secs(len as u64 / MIN_PAYLOAD_RATE)
-}
-
-/// Checks that the payload splits into exactly the announced records.
-fn check_records(header: &ChunkHeader, payload: &[u8]) -> Result<(), edge_proto::records::RecordError> {
-    edge_proto::records::check_payload(header.codec, payload, header.raw_len, header.records)
 }
 
 fn lock(state: &Mutex<ConnState>) -> std::sync::MutexGuard<'_, ConnState> {

@@ -176,17 +176,14 @@ pub fn check_payload(codec: Codec, wire: &[u8], raw_len: u32, expected: u32) -> 
             walk.feed(wire);
         }
         Codec::Zstd => {
+            let mut walk_zstd = |c: &mut Checker| c.walk_zstd(wire, raw_len as usize, &mut walk);
             let found = CHECKER
-                .try_with(|c| {
-                    let mut c = c.borrow_mut();
-                    let c = match &mut *c {
-                        Some(c) => c,
-                        none => none.insert(Checker::new()?),
-                    };
-                    c.walk_zstd(wire, raw_len as usize, &mut walk)
+                .try_with(|kept| match &mut *kept.borrow_mut() {
+                    Some(c) => walk_zstd(c),
+                    none => walk_zstd(none.insert(Checker::new()?)),
                 })
                 // This thread is exiting: a context for this payload alone.
-                .unwrap_or_else(|_| Checker::new()?.walk_zstd(wire, raw_len as usize, &mut walk))?;
+                .unwrap_or_else(|_| walk_zstd(&mut Checker::new()?))?;
             if found != raw_len as usize {
                 return Err(RecordError::RawLenMismatch { expected: raw_len, found });
             }
@@ -201,6 +198,10 @@ pub const CHECK_BUFFER: usize = 128 * 1024;
 /// The window a frame may ask for when [`check_payload`] decompresses it, as a power of two, if
 /// twice the raw size is less.
 const CHECK_WINDOW_LOG: u32 = 23;
+
+/// zstd's own bound on the window a frame may ask for (`ZSTD_WINDOWLOG_LIMIT_DEFAULT`), which
+/// [`check_payload`] never loosens.
+const ZSTD_WINDOW_LOG_LIMIT: u32 = 27;
 
 thread_local! {
     static CHECKER: std::cell::RefCell<Option<Checker>> = const { std::cell::RefCell::new(None) };
@@ -229,7 +230,9 @@ impl Checker {
         self.ctx.reset(ResetDirective::SessionOnly).map_err(zstd_err)?;
         // The least power of two over `raw_len`: at most twice it.
         let raw_log = usize::BITS - raw_len.leading_zeros();
-        self.ctx.set_parameter(DParameter::WindowLogMax(raw_log.clamp(CHECK_WINDOW_LOG, 27))).map_err(zstd_err)?;
+        self.ctx
+            .set_parameter(DParameter::WindowLogMax(raw_log.clamp(CHECK_WINDOW_LOG, ZSTD_WINDOW_LOG_LIMIT)))
+            .map_err(zstd_err)?;
         let mut decoder = zstd::stream::read::Decoder::with_context(wire, &mut self.ctx);
         let limit = raw_len.saturating_add(1);
         let mut found = 0;
