@@ -495,9 +495,11 @@ const AGENT_CPU_DRAINING: &str = "CPU-s/GiB agent, connection → drained";
 const PAIRED_MB_S: &str = "× the MB/s of raw quinn just before";
 /// The agent's CPU per GiB divided by the sender's of the raw quinn run made just before.
 const PAIRED_CPU: &str = "× the CPU-s/GiB of raw quinn's sender just before";
-/// What the raw quinn run before each repetition of a paired case moves: a quarter of a
-/// second or so of the machine, so that it measures the moment, not the run.
-const PAIRED_BYTES: u64 = 256 * MIB;
+/// What the raw quinn run before each repetition of a paired case moves: about half a second
+/// of the machine, so that it measures the moment, not the run. Its CPU is counted in clock
+/// ticks of 10 ms: at 512 MiB one tick is about 0.02 CPU-s/GiB of the sender's ~1 CPU-s/GiB
+/// (256 MiB made it 0.04).
+const PAIRED_BYTES: u64 = 512 * MIB;
 const INGEST_CPU_DRAINING: &str = "CPU-s/GiB ingest, connection → drained";
 
 fn machine_info() -> Vec<(&'static str, String)> {
