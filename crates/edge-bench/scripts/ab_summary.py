@@ -29,16 +29,6 @@ FIGURES = [
     ("live, 10 KiB records, record-stream intake", "CPU-s/GiB agent", "record stream: agent CPU-s/GiB"),
     ("live, 10 KiB records, record-stream intake", "CPU-s/GiB ingest", "record stream: ingest CPU-s/GiB"),
     ("live, 10 KiB records, record-stream intake", "MiB agent peak RSS", "record stream: agent peak RSS MiB"),
-    # Each repetition divided by the raw quinn run made just before it (edge-bench's `Paired`).
-    ("drain of a prefilled spool", "× the MB/s of raw quinn just before", "drain ÷ raw quinn just before"),
-    ("drain of a prefilled spool", "× the CPU-s/GiB of raw quinn's sender just before", "drain: agent ÷ sender just before"),
-    ("live, 10 KiB records, 1 per request", "× the MB/s of raw quinn just before", "live HTTP ÷ raw quinn just before"),
-    ("live, 10 KiB records, record-stream intake", "× the MB/s of raw quinn just before", "record stream ÷ raw quinn just before"),
-    (
-        "live, 10 KiB records, record-stream intake",
-        "× the CPU-s/GiB of raw quinn's sender just before",
-        "record stream: agent ÷ sender just before",
-    ),
     # `quick` only:
     ("latency at half the live maximum (10 KiB)", "ms p50", "latency p50 ms (intake commit → ack)"),
     ("latency at half the live maximum (10 KiB)", "ms p99", "latency p99 ms (intake commit → ack)"),

@@ -104,11 +104,6 @@ impl Results {
         self.stat(case, unit).map(|s| s.max)
     }
 
-    /// The sample added last to a figure: the repetition that just ended.
-    fn last(&self, case: &str, unit: &str) -> Option<f64> {
-        self.rows.iter().find(|r| r.case == case && r.unit == unit).and_then(|r| r.samples.last().copied())
-    }
-
     /// Records a failed repetition as a note instead of ending the run.
     fn failed(&mut self, case: &str, rep: usize, r: anyhow::Result<()>) {
         self.outcome(case, rep, r);
@@ -155,10 +150,6 @@ impl Results {
             "live_batched_mb_s": r1(self.median(LIVE_BATCHED_10K, MB_S)),
             "live_stream_mb_s": r1(self.median(LIVE_STREAM_10K, MB_S)),
             "live_stream_ratio": ratio(self.median(LIVE_STREAM_10K, MB_S), raw),
-            // The same three ratios against the raw quinn run just before each repetition.
-            "drain_ratio_paired": self.median(DRAIN, PAIRED_MB_S).map(|v| round(v, 3)),
-            "live_ratio_paired": self.median(LIVE_10K, PAIRED_MB_S).map(|v| round(v, 3)),
-            "live_stream_ratio_paired": self.median(LIVE_STREAM_10K, PAIRED_MB_S).map(|v| round(v, 3)),
             "agent_stream_cpu_s_per_gib": r2(self.median(LIVE_STREAM_10K, AGENT_CPU)),
             "agent_cpu_s_per_gib": r2(self.median(LIVE_10K, AGENT_CPU)),
             "agent_drain_cpu_s_per_gib": r2(self.median(DRAIN, AGENT_CPU)),
@@ -216,20 +207,6 @@ impl Results {
                 let _ = writeln!(md, "| {} | {} | {} | {} |", g.0, g.1, g.2, g.3);
             }
         }
-        let paired = self.paired_goals();
-        if !paired.is_empty() {
-            let _ = writeln!(
-                md,
-                "\n### The same goals against raw quinn just before each repetition (median [min-max] of the repetitions' ratios)\n"
-            );
-            let _ = writeln!(
-                md,
-                "| goal | against raw quinn just before | from the run's medians (above) | target |\n|---|---|---|---|"
-            );
-            for (name, per_rep, medians, target) in paired {
-                let _ = writeln!(md, "| {name} | {per_rep} | {medians} | {target} |");
-            }
-        }
         if !self.notes.is_empty() {
             let _ = writeln!(md, "\n### Notes\n");
             for n in &self.notes {
@@ -237,71 +214,6 @@ impl Results {
             }
         }
         md
-    }
-
-    /// The goals that divide by raw quinn, taken repetition by repetition against the raw quinn
-    /// run just before each (see [`Paired`]), beside the same ratio from the run's medians.
-    fn paired_goals(&self) -> Vec<(String, String, String, String)> {
-        let raw = self.median(RAW_QUINN_10K, MB_S);
-        let sender = self.median(RAW_QUINN_10K, SENDER_CPU);
-        let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).map_or("-".to_owned(), |(a, b)| format!("{:.2}×", a / b));
-        let rows = [
-            ("drain ÷ raw quinn (10 KiB)", DRAIN, PAIRED_MB_S, ratio(self.median(DRAIN, MB_S), raw), "≥ 0.80×"),
-            (
-                "drain of 4 GiB ÷ raw quinn (10 KiB)",
-                DRAIN_4G,
-                PAIRED_MB_S,
-                ratio(self.median(DRAIN_4G, MB_S), raw),
-                "≥ 0.80×",
-            ),
-            ("live ÷ raw quinn (10 KiB)", LIVE_10K, PAIRED_MB_S, ratio(self.median(LIVE_10K, MB_S), raw), "≥ 0.50×"),
-            (
-                "live ÷ raw quinn (10 KiB, record stream)",
-                LIVE_STREAM_10K,
-                PAIRED_MB_S,
-                ratio(self.median(LIVE_STREAM_10K, MB_S), raw),
-                "≥ 0.50×",
-            ),
-            (
-                "agent CPU-s/GiB (live: intake + spool + upload) ÷ raw quinn sender's",
-                LIVE_10K,
-                PAIRED_CPU,
-                ratio(self.median(LIVE_10K, AGENT_CPU), sender),
-                "≤ 1.50×",
-            ),
-            (
-                "agent CPU-s/GiB (live, record stream) ÷ raw quinn sender's",
-                LIVE_STREAM_10K,
-                PAIRED_CPU,
-                ratio(self.median(LIVE_STREAM_10K, AGENT_CPU), sender),
-                "≤ 1.50×",
-            ),
-            (
-                "agent CPU-s/GiB (drain: upload only) ÷ raw quinn sender's",
-                DRAIN,
-                PAIRED_CPU,
-                ratio(self.median(DRAIN, AGENT_CPU), sender),
-                "≤ 1.50×",
-            ),
-            (
-                "agent CPU-s/GiB (drain of 4 GiB) ÷ raw quinn sender's",
-                DRAIN_4G,
-                PAIRED_CPU,
-                ratio(self.median(DRAIN_4G, AGENT_CPU), sender),
-                "≤ 1.50×",
-            ),
-        ];
-        rows.into_iter()
-            .filter_map(|(name, case, unit, medians, target)| {
-                let s = self.stat(case, unit)?;
-                let per_rep = if s.n == 1 {
-                    format!("{:.2}×", s.median)
-                } else {
-                    format!("{:.2}× [{:.2}-{:.2}]", s.median, s.min, s.max)
-                };
-                Some((name.to_owned(), per_rep, medians, target.to_owned()))
-            })
-            .collect()
     }
 
     fn goals(&self) -> Vec<(String, String, String, String)> {
@@ -490,16 +402,6 @@ const INTAKE_MB_S: &str = "MB/s accepted at intake";
 const CONNECT_MS: &str = "ms ingest up → agent connected";
 const WIRE_PER_BYTE: &str = "bytes sent per record byte";
 const AGENT_CPU_DRAINING: &str = "CPU-s/GiB agent, connection → drained";
-/// A case's MB/s divided by that of the raw quinn run made just before the repetition (see
-/// [`Paired`]).
-const PAIRED_MB_S: &str = "× the MB/s of raw quinn just before";
-/// The agent's CPU per GiB divided by the sender's of the raw quinn run made just before.
-const PAIRED_CPU: &str = "× the CPU-s/GiB of raw quinn's sender just before";
-/// What the raw quinn run before each repetition of a paired case moves: about half a second
-/// of the machine, so that it measures the moment, not the run. Its CPU is counted in clock
-/// ticks of 10 ms: at 512 MiB one tick is about 0.02 CPU-s/GiB of the sender's ~1 CPU-s/GiB
-/// (256 MiB made it 0.04).
-const PAIRED_BYTES: u64 = 512 * MIB;
 const INGEST_CPU_DRAINING: &str = "CPU-s/GiB ingest, connection → drained";
 
 fn machine_info() -> Vec<(&'static str, String)> {
@@ -605,13 +507,9 @@ pub async fn all(ctx: &Ctx) -> anyhow::Result<Results> {
     peer_cases(ctx, &mut res, &[10 * KIB, 100 * KIB], Duration::from_secs(5), Extra::Yes).await?;
     reconnect(ctx, &mut res).await?;
     agent_reconnect(ctx, &mut res, 10 * KIB).await?;
-    let paired = Paired::measure(ctx, &mut res, DRAIN_4G, 0).await;
     let r = drain_once(ctx, &mut res, "edge-uploader", DRAIN_4G, Prefill::Repeated(4 << 30), &WorldOptions::default())
         .await
         .map(drop);
-    if r.is_ok() {
-        paired.add(&mut res, "edge-uploader", DRAIN_4G);
-    }
     res.failed(DRAIN_4G, 0, r);
     baselines_again(ctx, &mut res, 512 * MIB).await?;
     Ok(res)
@@ -1394,62 +1292,12 @@ async fn uplink_drain(
 
 async fn drain(ctx: &Ctx, res: &mut Results, case: &str, prefill: u64) -> anyhow::Result<()> {
     for rep in 0..ctx.reps {
-        let paired = Paired::measure(ctx, res, case, rep).await;
         let r = drain_once(ctx, res, "edge-uploader", case, Prefill::Repeated(prefill), &WorldOptions::default())
             .await
             .map(drop);
-        if r.is_ok() {
-            paired.add(res, "edge-uploader", case);
-        }
         res.failed(case, rep, r);
     }
     Ok(())
-}
-
-/// The raw quinn baseline measured again just before one repetition of a case, so that the
-/// case can be divided by the machine's speed at that moment: on these shared machines the
-/// same raw quinn run moved a fifth more at the end of an `all` run than at its start. The
-/// goals divide by the medians of the baselines at both ends of the run; these pairs add the
-/// same ratios taken repetition by repetition ("× ... just before", their median in the
-/// report's second goal table).
-struct Paired(Option<baseline::Baseline>);
-
-impl Paired {
-    async fn measure(ctx: &Ctx, res: &mut Results, case: &str, rep: usize) -> Paired {
-        let r: anyhow::Result<baseline::Baseline> = async {
-            let pki = baseline::pki_dir(&ctx.work);
-            if !pki.exists() {
-                baseline::Pki::write(&pki)?;
-            }
-            baseline::run(Kind::Quic, &pki, PAIRED_BYTES, 10 * KIB, Source::Distinct, TransportVariant::Default, None)
-                .await
-        }
-        .await;
-        let name = format!("{RAW_QUINN_10K}, just before {case}");
-        let b = res.outcome(&name, rep, r);
-        if let Some(b) = &b {
-            ctx.progress(format!(
-                "{name} rep {}: {:.0} MB/s, sender {:.2} CPU-s/GiB",
-                rep + 1,
-                b.mb_s,
-                b.sender_cpu_s_per_gib
-            ));
-            res.add("baseline", name.clone(), MB_S, 0, b.mb_s);
-            res.add("baseline", name, SENDER_CPU, 2, b.sender_cpu_s_per_gib);
-        }
-        Paired(b)
-    }
-
-    /// Adds the ratios of the repetition of `case` that just ended to the pair measured before it.
-    fn add(&self, res: &mut Results, group: &'static str, case: &str) {
-        let Some(b) = &self.0 else { return };
-        if let Some(mb_s) = res.last(case, MB_S) {
-            res.add(group, case, PAIRED_MB_S, 2, mb_s / b.mb_s);
-        }
-        if let Some(cpu) = res.last(case, AGENT_CPU) {
-            res.add(group, case, PAIRED_CPU, 2, cpu / b.sender_cpu_s_per_gib);
-        }
-    }
 }
 
 /// The ingest's sinks side by side, `ctx.reps` times in turn: the same drain of `bytes` into
@@ -1668,10 +1516,7 @@ async fn live_with(
     let group = if opts.label.is_empty() { "edge-uploader" } else { "sweep" };
     res.mark_load(case);
     let mut medians = Vec::new();
-    // The two live cases that goals divide by raw quinn.
-    let pair = opts.label.is_empty() && matches!(case, LIVE_10K | LIVE_STREAM_10K);
     for rep in 0..ctx.reps {
-        let paired = if pair { Some(Paired::measure(ctx, res, case, rep).await) } else { None };
         let r: anyhow::Result<()> = async {
         let mut w = World::new(&ctx.bins, &ctx.work.join("live"), opts)?;
         w.start_ingest()?;
@@ -1715,9 +1560,6 @@ async fn live_with(
         Ok(())
         }
         .await;
-        if let (Ok(()), Some(paired)) = (&r, &paired) {
-            paired.add(res, group, case);
-        }
         res.failed(case, rep, r);
     }
     Ok(Stat::of(&medians).map_or(0.0, |s| s.median))
@@ -1971,45 +1813,4 @@ fn machine_nats_pid() -> Option<u32> {
         }
     }
     None
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn paired_goals_show_the_repetitions_ratios_beside_the_ratio_of_medians() {
-        let mut res = Results::default();
-        for (raw, sender) in [(1000.0, 1.0), (800.0, 1.2), (900.0, 1.1)] {
-            res.add("baseline", RAW_QUINN_10K, MB_S, 0, raw);
-            res.add("baseline", RAW_QUINN_10K, SENDER_CPU, 2, sender);
-        }
-        // Two repetitions of the drain, each divided by the raw quinn run just before it.
-        for (mb_s, cpu, paired) in [(500.0, 2.0, (1000.0, 1.0)), (480.0, 2.4, (600.0, 1.5))] {
-            res.add("edge-uploader", DRAIN, MB_S, 0, mb_s);
-            res.add("edge-uploader", DRAIN, AGENT_CPU, 2, cpu);
-            assert_eq!(res.last(DRAIN, MB_S), Some(mb_s), "the repetition that just ended");
-            let b = baseline::Baseline {
-                mb_s: paired.0,
-                sender_cpu_s_per_gib: paired.1,
-                receiver_cpu_s_per_gib: 0.0,
-                bytes_sent_up: None,
-            };
-            Paired(Some(b)).add(&mut res, "edge-uploader", DRAIN);
-        }
-        // A pair whose baseline failed adds nothing.
-        res.add("edge-uploader", DRAIN, MB_S, 0, 490.0);
-        Paired(None).add(&mut res, "edge-uploader", DRAIN);
-
-        let rows = res.paired_goals();
-        assert_eq!(rows.len(), 2, "only the drain was paired: its rate and its CPU, {rows:?}");
-        // 500 / 1000 = 0.50 and 480 / 600 = 0.80; the medians: 490 / 900.
-        assert_eq!(rows[0].0, "drain ÷ raw quinn (10 KiB)");
-        assert_eq!(rows[0].1, "0.65× [0.50-0.80]");
-        assert_eq!(rows[0].2, "0.54×");
-        // 2.0 / 1.0 and 2.4 / 1.5 = 1.6; the medians: 2.2 / 1.1.
-        assert_eq!(rows[1].0, "agent CPU-s/GiB (drain: upload only) ÷ raw quinn sender's");
-        assert_eq!(rows[1].1, "1.80× [1.60-2.00]");
-        assert_eq!(rows[1].2, "2.00×");
-    }
 }
