@@ -69,6 +69,7 @@ impl Agent {
             spool: spool.clone(),
             max_record_bytes: config.intake.max_record_bytes,
             max_request_bytes: config.intake.max_request_bytes,
+            stream_pending_bytes: config.intake.stream_pending_bytes,
             batch_target: usize::try_from(config.spool.chunk_target_bytes).unwrap_or(usize::MAX),
             accepting: AtomicBool::new(true),
             counters: Arc::new(IntakeCounters::default()),
@@ -199,7 +200,7 @@ impl Agent {
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 19] = [
+        let fixed: [(&'static str, bool); 20] = [
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
             (
@@ -208,6 +209,7 @@ impl Agent {
             ),
             ("intake.max_record_bytes", a.intake.max_record_bytes != b.intake.max_record_bytes),
             ("intake.max_request_bytes", a.intake.max_request_bytes != b.intake.max_request_bytes),
+            ("intake.stream_pending_bytes", a.intake.stream_pending_bytes != b.intake.stream_pending_bytes),
             ("spool.path", a.spool.path != b.spool.path),
             ("spool.durability", a.spool.durability != b.spool.durability),
             ("spool.chunk_target", a.spool.chunk_target_bytes != b.spool.chunk_target_bytes),

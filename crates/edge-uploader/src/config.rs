@@ -62,6 +62,7 @@ pub struct RawIntake {
     pub stream_tcp: Option<String>,
     pub max_record_bytes: ByteSize,
     pub max_request_bytes: ByteSize,
+    pub stream_pending_bytes: ByteSize,
 }
 
 impl Default for RawIntake {
@@ -74,6 +75,7 @@ impl Default for RawIntake {
             stream_tcp: None,
             max_record_bytes: ByteSize::mib(1),
             max_request_bytes: ByteSize::mib(64),
+            stream_pending_bytes: ByteSize::b(crate::record_stream::PENDING_CAP as u64),
         }
     }
 }
@@ -209,6 +211,8 @@ pub struct IntakeConfig {
     pub stream_tcp: Option<SocketAddr>,
     pub max_record_bytes: usize,
     pub max_request_bytes: usize,
+    /// Records a record-stream connection gathers while its previous append commits.
+    pub stream_pending_bytes: usize,
 }
 
 /// Validated upload settings.
@@ -327,6 +331,10 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     if max_request < max_record {
         bail!("intake.max_request_bytes must be at least intake.max_record_bytes");
     }
+    let stream_pending = usize::try_from(raw.intake.stream_pending_bytes.as_u64()).unwrap_or(usize::MAX);
+    if !(4 << 10..=64 << 20).contains(&stream_pending) {
+        bail!("intake.stream_pending_bytes: expected 4 KiB..=64 MiB, got {}", raw.intake.stream_pending_bytes);
+    }
     let socket_mode = u32::from_str_radix(raw.intake.socket_mode.trim_start_matches("0o"), 8).map_err(|_| {
         anyhow::anyhow!("intake.socket_mode: expected an octal mode such as \"0660\", got {:?}", raw.intake.socket_mode)
     })?;
@@ -418,6 +426,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             stream_tcp,
             max_record_bytes: max_record,
             max_request_bytes: max_request,
+            stream_pending_bytes: stream_pending,
         },
         spool,
         upload: UploadConfig {

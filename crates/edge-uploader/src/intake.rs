@@ -41,6 +41,9 @@ pub struct Intake {
     pub spool: SpoolHandle,
     pub max_record_bytes: usize,
     pub max_request_bytes: usize,
+    /// Records a record-stream connection gathers while its previous append commits
+    /// (`intake.stream_pending_bytes`).
+    pub stream_pending_bytes: usize,
     /// Target size of one batch (the spool's chunk target), so large requests split into chunks.
     pub batch_target: usize,
     /// Cleared when shutdown begins: requests then get 503.

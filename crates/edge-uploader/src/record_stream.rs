@@ -11,7 +11,8 @@
 //! count tells the producer where to resume.
 //!
 //! Memory per connection is bounded: the agent stops framing and reading while the gathered
-//! records reach [`PENDING_CAP`] (or one record over it), so the receive buffer holds at most
+//! records reach [`Intake::stream_pending_bytes`] (`intake.stream_pending_bytes`, or one record
+//! over it), so the receive buffer holds at most
 //! the unframed rest of one read and one incomplete frame. What waits there is framed as soon
 //! as the commit makes room, without waiting for more bytes: the producer may be waiting for
 //! exactly those records' ack.
@@ -35,9 +36,12 @@ use tracing::debug;
 use crate::intake::{Intake, Rejection, fits, next_batch_capacity};
 use crate::spool_task::AppendFailure;
 
-/// Records gathered per connection while its previous append commits, in framed bytes; reading
-/// pauses at this size.
-pub const PENDING_CAP: usize = 256 << 10;
+/// The default of `intake.stream_pending_bytes`: records gathered per connection while its
+/// previous append commits, in framed bytes; reading pauses at this size. A connection carries
+/// at most about this much per commit, so where a commit takes milliseconds (an SD card's or
+/// eMMC's sync) it also bounds the connection's rate (BENCHMARKS.md, "Done and tried since the
+/// `a54f6d1` run", 16).
+pub const PENDING_CAP: usize = 1 << 20;
 
 /// Bytes asked of the socket per read. The receive buffer holds at most twice this, or one
 /// incomplete record and this, whichever is more.
@@ -180,10 +184,10 @@ where
         // Frame what is buffered, as far as the cap allows: frames left in the buffer at the
         // cap are framed here once the commit has made room, whether or not more bytes come
         // (a producer waiting for their ack sends none).
-        if refusal.is_none() && p.gathered.framed_bytes < PENDING_CAP && !rbuf.is_empty() {
+        if refusal.is_none() && p.gathered.framed_bytes < p.intake.stream_pending_bytes && !rbuf.is_empty() {
             if let Err(r) = p.parse(&mut rbuf) {
                 refusal = Some(r);
-            } else if eof && p.gathered.framed_bytes < PENDING_CAP && !rbuf.is_empty() {
+            } else if eof && p.gathered.framed_bytes < p.intake.stream_pending_bytes && !rbuf.is_empty() {
                 // Everything complete is framed; what is left was cut off.
                 refusal = Some(p.ended_inside_a_frame(rbuf.len()));
             }
@@ -197,7 +201,7 @@ where
         if stopped && committing.is_none() {
             break;
         }
-        let can_read = !stopped && p.gathered.framed_bytes < PENDING_CAP;
+        let can_read = !stopped && p.gathered.framed_bytes < p.intake.stream_pending_bytes;
         if can_read && rbuf.capacity() - rbuf.len() < FRAME_SLACK {
             // Here, after framing, the buffer holds at most one incomplete frame, so `reserve`
             // moves it to the front of the allocation it has instead of growing it. Reserving
@@ -321,7 +325,8 @@ impl Parser {
         Refusal { status: 400, reason: Rejection::BadBody, detail }
     }
 
-    /// Frames every complete frame in `rbuf` into the gathered append, up to [`PENDING_CAP`].
+    /// Frames every complete frame in `rbuf` into the gathered append, up to
+    /// [`Intake::stream_pending_bytes`].
     fn parse(&mut self, rbuf: &mut BytesMut) -> Result<(), Refusal> {
         if !self.greeted {
             if !wire::check_magic(rbuf).map_err(|e| Refusal::frame(&e))? {
@@ -332,7 +337,8 @@ impl Parser {
         }
         let max_record = self.intake.max_record_bytes;
         let batch_target = self.intake.batch_target;
-        while self.gathered.framed_bytes < PENDING_CAP {
+        let cap = self.intake.stream_pending_bytes;
+        while self.gathered.framed_bytes < cap {
             let (frame, used) = match wire::parse_producer_frame(rbuf, max_record, self.received + 1) {
                 Ok(Some(parsed)) => parsed,
                 Ok(None) => break,

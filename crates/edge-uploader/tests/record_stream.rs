@@ -80,13 +80,16 @@ async fn pipelined_records_are_acked_cumulatively_and_stored_once_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_beyond_the_gathering_cap_are_acked_without_more_bytes_or_the_end_of_the_stream() {
-    let f = start(|_| {}).await;
+    // A cap below the default, so that the bound on memory below is the configured one.
+    let cap = 192usize << 10;
+    let f = start(|raw| raw.intake.stream_pending_bytes = bytesize::ByteSize::b(cap as u64)).await;
+    assert!(cap < edge_uploader::record_stream::PENDING_CAP);
     let counters = f.agent.intake().clone();
     let mut c = f.client().await;
     // Far more than one connection gathers per commit, in one write; then only wait. Frames the
     // agent holds unframed at its cap must be framed after the commit, not after the next read.
     let record = vec![b'r'; 10 << 10];
-    let n = (8 * edge_uploader::record_stream::PENDING_CAP / record.len()) as u64;
+    let n = (8 * cap / record.len()) as u64;
     // Numbered, so the order across batches (an append spans several) is checked below.
     let numbered = |i: u64| {
         let mut r = record.clone();
@@ -134,9 +137,9 @@ async fn records_beyond_the_gathering_cap_are_acked_without_more_bytes_or_the_en
     // at most two reads, and one gathering and one committing append of at most the cap and a
     // record. (Reserving receive room with a whole read still unframed grew each connection's
     // buffer by doubling, to megabytes.)
-    use edge_uploader::record_stream::{PENDING_CAP, READ_SIZE};
+    use edge_uploader::record_stream::READ_SIZE;
     let frame = record.len() + edge_proto::records::RECORD_OVERHEAD;
-    let per_connection = 2 * READ_SIZE + 2 * (PENDING_CAP + frame);
+    let per_connection = 2 * READ_SIZE + 2 * (cap + frame);
     let peak = counters.stream_buffer_peak_bytes.load(std::sync::atomic::Ordering::Relaxed);
     assert!(peak > 0, "the connections' memory is counted");
     assert!(
