@@ -3,7 +3,8 @@
 # edge-uploader and edge-ingest in turn (order A B B A, repeated), so that a machine that
 # drifts slower or faster during the run weighs on both builds alike. Each build is a folder
 # holding the two binaries (copy them out of target/release/ after each build). The bench
-# binary is target/release/edge-bench; the last build measured stays in target/release/.
+# binary is target/release/edge-bench; the last build measured stays in target/release/ (run
+# `cargo build --release --workspace` to put the tree's daemons back).
 # Writes one report per run into OUT; ab_summary.py reads them. CASES replaces the bench's
 # subcommand `pipeline --reps 1`, e.g. `quick` (which adds the latency case).
 #
@@ -21,7 +22,10 @@ run=0
 measure() {
     local label=$1 dir=$2
     run=$((run + 1))
-    cp "$dir/edge-uploader" "$dir/edge-ingest" target/release/
+    # --remove-destination: target/release/X is a hard link to cargo's own copy in deps/;
+    # copying over it would write the measured build into that copy, and a later `cargo build`
+    # would find it fresh and keep it (a wrapper script, or another build's daemon).
+    cp --remove-destination "$dir/edge-uploader" "$dir/edge-ingest" target/release/
     echo "run $run: $label ($(date -u +%H:%M:%S))" >&2
     target/release/edge-bench "${cases[@]}" --allow-stale >"$out/$(printf %02d $run)-$label.md" 2>>"$out/progress.log"
 }
