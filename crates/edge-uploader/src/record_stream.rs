@@ -11,9 +11,9 @@
 //! count tells the producer where to resume.
 //!
 //! Memory per connection is bounded: the agent stops framing and reading while the gathered
-//! records reach [`Intake::stream_pending_bytes`] (`intake.stream_pending_bytes`, or one record
-//! over it), so the receive buffer holds at most
-//! the unframed rest of one read and one incomplete frame. What waits there is framed as soon
+//! records reach [`Intake::stream_pending_bytes`] (`intake.stream_pending_bytes`), or one record
+//! over it, so the receive buffer holds at most the unframed rest of one read and one
+//! incomplete frame. What waits there is framed as soon
 //! as the commit makes room, without waiting for more bytes: the producer may be waiting for
 //! exactly those records' ack.
 
@@ -40,7 +40,7 @@ use crate::spool_task::AppendFailure;
 /// previous append commits, in framed bytes; reading pauses at this size. A connection carries
 /// at most about this much per commit, so where a commit takes milliseconds (an SD card's or
 /// eMMC's sync) it also bounds the connection's rate (BENCHMARKS.md, "Done and tried since the
-/// `a54f6d1` run", 16).
+/// `a54f6d1` run", 17).
 pub const PENDING_CAP: usize = 1 << 20;
 
 /// Bytes asked of the socket per read. The receive buffer holds at most twice this, or one
