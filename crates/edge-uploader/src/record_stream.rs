@@ -13,9 +13,8 @@
 //! Memory per connection is bounded: the agent stops framing and reading while the gathered
 //! records reach [`Intake::stream_pending_bytes`] (`intake.stream_pending_bytes`), or one record
 //! over it, so the receive buffer holds at most the unframed rest of one read and one
-//! incomplete frame. What waits there is framed as soon
-//! as the commit makes room, without waiting for more bytes: the producer may be waiting for
-//! exactly those records' ack.
+//! incomplete frame. What waits there is framed as soon as the commit makes room, without
+//! waiting for more bytes: the producer may be waiting for exactly those records' ack.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -184,10 +183,10 @@ where
         // Frame what is buffered, as far as the cap allows: frames left in the buffer at the
         // cap are framed here once the commit has made room, whether or not more bytes come
         // (a producer waiting for their ack sends none).
-        if refusal.is_none() && p.gathered.framed_bytes < p.intake.stream_pending_bytes && !rbuf.is_empty() {
+        if refusal.is_none() && p.has_room() && !rbuf.is_empty() {
             if let Err(r) = p.parse(&mut rbuf) {
                 refusal = Some(r);
-            } else if eof && p.gathered.framed_bytes < p.intake.stream_pending_bytes && !rbuf.is_empty() {
+            } else if eof && p.has_room() && !rbuf.is_empty() {
                 // Everything complete is framed; what is left was cut off.
                 refusal = Some(p.ended_inside_a_frame(rbuf.len()));
             }
@@ -201,7 +200,7 @@ where
         if stopped && committing.is_none() {
             break;
         }
-        let can_read = !stopped && p.gathered.framed_bytes < p.intake.stream_pending_bytes;
+        let can_read = !stopped && p.has_room();
         if can_read && rbuf.capacity() - rbuf.len() < FRAME_SLACK {
             // Here, after framing, the buffer holds at most one incomplete frame, so `reserve`
             // moves it to the front of the allocation it has instead of growing it. Reserving
@@ -315,6 +314,12 @@ impl Parser {
         Parser { intake, greeted: false, stream: None, received: 0, committed: 0, gathered: Gathered::default() }
     }
 
+    /// Whether the gathered append is below `intake.stream_pending_bytes`: framing and reading
+    /// go on only while it is.
+    fn has_room(&self) -> bool {
+        self.gathered.framed_bytes < self.intake.stream_pending_bytes
+    }
+
     /// The error for a connection that ended with part of a frame unread.
     fn ended_inside_a_frame(&self, unread: usize) -> Refusal {
         let detail = if self.greeted {
@@ -337,8 +342,7 @@ impl Parser {
         }
         let max_record = self.intake.max_record_bytes;
         let batch_target = self.intake.batch_target;
-        let cap = self.intake.stream_pending_bytes;
-        while self.gathered.framed_bytes < cap {
+        while self.has_room() {
             let (frame, used) = match wire::parse_producer_frame(rbuf, max_record, self.received + 1) {
                 Ok(Some(parsed)) => parsed,
                 Ok(None) => break,
