@@ -70,6 +70,7 @@ impl Agent {
             max_record_bytes: config.intake.max_record_bytes,
             max_request_bytes: config.intake.max_request_bytes,
             stream_pending_bytes: config.intake.stream_pending_bytes,
+            stream_budget: crate::record_stream::PendingBudget::new(config.intake.stream_pending_total_bytes),
             batch_target: usize::try_from(config.spool.chunk_target_bytes).unwrap_or(usize::MAX),
             accepting: AtomicBool::new(true),
             counters: Arc::new(IntakeCounters::default()),
@@ -188,6 +189,12 @@ impl Agent {
         &self.intake.counters
     }
 
+    /// What the record-stream connections gather and commit, against
+    /// `intake.stream_pending_total_bytes`.
+    pub fn stream_budget(&self) -> &crate::record_stream::PendingBudget {
+        &self.intake.stream_budget
+    }
+
     /// Applies what can change at run time from a freshly loaded, valid configuration: the log
     /// level, the spool's size limit and full policy, and the chunks and bytes in flight. Returns
     /// the keys whose change needs a restart (they keep their running values).
@@ -200,7 +207,7 @@ impl Agent {
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 20] = [
+        let fixed: [(&'static str, bool); 21] = [
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
             (
@@ -210,6 +217,10 @@ impl Agent {
             ("intake.max_record_bytes", a.intake.max_record_bytes != b.intake.max_record_bytes),
             ("intake.max_request_bytes", a.intake.max_request_bytes != b.intake.max_request_bytes),
             ("intake.stream_pending_bytes", a.intake.stream_pending_bytes != b.intake.stream_pending_bytes),
+            (
+                "intake.stream_pending_total_bytes",
+                a.intake.stream_pending_total_bytes != b.intake.stream_pending_total_bytes,
+            ),
             ("spool.path", a.spool.path != b.spool.path),
             ("spool.durability", a.spool.durability != b.spool.durability),
             ("spool.chunk_target", a.spool.chunk_target_bytes != b.spool.chunk_target_bytes),

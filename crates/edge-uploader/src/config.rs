@@ -63,6 +63,7 @@ pub struct RawIntake {
     pub max_record_bytes: ByteSize,
     pub max_request_bytes: ByteSize,
     pub stream_pending_bytes: ByteSize,
+    pub stream_pending_total_bytes: ByteSize,
 }
 
 impl Default for RawIntake {
@@ -76,6 +77,7 @@ impl Default for RawIntake {
             max_record_bytes: ByteSize::mib(1),
             max_request_bytes: ByteSize::mib(64),
             stream_pending_bytes: ByteSize::b(crate::record_stream::PENDING_CAP as u64),
+            stream_pending_total_bytes: ByteSize::b(crate::record_stream::PENDING_TOTAL as u64),
         }
     }
 }
@@ -213,6 +215,8 @@ pub struct IntakeConfig {
     pub max_request_bytes: usize,
     /// Records a record-stream connection gathers while its previous append commits.
     pub stream_pending_bytes: usize,
+    /// Records all record-stream connections together gather and commit.
+    pub stream_pending_total_bytes: usize,
 }
 
 /// Validated upload settings.
@@ -335,6 +339,14 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     if !(4 << 10..=64 << 20).contains(&stream_pending) {
         bail!("intake.stream_pending_bytes: expected 4 KiB..=64 MiB, got {}", raw.intake.stream_pending_bytes);
     }
+    let stream_pending_total = usize::try_from(raw.intake.stream_pending_total_bytes.as_u64()).unwrap_or(usize::MAX);
+    if !(stream_pending..=1 << 30).contains(&stream_pending_total) {
+        bail!(
+            "intake.stream_pending_total_bytes: expected intake.stream_pending_bytes ({})..=1 GiB, got {}",
+            raw.intake.stream_pending_bytes,
+            raw.intake.stream_pending_total_bytes
+        );
+    }
     let socket_mode = u32::from_str_radix(raw.intake.socket_mode.trim_start_matches("0o"), 8).map_err(|_| {
         anyhow::anyhow!("intake.socket_mode: expected an octal mode such as \"0660\", got {:?}", raw.intake.socket_mode)
     })?;
@@ -427,6 +439,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             max_record_bytes: max_record,
             max_request_bytes: max_request,
             stream_pending_bytes: stream_pending,
+            stream_pending_total_bytes: stream_pending_total,
         },
         spool,
         upload: UploadConfig {

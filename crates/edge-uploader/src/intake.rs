@@ -44,6 +44,9 @@ pub struct Intake {
     /// Records a record-stream connection gathers while its previous append commits
     /// (`intake.stream_pending_bytes`).
     pub stream_pending_bytes: usize,
+    /// What all record-stream connections together gather and commit
+    /// (`intake.stream_pending_total_bytes`).
+    pub stream_budget: crate::record_stream::PendingBudget,
     /// Target size of one batch (the spool's chunk target), so large requests split into chunks.
     pub batch_target: usize,
     /// Cleared when shutdown begins: requests then get 503.

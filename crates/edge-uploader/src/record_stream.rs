@@ -15,11 +15,19 @@
 //! over it, so the receive buffer holds at most the unframed rest of one read and one
 //! incomplete frame. What waits there is framed as soon as the commit makes room, without
 //! waiting for more bytes: the producer may be waiting for exactly those records' ack.
+//!
+//! Memory across connections is bounded too, whatever their number: what they all gather and
+//! commit is charged to one [`PendingBudget`] (`intake.stream_pending_total_bytes`), and a
+//! connection frames its next record only while the budget is below its cap, so all together
+//! hold at most the cap and one record per connection. A connection that finds the budget
+//! spent stops reading until a commit gives some back. That cannot wait forever: every charged
+//! byte is in an append that is committing or, on a connection with no commit running, is
+//! submitted at once, and commits end without the intake.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::serve::Listener;
 use bytes::{Buf, BytesMut};
@@ -28,6 +36,7 @@ use edge_proto::intake::{self as wire, IntakeFrameError, ProducerFrame};
 use edge_proto::records::{RECORD_OVERHEAD, encode_record};
 use edge_spool::{AppendRequest, Batch};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::debug;
@@ -41,6 +50,61 @@ use crate::spool_task::AppendFailure;
 /// eMMC's sync) it also bounds the connection's rate (BENCHMARKS.md, "Done and tried since the
 /// `a54f6d1` run", 17).
 pub const PENDING_CAP: usize = 1 << 20;
+
+/// The default of `intake.stream_pending_total_bytes`: what all record-stream connections
+/// together gather and commit, in framed bytes. As much as four connections at the default
+/// [`PENDING_CAP`] hold (one append gathering and one committing each).
+pub const PENDING_TOTAL: usize = 8 << 20;
+
+/// The framed bytes all record-stream connections gather and commit, against
+/// `intake.stream_pending_total_bytes`.
+#[derive(Debug)]
+pub struct PendingBudget {
+    cap: usize,
+    used: AtomicUsize,
+    /// The highest `used` since start.
+    peak: AtomicUsize,
+    /// Woken when a commit gives bytes back.
+    freed: Notify,
+}
+
+impl PendingBudget {
+    pub fn new(cap: usize) -> Self {
+        PendingBudget { cap, used: AtomicUsize::new(0), peak: AtomicUsize::new(0), freed: Notify::new() }
+    }
+
+    /// `intake.stream_pending_total_bytes`.
+    pub fn cap(&self) -> usize {
+        self.cap
+    }
+
+    /// The framed bytes charged now, by all connections.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// The highest [`used`](Self::used) since start.
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    /// Whether a connection may frame another record.
+    fn has_room(&self) -> bool {
+        self.used() < self.cap
+    }
+
+    fn charge(&self, bytes: usize) {
+        let now = self.used.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn give_back(&self, bytes: usize) {
+        if bytes > 0 {
+            self.used.fetch_sub(bytes, Ordering::Relaxed);
+            self.freed.notify_waiters();
+        }
+    }
+}
 
 /// Bytes asked of the socket per read. The receive buffer holds at most twice this, or one
 /// incomplete record and this, whichever is more.
@@ -176,6 +240,7 @@ where
     let mut refusal: Option<Refusal> = None;
     let mut eof = false;
     let mut held = Held { counters: p.intake.counters.clone(), bytes: 0 };
+    let intake = p.intake.clone();
     if !p.intake.accepting.load(Ordering::Acquire) {
         refusal = Some(Refusal::shutting_down());
     }
@@ -197,10 +262,30 @@ where
             continue;
         }
         let stopped = eof || refusal.is_some();
-        if stopped && committing.is_none() {
+        // At the end of the stream, complete frames may still wait unframed for the budget.
+        let unframed_at_end = eof && refusal.is_none() && !rbuf.is_empty();
+        if stopped && !unframed_at_end && committing.is_none() {
             break;
         }
-        let can_read = !stopped && p.has_room();
+        // The budget is looked at once, so that the connection either reads or waits for it:
+        // looked at twice, a commit ending in between left it doing neither, for good.
+        let (own_room, budget_room) = (p.has_own_room(), intake.stream_budget.has_room());
+        if unframed_at_end && own_room && budget_room {
+            continue;
+        }
+        let can_read = !stopped && own_room && budget_room;
+        // Room of its own but none in the budget: wait for a commit to give some back. The
+        // waiter is registered before the budget is looked at again, so a commit that ends in
+        // between still wakes it.
+        let freed = intake.stream_budget.freed.notified();
+        tokio::pin!(freed);
+        let waiting = (!stopped || unframed_at_end) && own_room && !budget_room;
+        if waiting {
+            freed.as_mut().enable();
+            if intake.stream_budget.has_room() {
+                continue;
+            }
+        }
         if can_read && rbuf.capacity() - rbuf.len() < FRAME_SLACK {
             // Here, after framing, the buffer holds at most one incomplete frame, so `reserve`
             // moves it to the front of the allocation it has instead of growing it. Reserving
@@ -212,6 +297,7 @@ where
         tokio::select! {
             done = async { committing.as_mut().expect("guarded by the condition").commit.as_mut().await }, if committing.is_some() => {
                 let c = committing.take().expect("was committing");
+                p.give_back(c.framed_bytes);
                 match done {
                     Ok(()) => {
                         p.committed += c.records;
@@ -225,11 +311,13 @@ where
                     Err(f) => {
                         // Nothing gathered after a failed append may be stored, or the durable
                         // records would not be a prefix of those sent.
-                        p.gathered = Gathered::default();
+                        let dropped = std::mem::take(&mut p.gathered).framed_bytes;
+                        p.give_back(dropped);
                         refusal = Some(Refusal::spool(&f));
                     }
                 }
             }
+            () = &mut freed, if waiting => {}
             read = io.read_buf(&mut rbuf), if can_read => {
                 if read? == 0 {
                     eof = true;
@@ -307,17 +395,39 @@ struct Parser {
     received: u64,
     committed: u64,
     gathered: Gathered,
+    /// The framed bytes of this connection's gathering and committing appends, charged to
+    /// [`Intake::stream_budget`] and given back when their commit ends or the connection does.
+    charged: usize,
 }
 
 impl Parser {
     fn new(intake: Arc<Intake>) -> Self {
-        Parser { intake, greeted: false, stream: None, received: 0, committed: 0, gathered: Gathered::default() }
+        Parser {
+            intake,
+            greeted: false,
+            stream: None,
+            received: 0,
+            committed: 0,
+            gathered: Gathered::default(),
+            charged: 0,
+        }
     }
 
-    /// Whether the gathered append is below `intake.stream_pending_bytes`: framing and reading
-    /// go on only while it is.
-    fn has_room(&self) -> bool {
+    /// Whether the gathered append is below `intake.stream_pending_bytes`.
+    fn has_own_room(&self) -> bool {
         self.gathered.framed_bytes < self.intake.stream_pending_bytes
+    }
+
+    /// Whether the gathered append is below `intake.stream_pending_bytes` and all connections'
+    /// below `intake.stream_pending_total_bytes`: framing and reading go on only while both are.
+    fn has_room(&self) -> bool {
+        self.has_own_room() && self.intake.stream_budget.has_room()
+    }
+
+    /// Gives back the charge of an append whose commit ended, or that was dropped.
+    fn give_back(&mut self, bytes: usize) {
+        self.charged -= bytes;
+        self.intake.stream_budget.give_back(bytes);
     }
 
     /// The error for a connection that ended with part of a frame unread.
@@ -373,6 +483,9 @@ impl Parser {
                     };
                     self.received += 1;
                     self.gathered.push(stream, record, batch_target);
+                    let framed = record.len() + RECORD_OVERHEAD;
+                    self.charged += framed;
+                    self.intake.stream_budget.charge(framed);
                 }
             }
             rbuf.advance(used);
@@ -394,6 +507,15 @@ impl Parser {
             .collect();
         let commit = Box::pin(self.intake.spool.submit(AppendRequest { batches: gathered.batches }));
         Committing { commit, records: gathered.records, framed_bytes: gathered.framed_bytes, per_stream }
+    }
+}
+
+impl Drop for Parser {
+    fn drop(&mut self) {
+        // A connection that ends with an append gathering or committing (its producer went
+        // away, or a write failed) gives its charge back with it.
+        let charged = self.charged;
+        self.give_back(charged);
     }
 }
 

@@ -151,6 +151,53 @@ async fn records_beyond_the_gathering_cap_are_acked_without_more_bytes_or_the_en
     assert_eq!(counters.stream_buffer_bytes.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_connections_share_one_gathering_budget_and_lose_nothing() {
+    // The budget for all connections is one connection's own cap, so that the connections
+    // contend for it from the first commit on: without it, eight connections could hold eight
+    // times as much (one gathering and one committing append each).
+    let cap = 64usize << 10;
+    let f = start(|raw| {
+        raw.intake.stream_pending_bytes = bytesize::ByteSize::b(cap as u64);
+        raw.intake.stream_pending_total_bytes = bytesize::ByteSize::b(cap as u64);
+    })
+    .await;
+    assert_eq!(f.agent.stream_budget().cap(), cap);
+    let (connections, n) = (8u64, 200u64);
+    fn numbered(k: u64, i: u64) -> Vec<u8> {
+        let mut r = vec![b'r'; 10 << 10];
+        r[..16].copy_from_slice(&[k.to_le_bytes(), i.to_le_bytes()].concat());
+        r
+    }
+    let mut producers = tokio::task::JoinSet::new();
+    for k in 0..connections {
+        let mut c = f.client().await;
+        producers.spawn(async move {
+            for i in 0..n {
+                c.record(&name(&format!("p{k}")), &numbered(k, i));
+            }
+            c.finish().await.expect("finishes")
+        });
+    }
+    while let Some(reply) = tokio::time::timeout(Duration::from_secs(60), producers.join_next()).await.expect("in time")
+    {
+        assert_eq!(reply.expect("producer"), Reply::Ack { committed: n });
+    }
+    // At most the budget and one record per connection, charged at once; all given back.
+    let frame = (10 << 10) + edge_proto::records::RECORD_OVERHEAD;
+    let budget = f.agent.stream_budget();
+    assert!(budget.peak() >= frame, "the gathered records are charged");
+    let bound = cap + connections as usize * frame;
+    assert!(budget.peak() <= bound, "the connections held {} framed bytes at once; bound {bound}", budget.peak());
+    assert_eq!(budget.used(), 0, "every connection gave its charge back");
+    let stored = f.stop_and_read().await;
+    for k in 0..connections {
+        let got = &stored[&format!("p{k}")];
+        assert_eq!(got.len() as u64, n, "stream p{k}");
+        assert!(got.iter().zip(0..n).all(|(r, i)| *r == numbered(k, i)), "stream p{k} stored out of order");
+    }
+}
+
 /// Sends `good` valid records, then `bad` bytes, and returns the agent's last answer.
 async fn refused(f: &Fixture, good: usize, bad: &[u8]) -> Reply {
     let mut c = f.client().await;
