@@ -725,7 +725,7 @@ pub async fn sweep(ctx: &Ctx, only: &[String]) -> anyhow::Result<Results> {
         for v in variants.iter().filter(|v| wanted(&v.label)) {
             ctx.progress(format!("sweep rep {} of {}: {}", rep + 1, ctx.reps, v.label));
             let case = format!("sweep {}: live 10 KiB, 1 per request", v.label);
-            live_with(&one, &mut res, &case, 10 * KIB, 1, Duration::from_secs(6), v).await?;
+            live_with(&one, &mut res, &case, &live_load(10 * KIB, 1, Some(Duration::from_secs(6)), None), v).await?;
             let case = format!("sweep {}: drain 256 MiB", v.label);
             let r = drain_once(ctx, &mut res, "sweep", &case, Prefill::Repeated(256 * MIB), v).await.map(drop);
             res.failed(&case, rep, r);
@@ -1501,18 +1501,23 @@ async fn live(
     per_request: usize,
     duration: Duration,
 ) -> anyhow::Result<f64> {
-    live_with(ctx, res, case, record, per_request, duration, &WorldOptions::default()).await
+    live_with(ctx, res, case, &live_load(record, per_request, Some(duration), None), &WorldOptions::default()).await
 }
 
-async fn live_with(
-    ctx: &Ctx,
-    res: &mut Results,
-    case: &str,
-    record: usize,
-    per_request: usize,
-    duration: Duration,
-    opts: &WorldOptions,
-) -> anyhow::Result<f64> {
+/// The record-stream live case (10 KiB records) with each of `counts` producer connections in
+/// turn, on 4 streams: what the agent stores and its peak RSS as the producers grow in number,
+/// with all connections' gathering under `intake.stream_pending_total_bytes`.
+pub async fn producers(ctx: &Ctx, counts: &[usize]) -> anyhow::Result<Results> {
+    let mut res = Results::default();
+    for &n in counts {
+        let case = format!("live 10 KiB, record stream, {n} producers");
+        let load = Load { producers: n, ..live_load(10 * KIB, 0, Some(Duration::from_secs(8)), None) };
+        live_with(ctx, &mut res, &case, &load, &WorldOptions::default()).await?;
+    }
+    Ok(res)
+}
+
+async fn live_with(ctx: &Ctx, res: &mut Results, case: &str, load: &Load, opts: &WorldOptions) -> anyhow::Result<f64> {
     let group = if opts.label.is_empty() { "edge-uploader" } else { "sweep" };
     res.mark_load(case);
     let mut medians = Vec::new();
@@ -1526,8 +1531,7 @@ async fn live_with(
         let dev0 = sys::device_write_bytes(&w.dir)?;
         let bench_cpu0 = sys::self_cpu_seconds()?;
         let t0 = Instant::now();
-        let load = live_load(record, per_request, Some(duration), None);
-        let p = world::produce(&w.socket, &load).await?;
+        let p = world::produce(&w.socket, load).await?;
         let t1 = w.wait_drained(p.records, Duration::from_secs(600))?;
         let secs = t1.duration_since(t0).as_secs_f64();
         let mb_s = p.bytes as f64 / secs / 1e6;

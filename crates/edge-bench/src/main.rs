@@ -92,6 +92,17 @@ enum Cmd {
         #[arg(long)]
         allow_stale: bool,
     },
+    /// The record-stream live case with more and more producer connections: what the agent
+    /// stores, its CPU and its peak RSS at each count.
+    Producers {
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Producer connections, one count per case (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "4,16,64")]
+        counts: Vec<usize>,
+        #[arg(long)]
+        allow_stale: bool,
+    },
     /// The agent's reconnect only: new connections through a delaying proxy with a full
     /// handshake, and reconnections after an outage with the chunk sent after the Welcome and
     /// right behind the Hello, timed to the session, the first chunk sent and its ack.
@@ -300,6 +311,20 @@ fn main() -> anyhow::Result<()> {
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
             ctx.command = format!("cargo run --release -p edge-bench -- pipeline --reps {}", ctx.reps);
             let results = rt.block_on(cases::pipeline(&ctx))?;
+            println!("{}", results.markdown(&ctx));
+            Ok(())
+        }
+        Cmd::Producers { reps, counts, allow_stale } => {
+            anyhow::ensure!(counts.iter().all(|&n| n > 0), "--counts: every count must be at least 1");
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
+            let list: Vec<String> = counts.iter().map(usize::to_string).collect();
+            ctx.command = format!(
+                "cargo run --release -p edge-bench -- producers --reps {} --counts {}",
+                ctx.reps,
+                list.join(",")
+            );
+            let results = rt.block_on(cases::producers(&ctx, &counts))?;
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
