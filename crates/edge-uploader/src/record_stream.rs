@@ -10,19 +10,21 @@
 //! after a failed append nothing later of the connection is submitted, and the Error frame's
 //! count tells the producer where to resume.
 //!
-//! Memory per connection is bounded: the agent stops framing and reading while the gathered
-//! records reach [`Intake::stream_pending_bytes`] (`intake.stream_pending_bytes`), or one record
-//! over it, so the receive buffer holds at most the unframed rest of one read and one
-//! incomplete frame. What waits there is framed as soon as the commit makes room, without
-//! waiting for more bytes: the producer may be waiting for exactly those records' ack.
+//! Memory per connection is bounded: records are framed into batch buffers, and a record that
+//! needs a new buffer takes its capacity from the connection's own cap
+//! ([`Intake::stream_pending_bytes`], `intake.stream_pending_bytes`), which it may cross by at
+//! most itself. At the cap the agent stops framing and reading, so the receive buffer holds at
+//! most the unframed rest of one read and one incomplete frame. What waits there is framed as
+//! soon as the commit makes room, without waiting for more bytes: the producer may be waiting
+//! for exactly those records' ack.
 //!
-//! Memory across connections is bounded too, whatever their number: what they all gather and
-//! commit is charged to one [`PendingBudget`] (`intake.stream_pending_total_bytes`), and a
-//! connection frames its next record only while the budget is below its cap, so all together
-//! hold at most the cap and one record per connection. A connection that finds the budget
-//! spent stops reading until a commit gives some back. That cannot wait forever: every charged
-//! byte is in an append that is committing or, on a connection with no commit running, is
-//! submitted at once, and commits end without the intake.
+//! Memory across connections is bounded too, whatever their number: the same capacity is taken
+//! from one [`PendingBudget`] (`intake.stream_pending_total_bytes`), at most what is left of it
+//! (at least the record), so all connections' batch buffers together take at most the budget
+//! and one record. A connection that finds the budget spent stops framing and reading until a
+//! commit gives some back. That cannot wait forever: every byte taken is in an append that is
+//! committing or, on a connection with no commit running, is submitted at once, and commits end
+//! without the intake.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -88,9 +90,27 @@ impl PendingBudget {
         self.peak.load(Ordering::Relaxed)
     }
 
-    /// Whether a connection may frame another record.
+    /// Whether a connection may take a new batch buffer.
     fn has_room(&self) -> bool {
         self.used() < self.cap
+    }
+
+    /// Takes `want` bytes, or what is left of the cap if less, but at least `at_least`; `None`
+    /// if nothing is left. Taken at once, so that connections taking together go over the cap
+    /// by at most one `at_least` between them: the take that crosses it.
+    fn take(&self, want: usize, at_least: usize) -> Option<usize> {
+        let mut used = self.used();
+        loop {
+            let room = self.cap.checked_sub(used).filter(|&r| r > 0)?;
+            let n = want.min(room).max(at_least);
+            match self.used.compare_exchange_weak(used, used + n, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => {
+                    self.peak.fetch_max(used + n, Ordering::Relaxed);
+                    return Some(n);
+                }
+                Err(now) => used = now,
+            }
+        }
     }
 
     fn charge(&self, bytes: usize) {
@@ -175,26 +195,40 @@ struct Gathered {
     /// The capacity given to the last batch's buffer (see [`next_batch_capacity`]).
     last_capacity: usize,
     records: u64,
-    framed_bytes: usize,
+    /// The capacity of all its batches' buffers: what it holds, and is charged for.
+    reserved: usize,
 }
 
 impl Gathered {
-    fn push(&mut self, stream: &StreamName, record: &[u8], batch_target: usize) {
+    /// Whether a framed record of `framed` bytes for `stream` goes into the current batch's
+    /// buffer as it is.
+    fn fits(&self, stream: &StreamName, framed: usize, batch_target: usize) -> bool {
+        self.cur_records > 0 && self.cur_stream == stream.as_str() && fits(&self.cur, framed, batch_target)
+    }
+
+    /// The capacity the next batch's buffer would have (see [`next_batch_capacity`]).
+    fn next_capacity(&self, batch_target: usize) -> usize {
+        next_batch_capacity(self.last_capacity, batch_target)
+    }
+
+    /// Frames `record` into the current batch or, where it does not [`fit`](Self::fits), into
+    /// a new batch whose buffer has `capacity` bytes (at least the framed record). Returns the
+    /// capacity that took.
+    fn push(&mut self, stream: &StreamName, record: &[u8], batch_target: usize, capacity: usize) -> usize {
         let framed = record.len() + RECORD_OVERHEAD;
-        if self.cur_records > 0 && (!fits(&self.cur, framed, batch_target) || self.cur_stream != stream.as_str()) {
+        let mut reserved = 0;
+        if !self.fits(stream, framed, batch_target) {
             self.close_batch();
-        }
-        if self.cur_records == 0 {
             stream.as_str().clone_into(&mut self.cur_stream);
-        }
-        if self.cur.capacity() == 0 {
-            self.last_capacity = next_batch_capacity(self.last_capacity, batch_target);
-            self.cur.reserve_exact(framed.max(self.last_capacity));
+            self.last_capacity = capacity.max(framed);
+            self.cur.reserve_exact(self.last_capacity);
+            reserved = self.cur.capacity();
+            self.reserved += reserved;
         }
         encode_record(&mut self.cur, record);
         self.cur_records += 1;
         self.records += 1;
-        self.framed_bytes += record.len() + RECORD_OVERHEAD;
+        reserved
     }
 
     fn close_batch(&mut self) {
@@ -214,7 +248,8 @@ impl Gathered {
 struct Committing {
     commit: Commit,
     records: u64,
-    framed_bytes: usize,
+    /// The capacity of its batches' buffers, charged to the budget until the commit ends.
+    reserved: usize,
     per_stream: Vec<(String, u64, u64)>,
 }
 
@@ -245,13 +280,17 @@ where
         refusal = Some(Refusal::shutting_down());
     }
     loop {
-        // Frame what is buffered, as far as the cap allows: frames left in the buffer at the
-        // cap are framed here once the commit has made room, whether or not more bytes come
-        // (a producer waiting for their ack sends none).
-        if refusal.is_none() && p.has_room() && !rbuf.is_empty() {
-            if let Err(r) = p.parse(&mut rbuf) {
-                refusal = Some(r);
-            } else if eof && p.has_room() && !rbuf.is_empty() {
+        // Frame what is buffered, as far as the cap and the budget allow: frames left in the
+        // buffer are framed here once a commit has made room, whether or not more bytes come
+        // (a producer waiting for their ack sends none). `stop` is what the connection then
+        // waits for.
+        let mut stop = Stop::NeedBytes;
+        if refusal.is_none() && !rbuf.is_empty() {
+            match p.parse(&mut rbuf) {
+                Err(r) => refusal = Some(r),
+                Ok(s) => stop = s,
+            }
+            if eof && stop == Stop::NeedBytes && !rbuf.is_empty() && refusal.is_none() {
                 // Everything complete is framed; what is left was cut off.
                 refusal = Some(p.ended_inside_a_frame(rbuf.len()));
             }
@@ -267,19 +306,14 @@ where
         if stopped && !unframed_at_end && committing.is_none() {
             break;
         }
-        // The budget is looked at once, so that the connection either reads or waits for it:
-        // looked at twice, a commit ending in between left it doing neither, for good.
-        let (own_room, budget_room) = (p.has_own_room(), intake.stream_budget.has_room());
-        if unframed_at_end && own_room && budget_room {
-            continue;
-        }
-        let can_read = !stopped && own_room && budget_room;
-        // Room of its own but none in the budget: wait for a commit to give some back. The
-        // waiter is registered before the budget is looked at again, so a commit that ends in
-        // between still wakes it.
+        // Framing stopped at the connection's own cap: its commit is running (what it gathered
+        // was submitted above) and makes room when it ends. At the budget: a commit of any
+        // connection does, and the wait for it is registered before the budget is looked at
+        // again, so a commit that ends in between still wakes it.
+        let can_read = !stopped && stop == Stop::NeedBytes;
         let freed = intake.stream_budget.freed.notified();
         tokio::pin!(freed);
-        let waiting = (!stopped || unframed_at_end) && own_room && !budget_room;
+        let waiting = (!stopped || unframed_at_end) && stop == Stop::Budget;
         if waiting {
             freed.as_mut().enable();
             if intake.stream_budget.has_room() {
@@ -293,11 +327,11 @@ where
             // offset included) to megabytes per connection.
             rbuf.reserve(READ_SIZE);
         }
-        held.set(rbuf.capacity() + p.gathered.framed_bytes + committing.as_ref().map_or(0, |c| c.framed_bytes));
+        held.set(rbuf.capacity() + p.gathered.reserved + committing.as_ref().map_or(0, |c| c.reserved));
         tokio::select! {
             done = async { committing.as_mut().expect("guarded by the condition").commit.as_mut().await }, if committing.is_some() => {
                 let c = committing.take().expect("was committing");
-                p.give_back(c.framed_bytes);
+                p.give_back(c.reserved);
                 match done {
                     Ok(()) => {
                         p.committed += c.records;
@@ -311,7 +345,7 @@ where
                     Err(f) => {
                         // Nothing gathered after a failed append may be stored, or the durable
                         // records would not be a prefix of those sent.
-                        let dropped = std::mem::take(&mut p.gathered).framed_bytes;
+                        let dropped = std::mem::take(&mut p.gathered).reserved;
                         p.give_back(dropped);
                         refusal = Some(Refusal::spool(&f));
                     }
@@ -386,6 +420,18 @@ const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
 const LINGER_BYTES: usize = 16 << 20;
 const LINGER_AT_SHUTDOWN: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// Why [`Parser::parse`] stopped framing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// Every complete frame is framed; what is left in the buffer is at most part of one.
+    NeedBytes,
+    /// A record needs a new batch buffer and the connection's gathering is at
+    /// `intake.stream_pending_bytes`: its commit, running, makes room.
+    OwnCap,
+    /// A record needs a new batch buffer and the budget is spent: any commit makes room.
+    Budget,
+}
+
 /// A connection's state apart from its socket.
 struct Parser {
     intake: Arc<Intake>,
@@ -395,7 +441,7 @@ struct Parser {
     received: u64,
     committed: u64,
     gathered: Gathered,
-    /// The framed bytes of this connection's gathering and committing appends, charged to
+    /// The buffers' capacity of this connection's gathering and committing appends, charged to
     /// [`Intake::stream_budget`] and given back when their commit ends or the connection does.
     charged: usize,
 }
@@ -411,17 +457,6 @@ impl Parser {
             gathered: Gathered::default(),
             charged: 0,
         }
-    }
-
-    /// Whether the gathered append is below `intake.stream_pending_bytes`.
-    fn has_own_room(&self) -> bool {
-        self.gathered.framed_bytes < self.intake.stream_pending_bytes
-    }
-
-    /// Whether the gathered append is below `intake.stream_pending_bytes` and all connections'
-    /// below `intake.stream_pending_total_bytes`: framing and reading go on only while both are.
-    fn has_room(&self) -> bool {
-        self.has_own_room() && self.intake.stream_budget.has_room()
     }
 
     /// Gives back the charge of an append whose commit ended, or that was dropped.
@@ -440,22 +475,24 @@ impl Parser {
         Refusal { status: 400, reason: Rejection::BadBody, detail }
     }
 
-    /// Frames every complete frame in `rbuf` into the gathered append, up to
-    /// [`Intake::stream_pending_bytes`].
-    fn parse(&mut self, rbuf: &mut BytesMut) -> Result<(), Refusal> {
+    /// Frames the complete frames in `rbuf` into the gathered append, until a record needs a
+    /// new batch buffer that the connection's cap or the budget has no room for; says where it
+    /// stopped.
+    fn parse(&mut self, rbuf: &mut BytesMut) -> Result<Stop, Refusal> {
         if !self.greeted {
             if !wire::check_magic(rbuf).map_err(|e| Refusal::frame(&e))? {
-                return Ok(());
+                return Ok(Stop::NeedBytes);
             }
             rbuf.advance(wire::MAGIC.len());
             self.greeted = true;
         }
         let max_record = self.intake.max_record_bytes;
         let batch_target = self.intake.batch_target;
-        while self.has_room() {
+        let (own_cap, budget) = (self.intake.stream_pending_bytes, &self.intake.stream_budget);
+        loop {
             let (frame, used) = match wire::parse_producer_frame(rbuf, max_record, self.received + 1) {
                 Ok(Some(parsed)) => parsed,
-                Ok(None) => break,
+                Ok(None) => return Ok(Stop::NeedBytes),
                 Err(e) => return Err(Refusal::frame(&e)),
             };
             match frame {
@@ -481,16 +518,34 @@ impl Parser {
                             detail: format!("record {} comes before any Stream frame", self.received + 1),
                         });
                     };
-                    self.received += 1;
-                    self.gathered.push(stream, record, batch_target);
+                    // A record that fits the buffer it goes into takes nothing more. One that
+                    // needs a new buffer takes its capacity from the connection's cap and from
+                    // the budget, each of which it may cross by at most the record; what is
+                    // left of them sizes the buffer.
                     let framed = record.len() + RECORD_OVERHEAD;
-                    self.charged += framed;
-                    self.intake.stream_budget.charge(framed);
+                    let mut capacity = 0;
+                    if !self.gathered.fits(stream, framed, batch_target) {
+                        let own_left = own_cap.saturating_sub(self.gathered.reserved);
+                        if own_left == 0 {
+                            return Ok(Stop::OwnCap);
+                        }
+                        let want = self.gathered.next_capacity(batch_target).min(own_left);
+                        let Some(taken) = budget.take(want, framed) else {
+                            return Ok(Stop::Budget);
+                        };
+                        capacity = taken;
+                    }
+                    self.received += 1;
+                    let reserved = self.gathered.push(stream, record, batch_target, capacity);
+                    if reserved > capacity {
+                        // The allocator's rounding, if `Vec` reports it.
+                        budget.charge(reserved - capacity);
+                    }
+                    self.charged += reserved;
                 }
             }
             rbuf.advance(used);
         }
-        Ok(())
     }
 
     /// Submits what was gathered as one append.
@@ -506,7 +561,7 @@ impl Parser {
             })
             .collect();
         let commit = Box::pin(self.intake.spool.submit(AppendRequest { batches: gathered.batches }));
-        Committing { commit, records: gathered.records, framed_bytes: gathered.framed_bytes, per_stream }
+        Committing { commit, records: gathered.records, reserved: gathered.reserved, per_stream }
     }
 }
 

@@ -154,7 +154,7 @@ async fn records_beyond_the_gathering_cap_are_acked_without_more_bytes_or_the_en
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_connections_share_one_gathering_budget_and_lose_nothing() {
     // The budget for all connections is one connection's own cap, so that the connections
-    // contend for it from the first commit on: without it, eight connections could hold eight
+    // contend for it from the first commit on: without it, eight connections could hold sixteen
     // times as much (one gathering and one committing append each).
     let cap = 64usize << 10;
     let f = start(|raw| {
@@ -183,13 +183,22 @@ async fn many_connections_share_one_gathering_budget_and_lose_nothing() {
     {
         assert_eq!(reply.expect("producer"), Reply::Ack { committed: n });
     }
-    // At most the budget and one record per connection, charged at once; all given back.
+    // The batch buffers of all connections took at most the budget and one record, at once;
+    // with their receive buffers (two reads at most each), that is all they held. And all of
+    // it was given back.
     let frame = (10 << 10) + edge_proto::records::RECORD_OVERHEAD;
     let budget = f.agent.stream_budget();
-    assert!(budget.peak() >= frame, "the gathered records are charged");
-    let bound = cap + connections as usize * frame;
-    assert!(budget.peak() <= bound, "the connections held {} framed bytes at once; bound {bound}", budget.peak());
+    assert!(budget.peak() >= frame, "the batch buffers are charged");
+    let bound = cap + frame;
+    assert!(
+        budget.peak() <= bound,
+        "the connections' batch buffers took {} bytes at once; bound {bound}",
+        budget.peak()
+    );
     assert_eq!(budget.used(), 0, "every connection gave its charge back");
+    let held = f.agent.intake().stream_buffer_peak_bytes.load(std::sync::atomic::Ordering::Relaxed);
+    let held_bound = connections as usize * 2 * edge_uploader::record_stream::READ_SIZE + bound;
+    assert!(held <= held_bound as u64, "the connections held {held} bytes at their peak; bound {held_bound}");
     let stored = f.stop_and_read().await;
     for k in 0..connections {
         let got = &stored[&format!("p{k}")];
