@@ -93,8 +93,8 @@ pub struct IntakeCounters {
     pub records_total: AtomicU64,
     pub bytes_total: AtomicU64,
     pub requests_rejected_total: AtomicU64,
-    /// Memory the record-stream connections hold now: their receive buffers' capacity and the
-    /// framed records they gather or are committing.
+    /// Memory the record-stream connections hold now: the capacity of their receive buffers
+    /// and of the batch buffers of the records they gather or are committing.
     pub stream_buffer_bytes: AtomicU64,
     /// The highest [`stream_buffer_bytes`](Self::stream_buffer_bytes) since start.
     pub stream_buffer_peak_bytes: AtomicU64,

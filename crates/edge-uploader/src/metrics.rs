@@ -366,9 +366,9 @@ pub fn register(
 
 const LIVE_STREAM_BUFFER: Live = Live::gauge(
     INTAKE_STREAM_BUFFER_BYTES,
-    "Memory the record-stream intake's connections hold: their receive buffers and the records each gathers \
+    "Memory the record-stream intake's connections hold: their receive buffers and the buffers of the records each gathers \
            while its previous append commits (per connection at most about intake.stream_pending_bytes gathered and as much committing, \
-           all connections together at most intake.stream_pending_total_bytes and a record each).",
+           all connections' record buffers together at most intake.stream_pending_total_bytes and a record).",
 );
 const LIVE_SPOOL_BYTES: Live = Live::gauge(
     SPOOL_BYTES,

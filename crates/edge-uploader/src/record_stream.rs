@@ -47,19 +47,20 @@ use crate::intake::{Intake, Rejection, fits, next_batch_capacity};
 use crate::spool_task::AppendFailure;
 
 /// The default of `intake.stream_pending_bytes`: records gathered per connection while its
-/// previous append commits, in framed bytes; reading pauses at this size. A connection carries
+/// previous append commits, as the capacity of the buffers they are framed into; reading pauses
+/// at this size. A connection carries
 /// at most about this much per commit, so where a commit takes milliseconds (an SD card's or
 /// eMMC's sync) it also bounds the connection's rate (BENCHMARKS.md, "Done and tried since the
 /// `a54f6d1` run", 17).
 pub const PENDING_CAP: usize = 1 << 20;
 
 /// The default of `intake.stream_pending_total_bytes`: what all record-stream connections
-/// together gather and commit, in framed bytes. As much as four connections at the default
+/// together gather and commit, as the capacity of those buffers. As much as four connections at the default
 /// [`PENDING_CAP`] hold (one append gathering and one committing each).
 pub const PENDING_TOTAL: usize = 8 << 20;
 
-/// The framed bytes all record-stream connections gather and commit, against
-/// `intake.stream_pending_total_bytes`.
+/// The capacity of the batch buffers that all record-stream connections gather and commit
+/// records in, against `intake.stream_pending_total_bytes`.
 #[derive(Debug)]
 pub struct PendingBudget {
     cap: usize,
@@ -80,7 +81,7 @@ impl PendingBudget {
         self.cap
     }
 
-    /// The framed bytes charged now, by all connections.
+    /// The bytes of buffers charged now, by all connections.
     pub fn used(&self) -> usize {
         self.used.load(Ordering::Relaxed)
     }
