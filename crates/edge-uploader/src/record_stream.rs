@@ -207,18 +207,35 @@ impl Gathered {
         self.cur_records > 0 && self.cur_stream == stream.as_str() && fits(&self.cur, framed, batch_target)
     }
 
-    /// The capacity the next batch's buffer would have (see [`next_batch_capacity`]).
-    fn next_capacity(&self, batch_target: usize) -> usize {
-        next_batch_capacity(self.last_capacity, batch_target)
+    /// Whether a record for `stream` ends the current batch by changing streams.
+    fn switches(&self, stream: &StreamName) -> bool {
+        self.cur_records > 0 && self.cur_stream != stream.as_str()
+    }
+
+    /// The capacity a new batch's buffer for `stream` would have (see [`next_batch_capacity`]):
+    /// after a batch that filled up, larger; after a change of streams, the first size again.
+    fn next_capacity(&self, stream: &StreamName, batch_target: usize) -> usize {
+        let last = if self.switches(stream) { 0 } else { self.last_capacity };
+        next_batch_capacity(last, batch_target)
     }
 
     /// Frames `record` into the current batch or, where it does not [`fit`](Self::fits), into
     /// a new batch whose buffer has `capacity` bytes (at least the framed record). Returns the
-    /// capacity that took.
-    fn push(&mut self, stream: &StreamName, record: &[u8], batch_target: usize, capacity: usize) -> usize {
+    /// capacity that took, and what the batch it ended gave back.
+    ///
+    /// A batch ended by a change of streams keeps only its bytes: a producer that interleaves
+    /// streams record by record would otherwise hold a buffer of the first size per record, and
+    /// reach its cap after a few records.
+    fn push(&mut self, stream: &StreamName, record: &[u8], batch_target: usize, capacity: usize) -> (usize, usize) {
         let framed = record.len() + RECORD_OVERHEAD;
-        let mut reserved = 0;
+        let (mut reserved, mut given_back) = (0, 0);
         if !self.fits(stream, framed, batch_target) {
+            if self.switches(stream) {
+                let before = self.cur.capacity();
+                self.cur.shrink_to_fit();
+                given_back = before - self.cur.capacity();
+                self.reserved -= given_back;
+            }
             self.close_batch();
             stream.as_str().clone_into(&mut self.cur_stream);
             self.last_capacity = capacity.max(framed);
@@ -229,7 +246,7 @@ impl Gathered {
         encode_record(&mut self.cur, record);
         self.cur_records += 1;
         self.records += 1;
-        reserved
+        (reserved, given_back)
     }
 
     fn close_batch(&mut self) {
@@ -530,19 +547,21 @@ impl Parser {
                         if own_left == 0 {
                             return Ok(Stop::OwnCap);
                         }
-                        let want = self.gathered.next_capacity(batch_target).min(own_left);
+                        let want = self.gathered.next_capacity(stream, batch_target).min(own_left);
                         let Some(taken) = budget.take(want, framed) else {
                             return Ok(Stop::Budget);
                         };
                         capacity = taken;
                     }
                     self.received += 1;
-                    let reserved = self.gathered.push(stream, record, batch_target, capacity);
+                    let (reserved, given_back) = self.gathered.push(stream, record, batch_target, capacity);
                     if reserved > capacity {
                         // The allocator's rounding, if `Vec` reports it.
                         budget.charge(reserved - capacity);
                     }
                     self.charged += reserved;
+                    self.charged -= given_back;
+                    budget.give_back(given_back);
                 }
             }
             rbuf.advance(used);
@@ -577,3 +596,42 @@ impl Drop for Parser {
 
 /// Spare room below which the receive buffer grows before the next read.
 const FRAME_SLACK: usize = 4096;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Frames `n` records of `len` bytes, the streams taken in turn, as `Parser::parse` does
+    /// with no cap: returns the gathering.
+    fn gather(streams: &[&str], n: usize, len: usize) -> Gathered {
+        let streams: Vec<StreamName> = streams.iter().map(|s| StreamName::new(s).expect("valid")).collect();
+        let (mut g, target, record) = (Gathered::default(), 512 << 10, vec![7u8; len]);
+        let mut held = 0;
+        for i in 0..n {
+            let stream = &streams[i % streams.len()];
+            let framed = len + RECORD_OVERHEAD;
+            let capacity = if g.fits(stream, framed, target) { 0 } else { g.next_capacity(stream, target) };
+            let (reserved, given_back) = g.push(stream, record.as_slice(), target, capacity);
+            held = held + reserved - given_back;
+            assert_eq!(held, g.reserved, "what push reports is what the gathering holds");
+        }
+        g
+    }
+
+    #[test]
+    fn batches_ended_by_a_change_of_streams_keep_only_their_bytes() {
+        // Record by record on two streams: every batch holds one record, and only that.
+        let framed = 1000 + RECORD_OVERHEAD;
+        let g = gather(&["a", "b"], 100, 1000);
+        assert_eq!(g.records, 100);
+        assert!(
+            g.reserved <= 99 * framed + next_batch_capacity(0, 512 << 10),
+            "100 interleaved records of {framed} framed bytes held {} bytes of buffers",
+            g.reserved
+        );
+        // One stream: buffers grow by doubling, as before.
+        let g = gather(&["a"], 100, 1000);
+        assert_eq!(g.batches.len(), 1, "64 KiB, then a second buffer of 128 KiB");
+        assert_eq!(g.reserved, (64 << 10) + (128 << 10));
+    }
+}
