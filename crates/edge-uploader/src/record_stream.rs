@@ -624,10 +624,10 @@ mod tests {
         let framed = 1000 + RECORD_OVERHEAD;
         let g = gather(&["a", "b"], 100, 1000);
         assert_eq!(g.records, 100);
-        assert!(
-            g.reserved <= 99 * framed + next_batch_capacity(0, 512 << 10),
-            "100 interleaved records of {framed} framed bytes held {} bytes of buffers",
-            g.reserved
+        assert_eq!(
+            g.reserved,
+            99 * framed + next_batch_capacity(0, 512 << 10),
+            "100 interleaved records of {framed} framed bytes: 99 closed batches of one record, one open buffer"
         );
         // One stream: buffers grow by doubling, as before.
         let g = gather(&["a"], 100, 1000);
