@@ -109,7 +109,8 @@ import json, re, sys
 AGENT = """intake_records_total intake_bytes_total spool_bytes spool_disk_bytes spool_chunks
 spool_oldest_unacked_age_seconds upload_bytes_total upload_chunks_total
 chunk_upload_latency_seconds_bucket end_to_end_latency_seconds_bucket chunks_in_flight connected
-reconnects_total dropped_records_total intake_stream_buffer_bytes spool_commit_seconds_bucket""".split()
+reconnects_total dropped_records_total intake_stream_buffer_bytes intake_request_buffer_bytes
+spool_commit_seconds_bucket""".split()
 INGEST = """connections chunks_total bytes_total persist_latency_seconds_bucket
 auth_failures_total""".split()
 known = {"edge_uploader_" + m for m in AGENT} | {"edge_ingest_" + m for m in INGEST}

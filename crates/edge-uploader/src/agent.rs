@@ -71,6 +71,7 @@ impl Agent {
             max_request_bytes: config.intake.max_request_bytes,
             stream_pending_bytes: config.intake.stream_pending_bytes,
             stream_budget: crate::record_stream::PendingBudget::new(config.intake.stream_pending_total_bytes),
+            request_budget: crate::intake::RequestBudget::new(config.intake.request_pending_total_bytes),
             batch_target: usize::try_from(config.spool.chunk_target_bytes).unwrap_or(usize::MAX),
             accepting: AtomicBool::new(true),
             counters: Arc::new(IntakeCounters::default()),
@@ -195,6 +196,12 @@ impl Agent {
         &self.intake.stream_budget
     }
 
+    /// What the HTTP requests being read, framed or committed claim together,
+    /// `intake.request_pending_total_bytes`.
+    pub fn request_budget(&self) -> &crate::intake::RequestBudget {
+        &self.intake.request_budget
+    }
+
     /// Applies what can change at run time from a freshly loaded, valid configuration: the log
     /// level, the spool's size limit and full policy, and the chunks and bytes in flight. Returns
     /// the keys whose change needs a restart (they keep their running values).
@@ -207,7 +214,7 @@ impl Agent {
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 21] = [
+        let fixed: [(&'static str, bool); 22] = [
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
             (
@@ -220,6 +227,10 @@ impl Agent {
             (
                 "intake.stream_pending_total_bytes",
                 a.intake.stream_pending_total_bytes != b.intake.stream_pending_total_bytes,
+            ),
+            (
+                "intake.request_pending_total_bytes",
+                a.intake.request_pending_total_bytes != b.intake.request_pending_total_bytes,
             ),
             ("spool.path", a.spool.path != b.spool.path),
             ("spool.durability", a.spool.durability != b.spool.durability),

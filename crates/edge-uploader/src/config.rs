@@ -64,6 +64,7 @@ pub struct RawIntake {
     pub max_request_bytes: ByteSize,
     pub stream_pending_bytes: ByteSize,
     pub stream_pending_total_bytes: ByteSize,
+    pub request_pending_total_bytes: ByteSize,
 }
 
 impl Default for RawIntake {
@@ -78,6 +79,7 @@ impl Default for RawIntake {
             max_request_bytes: ByteSize::mib(64),
             stream_pending_bytes: ByteSize::b(crate::record_stream::PENDING_CAP as u64),
             stream_pending_total_bytes: ByteSize::b(crate::record_stream::PENDING_TOTAL as u64),
+            request_pending_total_bytes: ByteSize::b(crate::intake::REQUEST_PENDING_TOTAL as u64),
         }
     }
 }
@@ -217,6 +219,8 @@ pub struct IntakeConfig {
     pub stream_pending_bytes: usize,
     /// Records all record-stream connections together gather and commit.
     pub stream_pending_total_bytes: usize,
+    /// Body bytes all HTTP requests being read, framed or committed claim together.
+    pub request_pending_total_bytes: usize,
 }
 
 /// Validated upload settings.
@@ -333,7 +337,11 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     }
     let max_request = usize::try_from(raw.intake.max_request_bytes.as_u64()).unwrap_or(usize::MAX);
     if max_request < max_record {
-        bail!("intake.max_request_bytes must be at least intake.max_record_bytes");
+        bail!(
+            "intake.max_request_bytes ({}) must be at least intake.max_record_bytes ({})",
+            raw.intake.max_request_bytes,
+            raw.intake.max_record_bytes
+        );
     }
     let stream_pending = usize::try_from(raw.intake.stream_pending_bytes.as_u64()).unwrap_or(usize::MAX);
     if !(4 << 10..=64 << 20).contains(&stream_pending) {
@@ -345,6 +353,13 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             "intake.stream_pending_total_bytes: expected intake.stream_pending_bytes ({})..=1 GiB, got {}",
             raw.intake.stream_pending_bytes,
             raw.intake.stream_pending_total_bytes
+        );
+    }
+    let request_pending_total = usize::try_from(raw.intake.request_pending_total_bytes.as_u64()).unwrap_or(usize::MAX);
+    if !(64 << 10..=1 << 30).contains(&request_pending_total) {
+        bail!(
+            "intake.request_pending_total_bytes: expected 64 KiB..=1 GiB, got {}",
+            raw.intake.request_pending_total_bytes
         );
     }
     let socket_mode = u32::from_str_radix(raw.intake.socket_mode.trim_start_matches("0o"), 8).map_err(|_| {
@@ -440,6 +455,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             max_request_bytes: max_request,
             stream_pending_bytes: stream_pending,
             stream_pending_total_bytes: stream_pending_total,
+            request_pending_total_bytes: request_pending_total,
         },
         spool,
         upload: UploadConfig {

@@ -14,9 +14,15 @@
 //! | 507 | the spool is full (policy `reject`) or its disk is; with `Retry-After` |
 //!
 //! A rejected request stores none of its records: the request is one all-or-nothing append.
+//!
+//! Memory across requests is bounded whatever their number: before its body is read, a request
+//! claims its size from one [`RequestBudget`] (`intake.request_pending_total_bytes`) and holds
+//! the claim until its answer, so the bodies being read, framed and committed together are at
+//! most the budget, or one request larger than it running alone. A request waiting for room
+//! reads nothing: its producer is held back by the socket.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use axum::Router;
 use axum::body::Body;
@@ -28,6 +34,7 @@ use edge_proto::StreamName;
 use edge_proto::records::{RECORD_OVERHEAD, encode_record};
 use edge_spool::{AppendRequest, Batch};
 use http_body_util::BodyExt;
+use hyper::body::Body as _;
 use serde_json::json;
 
 use crate::spool_task::{AppendFailure, SpoolHandle};
@@ -47,6 +54,9 @@ pub struct Intake {
     /// What all record-stream connections together gather and commit
     /// (`intake.stream_pending_total_bytes`).
     pub stream_budget: crate::record_stream::PendingBudget,
+    /// What all HTTP requests being read, framed or committed claim together
+    /// (`intake.request_pending_total_bytes`).
+    pub request_budget: RequestBudget,
     /// Target size of one batch (the spool's chunk target), so large requests split into chunks.
     pub batch_target: usize,
     /// Cleared when shutdown begins: requests then get 503.
@@ -98,6 +108,13 @@ pub struct IntakeCounters {
     pub stream_buffer_bytes: AtomicU64,
     /// The highest [`stream_buffer_bytes`](Self::stream_buffer_bytes) since start.
     pub stream_buffer_peak_bytes: AtomicU64,
+    /// Memory the HTTP requests hold now: the capacity of the buffers their records are framed
+    /// into, from framing to the end of their commit.
+    pub request_buffer_bytes: AtomicU64,
+    /// The highest [`request_buffer_bytes`](Self::request_buffer_bytes) since start.
+    pub request_buffer_peak_bytes: AtomicU64,
+    /// HTTP requests waiting for room in [`Intake::request_budget`] before their body is read.
+    pub requests_waiting: AtomicU64,
     /// The same events by stream and by reason, for `/metrics`.
     pub metrics: crate::metrics::IntakeMetrics,
 }
@@ -118,13 +135,117 @@ impl IntakeCounters {
 
     /// A record-stream connection's held memory changed from `old` to `new` bytes.
     pub(crate) fn stream_buffer(&self, old: usize, new: usize) {
-        if new >= old {
-            let added = (new - old) as u64;
-            let now = self.stream_buffer_bytes.fetch_add(added, Ordering::Relaxed) + added;
-            self.stream_buffer_peak_bytes.fetch_max(now, Ordering::Relaxed);
-        } else {
-            self.stream_buffer_bytes.fetch_sub((old - new) as u64, Ordering::Relaxed);
+        held_changed(&self.stream_buffer_bytes, &self.stream_buffer_peak_bytes, old, new);
+    }
+
+    /// An HTTP request's held memory changed from `old` to `new` bytes.
+    pub(crate) fn request_buffer(&self, old: usize, new: usize) {
+        held_changed(&self.request_buffer_bytes, &self.request_buffer_peak_bytes, old, new);
+    }
+}
+
+fn held_changed(now: &AtomicU64, peak: &AtomicU64, old: usize, new: usize) {
+    if new >= old {
+        let added = (new - old) as u64;
+        let after = now.fetch_add(added, Ordering::Relaxed) + added;
+        peak.fetch_max(after, Ordering::Relaxed);
+    } else {
+        now.fetch_sub((old - new) as u64, Ordering::Relaxed);
+    }
+}
+
+/// The default of `intake.request_pending_total_bytes`: as much as one request of the default
+/// `intake.max_request_bytes`.
+pub const REQUEST_PENDING_TOTAL: usize = 64 << 20;
+
+/// What the HTTP requests being read, framed or committed claim together, in body bytes
+/// (`intake.request_pending_total_bytes`).
+///
+/// A request claims its whole body before it reads any of it: the `Content-Length` it declares,
+/// or `intake.max_request_bytes` for a body sent without one, and never more than the budget (a
+/// request larger than the budget waits for all of it and runs alone). So no request waits for
+/// room while it holds some, and the requests waiting are admitted in the order they came as
+/// the claims before them end; every claim ends with its request's answer, which waits for
+/// nothing but the producer's body and the spool.
+///
+/// The memory a claim stands for is its body framed: the records' bytes and four bytes of
+/// framing each ([`IntakeCounters::request_buffer_bytes`] counts it), at most two and a half
+/// times the body for NDJSON of one-byte lines, about the body itself for records of 100 bytes
+/// or more.
+#[derive(Debug)]
+pub struct RequestBudget {
+    cap: usize,
+    permits: tokio::sync::Semaphore,
+    peak: AtomicUsize,
+}
+
+impl RequestBudget {
+    /// A budget of `cap` bytes (at most `u32::MAX`; larger is cut there).
+    pub fn new(cap: usize) -> Self {
+        let cap = cap.min(u32::MAX as usize);
+        RequestBudget { cap, permits: tokio::sync::Semaphore::new(cap), peak: AtomicUsize::new(0) }
+    }
+
+    /// The budget in bytes.
+    pub fn cap(&self) -> usize {
+        self.cap
+    }
+
+    /// Bytes claimed now, with those set aside for the first request waiting (it takes room as
+    /// it comes free, until it has all it claims).
+    pub fn used(&self) -> usize {
+        self.cap - self.permits.available_permits()
+    }
+
+    /// The most bytes claimed at once since start.
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    /// Claims `bytes` (at most the budget), waiting for room first come, first served; counted
+    /// in `counters.requests_waiting` while it waits.
+    async fn claim(&self, bytes: usize, counters: &IntakeCounters) -> tokio::sync::SemaphorePermit<'_> {
+        let n = u32::try_from(bytes.min(self.cap)).unwrap_or(u32::MAX);
+        let permit = match self.permits.try_acquire_many(n) {
+            Ok(p) => p,
+            Err(_) => {
+                // Counted down on every way out, a producer that goes away while waiting too.
+                struct Waiting<'a>(&'a AtomicU64);
+                impl Drop for Waiting<'_> {
+                    fn drop(&mut self) {
+                        self.0.fetch_sub(1, Ordering::Relaxed);
+                    }
+                }
+                counters.requests_waiting.fetch_add(1, Ordering::Relaxed);
+                let _waiting = Waiting(&counters.requests_waiting);
+                // The semaphore is never closed, so the wait ends only with a permit.
+                self.permits.acquire_many(n).await.expect("the request budget is never closed")
+            }
+        };
+        self.peak.fetch_max(self.used(), Ordering::Relaxed);
+        permit
+    }
+}
+
+/// An HTTP request's share of [`IntakeCounters::request_buffer_bytes`], given back when the
+/// request ends.
+struct RequestHeld<'a> {
+    counters: &'a IntakeCounters,
+    bytes: usize,
+}
+
+impl RequestHeld<'_> {
+    fn set(&mut self, bytes: usize) {
+        if bytes != self.bytes {
+            self.counters.request_buffer(self.bytes, bytes);
+            self.bytes = bytes;
         }
+    }
+}
+
+impl Drop for RequestHeld<'_> {
+    fn drop(&mut self) {
+        self.counters.request_buffer(self.bytes, 0);
     }
 }
 
@@ -357,9 +478,24 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
             );
         }
     };
+    // A body declared too large is refused before any of it is read or waits for room.
+    let declared = body.size_hint().exact().map(|n| usize::try_from(n).unwrap_or(usize::MAX));
+    if declared.is_some_and(|n| n > intake.max_request_bytes) {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            Rejection::RequestTooLarge,
+            format!("body exceeds intake.max_request_bytes = {}", intake.max_request_bytes),
+        );
+    }
+    // Held to the answer: the claim covers the body from its first byte read to its commit.
+    let _claim = intake.request_budget.claim(declared.unwrap_or(intake.max_request_bytes), &intake.counters).await;
     // The body is framed into batches as it arrives: a large request is held once, framed, and
     // never as a whole raw body beside its framed copy.
     let mut framer = Framer::new(stream.as_str(), ndjson, intake.max_record_bytes, intake.batch_target);
+    if let Some(n) = declared {
+        framer.expect(n);
+    }
+    let mut held = RequestHeld { counters: &intake.counters, bytes: 0 };
     let mut body = http_body_util::Limited::new(body, intake.max_request_bytes);
     while let Some(frame) = body.frame().await {
         let frame = match frame {
@@ -379,6 +515,7 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
         if let Err(e) = framer.push(&data) {
             return framer_error(&e, intake.max_record_bytes);
         }
+        held.set(framer.held());
     }
     let (batches, n, payload_bytes) = match framer.finish() {
         Ok(done) => done,
@@ -457,6 +594,8 @@ struct Framer {
     max_record: usize,
     batch_target: usize,
     batches: Vec<Batch>,
+    /// The capacity of the buffers in `batches`.
+    batches_capacity: usize,
     cur: Vec<u8>,
     cur_records: u32,
     /// The capacity given to the last batch's buffer (see [`next_batch_capacity`]).
@@ -475,6 +614,7 @@ impl Framer {
             max_record,
             batch_target,
             batches: Vec::new(),
+            batches_capacity: 0,
             cur: Vec::new(),
             cur_records: 0,
             last_capacity: 0,
@@ -482,6 +622,19 @@ impl Framer {
             payload_bytes: 0,
             partial: Vec::new(),
         }
+    }
+
+    /// The body will be `len` bytes: an octet-stream record's buffer is sized for it at once
+    /// rather than grown (and copied) as the body arrives.
+    fn expect(&mut self, len: usize) {
+        if !self.ndjson && self.cur.capacity() == 0 {
+            self.cur.reserve_exact(RECORD_OVERHEAD + len.min(self.max_record + 1));
+        }
+    }
+
+    /// The memory the framed records and the unfinished line take: the capacity of their buffers.
+    fn held(&self) -> usize {
+        self.batches_capacity + self.cur.capacity() + self.partial.capacity()
     }
 
     fn push(&mut self, mut piece: &[u8]) -> Result<(), FrameError> {
@@ -530,6 +683,7 @@ impl Framer {
         }
         let framed = r.len() + RECORD_OVERHEAD;
         if self.cur_records > 0 && !fits(&self.cur, framed, self.batch_target) {
+            self.batches_capacity += self.cur.capacity();
             self.batches.push(Batch {
                 stream: self.stream.clone(),
                 data: std::mem::take(&mut self.cur),

@@ -48,6 +48,10 @@ pub const INTAKE_BYTES_TOTAL: &str = "edge_uploader_intake_bytes_total";
 pub const INTAKE_REJECTED_TOTAL: &str = "edge_uploader_intake_rejected_total";
 /// Memory held by record-stream connections (receive buffers, records gathered and committing).
 pub const INTAKE_STREAM_BUFFER_BYTES: &str = "edge_uploader_intake_stream_buffer_bytes";
+/// Memory held by HTTP requests (their records framed, to the end of their commit).
+pub const INTAKE_REQUEST_BUFFER_BYTES: &str = "edge_uploader_intake_request_buffer_bytes";
+/// HTTP requests waiting for room in `intake.request_pending_total_bytes` before their body is read.
+pub const INTAKE_REQUESTS_WAITING: &str = "edge_uploader_intake_requests_waiting";
 /// Bytes held in the spool.
 pub const SPOOL_BYTES: &str = "edge_uploader_spool_bytes";
 /// Sealed chunks waiting for an ack.
@@ -100,11 +104,13 @@ pub const UPLOAD_WIRE_BYTES_TOTAL: &str = "edge_uploader_upload_wire_bytes_total
 pub const SPOOL_COMMIT_SECONDS: &str = "edge_uploader_spool_commit_seconds";
 
 /// Every metric name above.
-pub const ALL: [&str; 28] = [
+pub const ALL: [&str; 30] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
     INTAKE_STREAM_BUFFER_BYTES,
+    INTAKE_REQUEST_BUFFER_BYTES,
+    INTAKE_REQUESTS_WAITING,
     SPOOL_BYTES,
     SPOOL_DISK_BYTES,
     SPOOL_CHUNKS,
@@ -370,6 +376,16 @@ const LIVE_STREAM_BUFFER: Live = Live::gauge(
            while its previous append commits (per connection at most about intake.stream_pending_bytes gathered and as much committing, \
            all connections' record buffers together at most intake.stream_pending_total_bytes and a record).",
 );
+const LIVE_REQUEST_BUFFER: Live = Live::gauge(
+    INTAKE_REQUEST_BUFFER_BYTES,
+    "Memory the HTTP intake's requests hold: the buffers their records are framed into, from the first byte read to the end \
+           of their commit (the bodies of all requests together at most intake.request_pending_total_bytes, or one larger request alone).",
+);
+const LIVE_REQUESTS_WAITING: Live = Live::gauge(
+    INTAKE_REQUESTS_WAITING,
+    "HTTP intake requests waiting for room in intake.request_pending_total_bytes before their body is read \
+           (their producers are held back; a lasting non-zero value means the budget or the spool's commits limit the intake).",
+);
 const LIVE_SPOOL_BYTES: Live = Live::gauge(
     SPOOL_BYTES,
     "Payload bytes in the spool: open batches and sealed chunks, record framing included, quarantine excluded.",
@@ -453,8 +469,10 @@ const LIVE_WIRE_BYTES: Live = Live::counter(
            counted on every attempt, so a chunk sent again counts again. Against \
            edge_uploader_upload_bytes_total it shows what compression saves on the uplink.",
 );
-const LIVE_ALL: [&Live; 18] = [
+const LIVE_ALL: [&Live; 20] = [
     &LIVE_STREAM_BUFFER,
+    &LIVE_REQUEST_BUFFER,
+    &LIVE_REQUESTS_WAITING,
     &LIVE_SPOOL_BYTES,
     &LIVE_SPOOL_DISK_BYTES,
     &LIVE_SPOOL_CHUNKS,
@@ -490,6 +508,8 @@ fn live_families(spool: &SpoolStatsView, intake: &IntakeCounters, u: &UploadCoun
     };
     vec![
         LIVE_STREAM_BUFFER.family(&[("", intake.stream_buffer_bytes.load(Relaxed) as f64)]),
+        LIVE_REQUEST_BUFFER.family(&[("", intake.request_buffer_bytes.load(Relaxed) as f64)]),
+        LIVE_REQUESTS_WAITING.family(&[("", intake.requests_waiting.load(Relaxed) as f64)]),
         LIVE_SPOOL_BYTES.family(&[("", s.total_bytes as f64)]),
         LIVE_SPOOL_DISK_BYTES.family(&[("", spool.disk_bytes().map_or(f64::NAN, |n| n as f64))]),
         LIVE_SPOOL_CHUNKS.family(&[("", s.sealed_chunks as f64)]),
@@ -647,6 +667,8 @@ mod tests {
         assert_eq!(rig.sample(RECONNECTS_TOTAL), Some(0.0));
         assert_eq!(rig.sample(BYTES_IN_FLIGHT), Some(0.0));
         assert_eq!(rig.sample(INTAKE_STREAM_BUFFER_BYTES), Some(0.0));
+        assert_eq!(rig.sample(INTAKE_REQUEST_BUFFER_BYTES), Some(0.0));
+        assert_eq!(rig.sample(INTAKE_REQUESTS_WAITING), Some(0.0));
         rig.upload.connected.store(true, Ordering::Relaxed);
         rig.upload.connects_total.store(3, Ordering::Relaxed);
         rig.upload.connect_attempts_total.store(7, Ordering::Relaxed);
@@ -656,6 +678,8 @@ mod tests {
         rig.upload.in_flight_bytes.store(4096, Ordering::Relaxed);
         rig.intake.stream_buffer(0, 3 << 20);
         rig.intake.stream_buffer(1 << 20, 0);
+        rig.intake.request_buffer(0, 5 << 10);
+        rig.intake.requests_waiting.store(2, Ordering::Relaxed);
         rig.upload.stored.chunks.store(5, Ordering::Relaxed);
         rig.upload.stored.bytes.store(500, Ordering::Relaxed);
         rig.upload.retry.chunks.store(1, Ordering::Relaxed);
@@ -679,6 +703,8 @@ mod tests {
         assert_eq!(rig.sample(BYTES_IN_FLIGHT), Some(4096.0));
         assert_eq!(rig.sample(INTAKE_STREAM_BUFFER_BYTES), Some(f64::from(2 << 20)));
         assert_eq!(rig.intake.stream_buffer_peak_bytes.load(Ordering::Relaxed), 3 << 20);
+        assert_eq!(rig.sample(INTAKE_REQUEST_BUFFER_BYTES), Some(f64::from(5 << 10)));
+        assert_eq!(rig.sample(INTAKE_REQUESTS_WAITING), Some(2.0));
         assert_eq!(rig.sample(&format!("{UPLOAD_CHUNKS_TOTAL}{{result=\"stored\"}}")), Some(5.0));
         assert_eq!(rig.sample(&format!("{UPLOAD_BYTES_TOTAL}{{result=\"stored\"}}")), Some(500.0));
         assert_eq!(rig.sample(&format!("{UPLOAD_CHUNKS_TOTAL}{{result=\"retry\"}}")), Some(1.0));

@@ -48,7 +48,7 @@ fn a_valid_config_passes_with_exit_0() {
 #[test]
 fn broken_configs_exit_78_and_name_the_key() {
     let f = files();
-    let cases: [(&str, String, &[&str]); 12] = [
+    let cases: [(&str, String, &[&str]); 14] = [
         ("unknown key", format!("[spool]\nmax_byte = \"1GiB\"\n[upload]\n{}", f.tls), &["max_byte", "line 2"]),
         ("wrong type", format!("[upload]\nmax_in_flight = \"lots\"\n{}", f.tls), &["max_in_flight", "line 2"]),
         ("bad duration", format!("[spool]\nlinger = \"soon\"\n[upload]\n{}", f.tls), &["linger", "soon"]),
@@ -68,6 +68,16 @@ fn broken_configs_exit_78_and_name_the_key() {
             "record-stream budget below one connection's gathering",
             format!("[intake]\nstream_pending_total_bytes = \"512KiB\"\n[upload]\n{}", f.tls),
             &["intake.stream_pending_total_bytes", "intake.stream_pending_bytes (1.0 MiB)", "512.0 KiB"],
+        ),
+        (
+            "HTTP request budget below its floor",
+            format!("[intake]\nrequest_pending_total_bytes = \"1KiB\"\n[upload]\n{}", f.tls),
+            &["intake.request_pending_total_bytes", "64 KiB..=1 GiB", "1.0 KiB"],
+        ),
+        (
+            "request limit below the record limit",
+            format!("[intake]\nmax_record_bytes = \"2MiB\"\nmax_request_bytes = \"1MiB\"\n[upload]\n{}", f.tls),
+            &["intake.max_request_bytes (1.0 MiB)", "intake.max_record_bytes (2.0 MiB)"],
         ),
         (
             "zero byte budget",

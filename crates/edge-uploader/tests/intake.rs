@@ -135,3 +135,127 @@ async fn shutdown_refuses_new_requests() {
         "socket is gone after shutdown"
     );
 }
+
+/// Polls `cond` (a gauge the agent updates as it goes) until it holds, for at most 30 s.
+async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let polling = async {
+        while !cond() {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(30), polling).await.unwrap_or_else(|_| panic!("{what}"));
+}
+
+/// A request written by hand, so that its body can be held back part-way.
+struct RawRequest {
+    io: tokio::net::UnixStream,
+}
+
+impl RawRequest {
+    /// Connects and sends the head (with `Content-Length: len`, or chunked for `None`).
+    async fn start(socket: &std::path::Path, stream: &str, len: Option<usize>) -> Self {
+        use tokio::io::AsyncWriteExt;
+        let mut io = tokio::net::UnixStream::connect(socket).await.expect("connects");
+        let framing = len.map_or("Transfer-Encoding: chunked".to_owned(), |n| format!("Content-Length: {n}"));
+        let head = format!(
+            "POST /v1/streams/{stream} HTTP/1.1\r\nHost: agent\r\nContent-Type: application/x-ndjson\r\n{framing}\r\n\r\n"
+        );
+        io.write_all(head.as_bytes()).await.expect("head");
+        RawRequest { io }
+    }
+
+    async fn send(&mut self, bytes: &[u8]) {
+        use tokio::io::AsyncWriteExt;
+        self.io.write_all(bytes).await.expect("body");
+    }
+
+    /// The status and JSON body of the answer.
+    async fn answer(mut self) -> (u16, serde_json::Value) {
+        use tokio::io::AsyncReadExt;
+        let mut got = Vec::new();
+        loop {
+            let mut buf = [0u8; 4096];
+            let n = self.io.read(&mut buf).await.expect("reads the answer");
+            assert!(n > 0, "the connection closed before a whole answer: {:?}", String::from_utf8_lossy(&got));
+            got.extend_from_slice(&buf[..n]);
+            let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
+            let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .expect("the answer has a Content-Length");
+            if got.len() >= end + 4 + len {
+                let status = head[9..12].parse().expect("a status code");
+                return (status, serde_json::from_slice(&got[end + 4..end + 4 + len]).expect("a JSON body"));
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_share_one_budget_wait_for_room_and_lose_nothing() {
+    // Room for two of the six 128 KiB bodies at once.
+    let budget = 256usize << 10;
+    let f = start(|raw| {
+        raw.intake.max_record_bytes = bytesize::ByteSize::kib(1);
+        raw.intake.max_request_bytes = bytesize::ByteSize::b(budget as u64);
+        raw.intake.request_pending_total_bytes = bytesize::ByteSize::b(budget as u64);
+    })
+    .await;
+    let socket = f._dir.path().join("intake.sock");
+    let counters = f.agent.intake();
+    let waiting = || counters.requests_waiting.load(std::sync::atomic::Ordering::Relaxed);
+    let line = |k: usize, i: usize| format!("{{\"p\":{k},\"i\":{i:04},\"pad\":\"{}\"}}", "x".repeat(105)).into_bytes();
+    let body = |k: usize| -> Vec<u8> { (0..1000).flat_map(|i| [line(k, i), b"\n".to_vec()].concat()).collect() };
+    let len = body(0).len();
+    assert!(2 * len <= budget && 3 * len > budget, "two bodies of {len} bytes fit, three do not");
+
+    // Six requests send their head and half their body; two fit and read, four wait.
+    let mut requests = Vec::new();
+    for k in 0..6 {
+        let mut r = RawRequest::start(&socket, &format!("p{k}"), Some(len)).await;
+        r.send(&body(k)[..len / 2]).await;
+        requests.push(r);
+    }
+    wait_until("four requests wait for room", || waiting() == 4).await;
+    // The two requests admitted claim their whole bodies; what is left is set aside for the
+    // first request waiting.
+    assert_eq!(f.agent.request_budget().used(), budget);
+    // A body sent without a length claims intake.max_request_bytes: it waits behind the others.
+    let mut chunked = RawRequest::start(&socket, "chunked", None).await;
+    chunked.send(b"a\r\n{\"last\":1}\r\n").await;
+    wait_until("the chunked request waits too", || waiting() == 5).await;
+    // A body declared over intake.max_request_bytes is refused at once: none of it is sent.
+    let (status, answer) = RawRequest::start(&socket, "huge", Some(10 << 30)).await.answer().await;
+    assert_eq!((status, answer["error"].as_str()), (413, Some("request_too_large")), "{answer}");
+
+    for (k, r) in requests.iter_mut().enumerate() {
+        r.send(&body(k)[len / 2..]).await;
+    }
+    chunked.send(b"0\r\n\r\n").await;
+    for r in requests {
+        let (status, answer) = r.answer().await;
+        assert_eq!((status, answer["records"].as_u64()), (200, Some(1000)), "{answer}");
+    }
+    let (status, answer) = chunked.answer().await;
+    assert_eq!((status, answer["records"].as_u64()), (200, Some(1)), "{answer}");
+
+    // Never more than the budget claimed, and the records framed at once were at most two
+    // bodies' worth: each request's buffers (64 KiB, then twice the last) take less than twice
+    // its framed body. Without the budget, six requests framing at once hold over 1 MiB.
+    let budget_peak = f.agent.request_budget().peak();
+    assert!(budget_peak <= budget, "{budget_peak} bytes claimed at once");
+    let held = counters.request_buffer_peak_bytes.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(held >= len as u64, "the framed records are counted: {held}");
+    assert!(held <= 2 * budget as u64, "the requests held {held} bytes at their peak");
+    assert_eq!(counters.request_buffer_bytes.load(std::sync::atomic::Ordering::Relaxed), 0, "all given back");
+    assert_eq!((f.agent.request_budget().used(), waiting()), (0, 0));
+    f.agent.shutdown().await;
+    let stored = common::read_spool(f._dir.path());
+    for k in 0..6 {
+        let want: Vec<Vec<u8>> = (0..1000).map(|i| line(k, i)).collect();
+        assert_eq!(stored.get(&format!("p{k}")), Some(&want), "stream p{k}");
+    }
+    assert_eq!(stored.get("chunked"), Some(&vec![b"{\"last\":1}".to_vec()]));
+}
