@@ -72,6 +72,7 @@ impl Agent {
             stream_pending_bytes: config.intake.stream_pending_bytes,
             stream_budget: crate::record_stream::PendingBudget::new(config.intake.stream_pending_total_bytes),
             request_budget: crate::intake::RequestBudget::new(config.intake.request_pending_total_bytes),
+            request_idle_timeout: config.intake.request_idle_timeout,
             batch_target: usize::try_from(config.spool.chunk_target_bytes).unwrap_or(usize::MAX),
             accepting: AtomicBool::new(true),
             counters: Arc::new(IntakeCounters::default()),
@@ -214,7 +215,7 @@ impl Agent {
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 22] = [
+        let fixed: [(&'static str, bool); 23] = [
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
             (
@@ -232,6 +233,7 @@ impl Agent {
                 "intake.request_pending_total_bytes",
                 a.intake.request_pending_total_bytes != b.intake.request_pending_total_bytes,
             ),
+            ("intake.request_idle_timeout", a.intake.request_idle_timeout != b.intake.request_idle_timeout),
             ("spool.path", a.spool.path != b.spool.path),
             ("spool.durability", a.spool.durability != b.spool.durability),
             ("spool.chunk_target", a.spool.chunk_target_bytes != b.spool.chunk_target_bytes),

@@ -65,6 +65,8 @@ pub struct RawIntake {
     pub stream_pending_bytes: ByteSize,
     pub stream_pending_total_bytes: ByteSize,
     pub request_pending_total_bytes: ByteSize,
+    #[serde(with = "humantime_serde_compat")]
+    pub request_idle_timeout: Duration,
 }
 
 impl Default for RawIntake {
@@ -80,6 +82,7 @@ impl Default for RawIntake {
             stream_pending_bytes: ByteSize::b(crate::record_stream::PENDING_CAP as u64),
             stream_pending_total_bytes: ByteSize::b(crate::record_stream::PENDING_TOTAL as u64),
             request_pending_total_bytes: ByteSize::b(crate::intake::REQUEST_PENDING_TOTAL as u64),
+            request_idle_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -221,6 +224,8 @@ pub struct IntakeConfig {
     pub stream_pending_total_bytes: usize,
     /// Body bytes all HTTP requests being read, framed or committed claim together.
     pub request_pending_total_bytes: usize,
+    /// How long a request's body may send nothing before the request is refused (408).
+    pub request_idle_timeout: Duration,
 }
 
 /// Validated upload settings.
@@ -362,6 +367,12 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             raw.intake.request_pending_total_bytes
         );
     }
+    if !(Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&raw.intake.request_idle_timeout) {
+        bail!(
+            "intake.request_idle_timeout: expected 1s..=1h, got {}",
+            humantime::format_duration(raw.intake.request_idle_timeout)
+        );
+    }
     let socket_mode = u32::from_str_radix(raw.intake.socket_mode.trim_start_matches("0o"), 8).map_err(|_| {
         anyhow::anyhow!("intake.socket_mode: expected an octal mode such as \"0660\", got {:?}", raw.intake.socket_mode)
     })?;
@@ -456,6 +467,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             stream_pending_bytes: stream_pending,
             stream_pending_total_bytes: stream_pending_total,
             request_pending_total_bytes: request_pending_total,
+            request_idle_timeout: raw.intake.request_idle_timeout,
         },
         spool,
         upload: UploadConfig {

@@ -8,6 +8,7 @@
 //! | status | when |
 //! |---|---|
 //! | 400 | bad stream name, empty body, body not valid for its type |
+//! | 408 | the body sent nothing for `request_idle_timeout` |
 //! | 413 | a record over `max_record_bytes`, or a body over `max_request_bytes` |
 //! | 415 | a content type other than the two above |
 //! | 503 | the agent is shutting down |
@@ -19,7 +20,9 @@
 //! claims its size from one [`RequestBudget`] (`intake.request_pending_total_bytes`) and holds
 //! the claim until its answer, so the bodies being read, framed and committed together are at
 //! most the budget, or one request larger than it running alone. A request waiting for room
-//! reads nothing: its producer is held back by the socket.
+//! reads nothing: its producer is held back by the socket. A body that stops arriving for
+//! `intake.request_idle_timeout` is refused and its claim ends, so the requests waiting never
+//! wait on a producer that stalled.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -57,6 +60,9 @@ pub struct Intake {
     /// What all HTTP requests being read, framed or committed claim together
     /// (`intake.request_pending_total_bytes`).
     pub request_budget: RequestBudget,
+    /// How long a request's body may send nothing before the request is refused
+    /// (`intake.request_idle_timeout`).
+    pub request_idle_timeout: std::time::Duration,
     /// Target size of one batch (the spool's chunk target), so large requests split into chunks.
     pub batch_target: usize,
     /// Cleared when shutdown begins: requests then get 503.
@@ -262,11 +268,12 @@ pub enum Rejection {
     RecordTooLarge,
     SpoolFull,
     StorageError,
+    BodyTimeout,
 }
 
 impl Rejection {
     /// Every reason, so the metric can show each one at 0 before it first happens.
-    pub const ALL: [Rejection; 9] = [
+    pub const ALL: [Rejection; 10] = [
         Rejection::ShuttingDown,
         Rejection::BadStreamName,
         Rejection::UnsupportedContentType,
@@ -276,6 +283,7 @@ impl Rejection {
         Rejection::RecordTooLarge,
         Rejection::SpoolFull,
         Rejection::StorageError,
+        Rejection::BodyTimeout,
     ];
 
     /// The code as it appears in the JSON answer and in the metric label.
@@ -290,6 +298,7 @@ impl Rejection {
             Rejection::RecordTooLarge => "record_too_large",
             Rejection::SpoolFull => "spool_full",
             Rejection::StorageError => "storage_error",
+            Rejection::BodyTimeout => "body_timeout",
         }
     }
 }
@@ -497,7 +506,20 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
     }
     let mut held = RequestHeld { counters: &intake.counters, bytes: 0 };
     let mut body = http_body_util::Limited::new(body, intake.max_request_bytes);
-    while let Some(frame) = body.frame().await {
+    loop {
+        // A producer that stops sending its body holds its claim: it is refused after the idle
+        // timeout, so those waiting for room wait on no stalled producer for longer.
+        let Ok(next) = tokio::time::timeout(intake.request_idle_timeout, body.frame()).await else {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                Rejection::BodyTimeout,
+                format!(
+                    "the body sent nothing for {} (intake.request_idle_timeout)",
+                    humantime::format_duration(intake.request_idle_timeout)
+                ),
+            );
+        };
+        let Some(frame) = next else { break };
         let frame = match frame {
             Ok(f) => f,
             Err(e) => {

@@ -48,7 +48,7 @@ fn a_valid_config_passes_with_exit_0() {
 #[test]
 fn broken_configs_exit_78_and_name_the_key() {
     let f = files();
-    let cases: [(&str, String, &[&str]); 14] = [
+    let cases: [(&str, String, &[&str]); 15] = [
         ("unknown key", format!("[spool]\nmax_byte = \"1GiB\"\n[upload]\n{}", f.tls), &["max_byte", "line 2"]),
         ("wrong type", format!("[upload]\nmax_in_flight = \"lots\"\n{}", f.tls), &["max_in_flight", "line 2"]),
         ("bad duration", format!("[spool]\nlinger = \"soon\"\n[upload]\n{}", f.tls), &["linger", "soon"]),
@@ -73,6 +73,11 @@ fn broken_configs_exit_78_and_name_the_key() {
             "HTTP request budget below its floor",
             format!("[intake]\nrequest_pending_total_bytes = \"1KiB\"\n[upload]\n{}", f.tls),
             &["intake.request_pending_total_bytes", "64 KiB..=1 GiB", "1.0 KiB"],
+        ),
+        (
+            "zero idle timeout",
+            format!("[intake]\nrequest_idle_timeout = \"0s\"\n[upload]\n{}", f.tls),
+            &["intake.request_idle_timeout", "1s..=1h", "0s"],
         ),
         (
             "request limit below the record limit",

@@ -169,8 +169,12 @@ impl RawRequest {
         self.io.write_all(bytes).await.expect("body");
     }
 
-    /// The status and JSON body of the answer.
-    async fn answer(mut self) -> (u16, serde_json::Value) {
+    /// The status and JSON body of the answer, which must come within 30 s.
+    async fn answer(self) -> (u16, serde_json::Value) {
+        tokio::time::timeout(std::time::Duration::from_secs(30), self.read_answer()).await.expect("an answer in time")
+    }
+
+    async fn read_answer(mut self) -> (u16, serde_json::Value) {
         use tokio::io::AsyncReadExt;
         let mut got = Vec::new();
         loop {
@@ -258,4 +262,41 @@ async fn concurrent_requests_share_one_budget_wait_for_room_and_lose_nothing() {
         assert_eq!(stored.get(&format!("p{k}")), Some(&want), "stream p{k}");
     }
     assert_eq!(stored.get("chunked"), Some(&vec![b"{\"last\":1}".to_vec()]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_body_is_refused_after_the_idle_timeout_and_the_request_waiting_goes_on() {
+    let budget = 64usize << 10;
+    let f = start(|raw| {
+        raw.intake.max_record_bytes = bytesize::ByteSize::kib(1);
+        raw.intake.max_request_bytes = bytesize::ByteSize::b(budget as u64);
+        raw.intake.request_pending_total_bytes = bytesize::ByteSize::b(budget as u64);
+        raw.intake.request_idle_timeout = std::time::Duration::from_secs(1);
+    })
+    .await;
+    let socket = f._dir.path().join("intake.sock");
+    let counters = f.agent.intake();
+    // A producer claims the whole budget, sends part of its body and stalls.
+    let mut stalled = RawRequest::start(&socket, "stalled", Some(budget)).await;
+    stalled.send(b"{\"sent\":1}\n").await;
+    wait_until("the stalled request is framing", || {
+        counters.request_buffer_bytes.load(std::sync::atomic::Ordering::Relaxed) > 0
+    })
+    .await;
+    let next_body = b"{\"next\":1}\n";
+    let mut next = RawRequest::start(&socket, "next", Some(next_body.len())).await;
+    next.send(next_body).await;
+    wait_until("the next request waits for room", || {
+        counters.requests_waiting.load(std::sync::atomic::Ordering::Relaxed) == 1
+    })
+    .await;
+    let (status, answer) = stalled.answer().await;
+    assert_eq!((status, answer["error"].as_str()), (408, Some("body_timeout")), "{answer}");
+    assert!(answer["detail"].as_str().is_some_and(|d| d.contains("intake.request_idle_timeout")), "{answer}");
+    let (status, answer) = next.answer().await;
+    assert_eq!((status, answer["records"].as_u64()), (200, Some(1)), "{answer}");
+    f.agent.shutdown().await;
+    let stored = common::read_spool(f._dir.path());
+    assert_eq!(stored.get("stalled"), None, "a refused request stores none of its records");
+    assert_eq!(stored.get("next"), Some(&vec![b"{\"next\":1}".to_vec()]));
 }
