@@ -1504,15 +1504,32 @@ async fn live(
     live_with(ctx, res, case, &live_load(record, per_request, Some(duration), None), &WorldOptions::default()).await
 }
 
-/// The record-stream live case (10 KiB records) with each of `counts` producer connections in
-/// turn, on 4 streams: what the agent stores and its peak RSS as the producers grow in number,
-/// with all connections' gathering under `intake.stream_pending_total_bytes`.
+/// Records of 10 KiB per request in the HTTP cases of [`producers`]: 4 MiB bodies, so that 16
+/// producers already claim all of the default `intake.request_pending_total_bytes` (64 MiB).
+const LARGE_REQUEST_RECORDS: usize = 400;
+
+/// With each of `counts` producer connections in turn, on 4 streams, what the agent stores and
+/// its peak RSS as the producers grow in number:
+/// - the record-stream live case (10 KiB records), all connections' gathering under
+///   `intake.stream_pending_total_bytes`;
+/// - HTTP producers posting 4 MiB requests ([`LARGE_REQUEST_RECORDS`] records of 10 KiB), under
+///   the default `intake.request_pending_total_bytes` and under 1 GiB, which none of these
+///   loads reaches: the agent as it was before requests shared a budget.
 pub async fn producers(ctx: &Ctx, counts: &[usize]) -> anyhow::Result<Results> {
     let mut res = Results::default();
+    let unbounded = WorldOptions { request_pending_total: Some("1GiB".into()), ..WorldOptions::default() };
     for &n in counts {
         let case = format!("live 10 KiB, record stream, {n} producers");
         let load = Load { producers: n, ..live_load(10 * KIB, 0, Some(Duration::from_secs(8)), None) };
         live_with(ctx, &mut res, &case, &load, &WorldOptions::default()).await?;
+        let load = Load {
+            producers: n,
+            ..live_load(10 * KIB, LARGE_REQUEST_RECORDS, Some(Duration::from_secs(8)), None)
+        };
+        let case = format!("live 10 KiB, 4 MiB HTTP requests, {n} producers");
+        live_with(ctx, &mut res, &case, &load, &WorldOptions::default()).await?;
+        let case = format!("live 10 KiB, 4 MiB HTTP requests, {n} producers, request budget 1 GiB");
+        live_with(ctx, &mut res, &case, &load, &unbounded).await?;
     }
     Ok(res)
 }

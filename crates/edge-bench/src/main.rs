@@ -92,7 +92,8 @@ enum Cmd {
         #[arg(long)]
         allow_stale: bool,
     },
-    /// The record-stream live case with more and more producer connections: what the agent
+    /// The record-stream live case and HTTP producers of 4 MiB requests (under the default
+    /// request budget and under 1 GiB) with more and more producer connections: what the agent
     /// stores, its CPU and its peak RSS at each count.
     Producers {
         #[arg(long, default_value_t = 3)]

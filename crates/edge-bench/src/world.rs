@@ -108,6 +108,9 @@ pub struct WorldOptions {
     /// `upload.probe_interval` (e.g. `"5s"`, `"0s"` for none); `None` leaves the agent's
     /// default and writes no key, so daemons from before the key still run.
     pub probe_interval: Option<String>,
+    /// `intake.request_pending_total_bytes` (e.g. `"1GiB"`); `None` leaves the agent's default
+    /// and writes no key, so daemons from before the key still run.
+    pub request_pending_total: Option<String>,
 }
 
 /// A JetStream stream for the ingest's JetStream sink (`edge-bench sink`).
@@ -144,6 +147,7 @@ impl Default for WorldOptions {
             congestion_controller: edge_transport::CongestionController::default(),
             default_backoff: false,
             probe_interval: None,
+            request_pending_total: None,
         }
     }
 }
@@ -210,8 +214,12 @@ impl World {
         if let Some(p) = &opts.probe_interval {
             backoff.push_str(&format!("probe_interval = \"{p}\"\n"));
         }
+        let intake_extra = opts
+            .request_pending_total
+            .as_ref()
+            .map_or(String::new(), |b| format!("request_pending_total_bytes = \"{b}\"\n"));
         let agent_toml = format!(
-            "[intake]\nsocket = {}\n\n[spool]\npath = {}\nmax_bytes = {}\ndurability = \"{}\"\nchunk_target = \"{}\"\n\
+            "[intake]\nsocket = {}\n{intake_extra}\n[spool]\npath = {}\nmax_bytes = {}\ndurability = \"{}\"\nchunk_target = \"{}\"\n\
              linger = \"{}\"\ncompression = \"{}\"\nzstd_level = {}\n\n\
              [upload]\nserver = \"127.0.0.1:{port}\"\nserver_name = \"localhost\"\nca = {}\ncert = {}\nkey = {}\n\
              max_in_flight = {}\nmax_in_flight_bytes = \"{}\"\n{backoff}{}\n\
