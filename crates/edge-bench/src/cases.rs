@@ -1522,10 +1522,8 @@ pub async fn producers(ctx: &Ctx, counts: &[usize]) -> anyhow::Result<Results> {
         let case = format!("live 10 KiB, record stream, {n} producers");
         let load = Load { producers: n, ..live_load(10 * KIB, 0, Some(Duration::from_secs(8)), None) };
         live_with(ctx, &mut res, &case, &load, &WorldOptions::default()).await?;
-        let load = Load {
-            producers: n,
-            ..live_load(10 * KIB, LARGE_REQUEST_RECORDS, Some(Duration::from_secs(8)), None)
-        };
+        let load =
+            Load { producers: n, ..live_load(10 * KIB, LARGE_REQUEST_RECORDS, Some(Duration::from_secs(8)), None) };
         let case = format!("live 10 KiB, 4 MiB HTTP requests, {n} producers");
         live_with(ctx, &mut res, &case, &load, &WorldOptions::default()).await?;
         let case = format!("live 10 KiB, 4 MiB HTTP requests, {n} producers, request budget 1 GiB");

@@ -10,6 +10,11 @@
 //! after a failed append nothing later of the connection is submitted, and the Error frame's
 //! count tells the producer where to resume.
 //!
+//! Acks never hold a connection back: while one is still being written (its producer reads
+//! slowly, or not at all), later commits only make the next one due, and it is written with
+//! the count of that moment. So a producer that never reads its acks still has its records
+//! read and committed, and what waits to be written is at most one frame.
+//!
 //! Memory per connection is bounded: records are framed into batch buffers, and a record that
 //! needs a new buffer takes its capacity from the connection's own cap
 //! ([`Intake::stream_pending_bytes`], `intake.stream_pending_bytes`), which it may cross by at
@@ -287,8 +292,15 @@ async fn run<S>(io: &mut S, p: &mut Parser, cancel: &CancellationToken) -> std::
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
+    let (mut rd, mut wr) = tokio::io::split(io);
     let mut rbuf = BytesMut::with_capacity(READ_SIZE);
+    // What is left to write is `wbuf[written..]`. Acks are cumulative: while one waits to be
+    // written (its producer reads slowly, or never), the commits that end only make the next
+    // one due, and it carries the count of when it is written. So the connection never waits
+    // for its producer to read, and what waits to be written stays one frame.
     let mut wbuf = Vec::with_capacity(64);
+    let mut written = 0;
+    let mut ack_due = false;
     let mut committing: Option<Committing> = None;
     let mut refusal: Option<Refusal> = None;
     let mut eof = false;
@@ -346,6 +358,12 @@ where
             rbuf.reserve(READ_SIZE);
         }
         held.set(rbuf.capacity() + p.gathered.reserved + committing.as_ref().map_or(0, |c| c.reserved));
+        if ack_due && written == wbuf.len() {
+            wbuf.clear();
+            written = 0;
+            wire::put_ack(&mut wbuf, p.committed);
+            ack_due = false;
+        }
         tokio::select! {
             done = async { committing.as_mut().expect("guarded by the condition").commit.as_mut().await }, if committing.is_some() => {
                 let c = committing.take().expect("was committing");
@@ -356,9 +374,7 @@ where
                         for (stream, n, bytes) in &c.per_stream {
                             p.intake.counters.accepted(stream, *n, *bytes);
                         }
-                        wbuf.clear();
-                        wire::put_ack(&mut wbuf, p.committed);
-                        io.write_all(&wbuf).await?;
+                        ack_due = true;
                     }
                     Err(f) => {
                         // Nothing gathered after a failed append may be stored, or the durable
@@ -370,7 +386,13 @@ where
                 }
             }
             () = &mut freed, if waiting => {}
-            read = io.read_buf(&mut rbuf), if can_read => {
+            n = wr.write(&wbuf[written..]), if written < wbuf.len() => {
+                match n? {
+                    0 => return Err(std::io::ErrorKind::WriteZero.into()),
+                    n => written += n,
+                }
+            }
+            read = rd.read_buf(&mut rbuf), if can_read => {
                 if read? == 0 {
                     eof = true;
                 }
@@ -381,19 +403,24 @@ where
             }
         }
     }
+    // The last frame carries the latest count; an ack not yet begun is superseded by it, the
+    // rest of one begun is finished first.
+    if written == 0 {
+        wbuf.clear();
+    } else {
+        wbuf.drain(..written);
+    }
     if let Some(r) = refusal {
         p.intake.counters.rejected(r.reason);
-        wbuf.clear();
         wire::put_error(&mut wbuf, p.committed, r.status, &r.detail);
-        io.write_all(&wbuf).await?;
-        io.shutdown().await?;
+        last_words(&mut wr, &wbuf, cancel).await?;
         // Read on for a moment before closing: closing a TCP socket with unread bytes resets
         // the connection, which can discard the Error frame before the producer reads it.
         let linger = async {
             let mut discarded = 0;
             rbuf.clear();
             while discarded < LINGER_BYTES {
-                match io.read_buf(&mut rbuf).await {
+                match rd.read_buf(&mut rbuf).await {
                     Ok(n) if n > 0 => discarded += n,
                     _ => break,
                 }
@@ -405,10 +432,29 @@ where
         return Ok(());
     }
     // The last word on a connection the producer ended: everything it sent is committed.
-    wbuf.clear();
     wire::put_ack(&mut wbuf, p.committed);
-    io.write_all(&wbuf).await?;
-    io.shutdown().await
+    last_words(&mut wr, &wbuf, cancel).await
+}
+
+/// Writes a connection's last frames and shuts its sending side down. At shutdown the agent
+/// waits at most [`LINGER_AT_SHUTDOWN`] for a producer that reads nothing.
+async fn last_words<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    bytes: &[u8],
+    cancel: &CancellationToken,
+) -> std::io::Result<()> {
+    let write = async {
+        wr.write_all(bytes).await?;
+        wr.shutdown().await
+    };
+    let given_up = async {
+        cancel.cancelled().await;
+        tokio::time::sleep(LINGER_AT_SHUTDOWN).await;
+    };
+    tokio::select! {
+        r = write => r,
+        () = given_up => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the producer read nothing at shutdown")),
+    }
 }
 
 /// A connection's share of [`IntakeCounters::stream_buffer_bytes`](crate::intake::IntakeCounters),

@@ -327,3 +327,63 @@ async fn the_tcp_port_speaks_the_same_protocol() {
     let stored = f.stop_and_read().await;
     assert_eq!(stored.get("t").map(Vec::len), Some(10));
 }
+
+/// Sends `rounds` records of `stream`, each after the one before it is committed, reading nothing.
+async fn one_commit_per_record(
+    c: &mut RecordStreamClient<tokio::net::UnixStream>,
+    stream: &str,
+    rounds: u64,
+    committed: &impl Fn() -> u64,
+) {
+    for i in 0..rounds {
+        c.record(&name(stream), &record(stream, i as usize));
+        tokio::time::timeout(Duration::from_secs(30), c.flush())
+            .await
+            .unwrap_or_else(|_| panic!("round {i}: the agent stopped reading"))
+            .expect("writes");
+        let polling = async {
+            while committed() <= i {
+                tokio::time::sleep(Duration::from_micros(200)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), polling)
+            .await
+            .unwrap_or_else(|_| panic!("round {i}: record {} was never committed", i + 1));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_that_never_reads_its_acks_is_never_held_back_by_them() {
+    // One commit, and so one ack, per round. Each ack the producer leaves unread takes room in
+    // the socket far beyond its 13 bytes, so without coalescing them the agent would block in
+    // writing one after a few hundred rounds, stop reading, and the producer would hang.
+    let f = start(|_| {}).await;
+    let mut c = f.client().await;
+    let counters = f.agent.intake().clone();
+    let committed = move || counters.records_total.load(std::sync::atomic::Ordering::Relaxed);
+    let rounds = 2000u64;
+    one_commit_per_record(&mut c, "ff", rounds, &committed).await;
+    // Now it reads: whatever acks were written are cumulative, and the last counts everything.
+    assert_eq!(c.finish().await.expect("finishes"), Reply::Ack { committed: rounds });
+    let stored = f.stop_and_read().await;
+    let want: Vec<Vec<u8>> = (0..rounds as usize).map(|i| record("ff", i)).collect();
+    assert_eq!(stored.get("ff"), Some(&want));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_does_not_wait_for_a_producer_that_reads_nothing() {
+    // Enough unread acks that the socket has no room for the agent's last frame.
+    let f = start(|_| {}).await;
+    let mut c = f.client().await;
+    let counters = f.agent.intake().clone();
+    let committed = move || counters.records_total.load(std::sync::atomic::Ordering::Relaxed);
+    let rounds = 600u64;
+    one_commit_per_record(&mut c, "quiet", rounds, &committed).await;
+    let dir = f.dir;
+    tokio::time::timeout(Duration::from_secs(20), f.agent.shutdown())
+        .await
+        .expect("shutdown ends though the producer reads nothing");
+    drop(c);
+    let want: Vec<Vec<u8>> = (0..rounds as usize).map(|i| record("quiet", i)).collect();
+    assert_eq!(common::read_spool(dir.path()).get("quiet"), Some(&want), "every committed record is kept");
+}
