@@ -304,6 +304,7 @@ where
     let mut committing: Option<Committing> = None;
     let mut refusal: Option<Refusal> = None;
     let mut eof = false;
+    // The receive buffer's part of the gauge; the parser keeps the part of its batch buffers.
     let mut held = Held { counters: p.intake.counters.clone(), bytes: 0 };
     let intake = p.intake.clone();
     if !p.intake.accepting.load(Ordering::Acquire) {
@@ -357,7 +358,7 @@ where
             // offset included) to megabytes per connection.
             rbuf.reserve(READ_SIZE);
         }
-        held.set(rbuf.capacity() + p.gathered.reserved + committing.as_ref().map_or(0, |c| c.reserved));
+        held.set(rbuf.capacity());
         if ack_due && written == wbuf.len() {
             wbuf.clear();
             written = 0;
@@ -508,10 +509,14 @@ struct Parser {
     /// The buffers' capacity of this connection's gathering and committing appends, charged to
     /// [`Intake::stream_budget`] and given back when their commit ends or the connection does.
     charged: usize,
+    /// `charged` in the gauge of what connections hold. It is lowered before the budget gets
+    /// bytes back, which another connection may take at once: the gauge never counts them twice.
+    charged_held: Held,
 }
 
 impl Parser {
     fn new(intake: Arc<Intake>) -> Self {
+        let charged_held = Held { counters: intake.counters.clone(), bytes: 0 };
         Parser {
             intake,
             greeted: false,
@@ -520,12 +525,14 @@ impl Parser {
             committed: 0,
             gathered: Gathered::default(),
             charged: 0,
+            charged_held,
         }
     }
 
     /// Gives back the charge of an append whose commit ended, or that was dropped.
     fn give_back(&mut self, bytes: usize) {
         self.charged -= bytes;
+        self.charged_held.set(self.charged);
         self.intake.stream_budget.give_back(bytes);
     }
 
@@ -607,6 +614,7 @@ impl Parser {
                     }
                     self.charged += reserved;
                     self.charged -= given_back;
+                    self.charged_held.set(self.charged);
                     budget.give_back(given_back);
                 }
             }
