@@ -543,6 +543,8 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
         Ok(done) => done,
         Err(e) => return framer_error(&e, intake.max_record_bytes),
     };
+    // The last line, framed by `finish`, may have started a buffer of its own.
+    held.set(batches.iter().map(|b| b.data.capacity()).sum());
 
     match intake.spool.append(AppendRequest { batches }).await {
         Ok(()) => {
