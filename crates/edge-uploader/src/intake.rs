@@ -233,25 +233,37 @@ impl RequestBudget {
     }
 }
 
-/// An HTTP request's share of [`IntakeCounters::request_buffer_bytes`], given back when the
-/// request ends.
-struct RequestHeld<'a> {
-    counters: &'a IntakeCounters,
+/// One connection's or request's share of a held-memory gauge of [`IntakeCounters`], given
+/// back when it is dropped.
+pub(crate) struct HeldShare {
+    counters: Arc<IntakeCounters>,
+    /// [`IntakeCounters::stream_buffer`] or [`IntakeCounters::request_buffer`].
+    changed: fn(&IntakeCounters, usize, usize),
     bytes: usize,
 }
 
-impl RequestHeld<'_> {
-    fn set(&mut self, bytes: usize) {
+impl HeldShare {
+    /// A share of [`IntakeCounters::stream_buffer_bytes`].
+    pub(crate) fn stream(counters: Arc<IntakeCounters>) -> Self {
+        HeldShare { counters, changed: IntakeCounters::stream_buffer, bytes: 0 }
+    }
+
+    /// A share of [`IntakeCounters::request_buffer_bytes`].
+    pub(crate) fn request(counters: Arc<IntakeCounters>) -> Self {
+        HeldShare { counters, changed: IntakeCounters::request_buffer, bytes: 0 }
+    }
+
+    pub(crate) fn set(&mut self, bytes: usize) {
         if bytes != self.bytes {
-            self.counters.request_buffer(self.bytes, bytes);
+            (self.changed)(&self.counters, self.bytes, bytes);
             self.bytes = bytes;
         }
     }
 }
 
-impl Drop for RequestHeld<'_> {
+impl Drop for HeldShare {
     fn drop(&mut self) {
-        self.counters.request_buffer(self.bytes, 0);
+        self.set(0);
     }
 }
 
@@ -504,7 +516,7 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
     if let Some(n) = declared {
         framer.expect(n);
     }
-    let mut held = RequestHeld { counters: &intake.counters, bytes: 0 };
+    let mut held = HeldShare::request(intake.counters.clone());
     let mut body = http_body_util::Limited::new(body, intake.max_request_bytes);
     loop {
         // A producer that stops sending its body holds its claim: it is refused after the idle

@@ -48,7 +48,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::debug;
 
-use crate::intake::{Intake, Rejection, fits, next_batch_capacity};
+use crate::intake::{HeldShare, Intake, Rejection, fits, next_batch_capacity};
 use crate::spool_task::AppendFailure;
 
 /// The default of `intake.stream_pending_bytes`: records gathered per connection while its
@@ -305,7 +305,7 @@ where
     let mut refusal: Option<Refusal> = None;
     let mut eof = false;
     // The receive buffer's part of the gauge; the parser keeps the part of its batch buffers.
-    let mut held = Held { counters: p.intake.counters.clone(), bytes: 0 };
+    let mut held = HeldShare::stream(p.intake.counters.clone());
     let intake = p.intake.clone();
     if !p.intake.accepting.load(Ordering::Acquire) {
         refusal = Some(Refusal::shutting_down());
@@ -458,28 +458,6 @@ async fn last_words<W: AsyncWrite + Unpin>(
     }
 }
 
-/// A connection's share of [`IntakeCounters::stream_buffer_bytes`](crate::intake::IntakeCounters),
-/// given back when the connection ends.
-struct Held {
-    counters: Arc<crate::intake::IntakeCounters>,
-    bytes: usize,
-}
-
-impl Held {
-    fn set(&mut self, bytes: usize) {
-        if bytes != self.bytes {
-            self.counters.stream_buffer(self.bytes, bytes);
-            self.bytes = bytes;
-        }
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        self.set(0);
-    }
-}
-
 /// How long, and for how many bytes, a refused connection is read on before it is closed.
 const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
 const LINGER_BYTES: usize = 16 << 20;
@@ -511,12 +489,12 @@ struct Parser {
     charged: usize,
     /// `charged` in the gauge of what connections hold. It is lowered before the budget gets
     /// bytes back, which another connection may take at once: the gauge never counts them twice.
-    charged_held: Held,
+    charged_held: HeldShare,
 }
 
 impl Parser {
     fn new(intake: Arc<Intake>) -> Self {
-        let charged_held = Held { counters: intake.counters.clone(), bytes: 0 };
+        let charged_held = HeldShare::stream(intake.counters.clone());
         Parser {
             intake,
             greeted: false,

@@ -197,16 +197,23 @@ impl RawRequest {
     }
 }
 
+/// An agent whose request budget and largest request are both `budget` bytes (records of at
+/// most 1 KiB); `tweak` adjusts the rest.
+async fn start_with_request_budget(budget: usize, tweak: impl FnOnce(&mut RawConfig)) -> Fixture {
+    start(|raw| {
+        raw.intake.max_record_bytes = bytesize::ByteSize::kib(1);
+        raw.intake.max_request_bytes = bytesize::ByteSize::b(budget as u64);
+        raw.intake.request_pending_total_bytes = bytesize::ByteSize::b(budget as u64);
+        tweak(raw);
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_share_one_budget_wait_for_room_and_lose_nothing() {
     // Room for two of the six 128 KiB bodies at once.
     let budget = 256usize << 10;
-    let f = start(|raw| {
-        raw.intake.max_record_bytes = bytesize::ByteSize::kib(1);
-        raw.intake.max_request_bytes = bytesize::ByteSize::b(budget as u64);
-        raw.intake.request_pending_total_bytes = bytesize::ByteSize::b(budget as u64);
-    })
-    .await;
+    let f = start_with_request_budget(budget, |_| {}).await;
     let socket = f._dir.path().join("intake.sock");
     let counters = f.agent.intake();
     let waiting = || counters.requests_waiting.load(std::sync::atomic::Ordering::Relaxed);
@@ -267,13 +274,9 @@ async fn concurrent_requests_share_one_budget_wait_for_room_and_lose_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_body_is_refused_after_the_idle_timeout_and_the_request_waiting_goes_on() {
     let budget = 64usize << 10;
-    let f = start(|raw| {
-        raw.intake.max_record_bytes = bytesize::ByteSize::kib(1);
-        raw.intake.max_request_bytes = bytesize::ByteSize::b(budget as u64);
-        raw.intake.request_pending_total_bytes = bytesize::ByteSize::b(budget as u64);
-        raw.intake.request_idle_timeout = std::time::Duration::from_secs(1);
-    })
-    .await;
+    let f =
+        start_with_request_budget(budget, |raw| raw.intake.request_idle_timeout = std::time::Duration::from_secs(1))
+            .await;
     let socket = f._dir.path().join("intake.sock");
     let counters = f.agent.intake();
     // A producer claims the whole budget, sends part of its body and stalls.

@@ -330,11 +330,12 @@ async fn the_tcp_port_speaks_the_same_protocol() {
 
 /// Sends `rounds` records of `stream`, each after the one before it is committed, reading nothing.
 async fn one_commit_per_record(
+    f: &Fixture,
     c: &mut RecordStreamClient<tokio::net::UnixStream>,
     stream: &str,
     rounds: u64,
-    committed: &impl Fn() -> u64,
 ) {
+    let committed = || f.agent.intake().records_total.load(std::sync::atomic::Ordering::Relaxed);
     for i in 0..rounds {
         c.record(&name(stream), &record(stream, i as usize));
         tokio::time::timeout(Duration::from_secs(30), c.flush())
@@ -359,10 +360,8 @@ async fn a_producer_that_never_reads_its_acks_is_never_held_back_by_them() {
     // writing one after a few hundred rounds, stop reading, and the producer would hang.
     let f = start(|_| {}).await;
     let mut c = f.client().await;
-    let counters = f.agent.intake().clone();
-    let committed = move || counters.records_total.load(std::sync::atomic::Ordering::Relaxed);
     let rounds = 2000u64;
-    one_commit_per_record(&mut c, "ff", rounds, &committed).await;
+    one_commit_per_record(&f, &mut c, "ff", rounds).await;
     // Now it reads: whatever acks were written are cumulative, and the last counts everything.
     assert_eq!(c.finish().await.expect("finishes"), Reply::Ack { committed: rounds });
     let stored = f.stop_and_read().await;
@@ -375,10 +374,8 @@ async fn shutdown_does_not_wait_for_a_producer_that_reads_nothing() {
     // Enough unread acks that the socket has no room for the agent's last frame.
     let f = start(|_| {}).await;
     let mut c = f.client().await;
-    let counters = f.agent.intake().clone();
-    let committed = move || counters.records_total.load(std::sync::atomic::Ordering::Relaxed);
     let rounds = 600u64;
-    one_commit_per_record(&mut c, "quiet", rounds, &committed).await;
+    one_commit_per_record(&f, &mut c, "quiet", rounds).await;
     let dir = f.dir;
     tokio::time::timeout(Duration::from_secs(20), f.agent.shutdown())
         .await
