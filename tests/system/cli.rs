@@ -1,12 +1,13 @@
 //! The operator's commands against real daemons: `edge-uploader status` (text, `--json`, exit
-//! codes 0 healthy / 1 degraded / 3 not running) and `edge-uploader push`.
+//! codes 0 healthy / 1 degraded / 3 not running, and degraded when the agent accepts but cannot
+//! answer) and `edge-uploader push`.
 
 use std::process::{Command, Output};
 use std::time::Duration;
 
 use edge_testkit::bin;
 
-use crate::common::{World, status_json, wait_json};
+use crate::common::{World, rewrite, status_json, wait_json};
 
 fn uploader(world: &World, args: &[&str]) -> anyhow::Result<Output> {
     let cfg = world.agent_config.to_string_lossy().into_owned();
@@ -92,5 +93,39 @@ fn status_reports_not_running_degraded_and_healthy_with_its_exit_codes() -> anyh
         world.export_raw("temperature")?,
         vec![b"{\"t\":1}".to_vec(), b"{\"t\":2}".to_vec(), b"{\"t\":3}".to_vec()]
     );
+    Ok(())
+}
+
+#[test]
+fn status_of_an_agent_with_every_connection_slot_taken_is_degraded_not_not_running() -> anyhow::Result<()> {
+    let world = World::new("gw-cli-02", "")?;
+    rewrite(&world.agent_config, "[intake]\n", "[intake]\nmax_connections = 1\n")?;
+    let mut agent = world.start_agent()?;
+
+    // A producer that connects and sends nothing takes the only slot (for up to
+    // intake.request_idle_timeout, 30 s), so the agent accepts status's connection but serves
+    // it only once that one closes.
+    let quiet = std::os::unix::net::UnixStream::connect(world.intake_socket())?;
+    let out = uploader(&world, &["status"])?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("degraded") && stderr.contains("intake.max_connections"), "{stderr}");
+    assert!(!stderr.contains("not running"), "{stderr}");
+    let (code, doc) = status_json(&world)?;
+    assert_eq!(code, 1, "{doc}");
+    assert_eq!(
+        (&doc["running"], &doc["answered"], &doc["healthy"]),
+        (&true.into(), &false.into(), &false.into()),
+        "{doc}"
+    );
+    assert!(doc["degraded_reasons"][0].as_str().is_some_and(|r| r.contains("did not answer within 5s")), "{doc}");
+
+    // Once the producer closes, the connections status gave up on are served and closed in
+    // turn, and the next one gets the agent's own answer (degraded: it has no server).
+    drop(quiet);
+    let doc = wait_status(&world, "an answer", |_, d| d.get("answered").is_none() && d.get("spool").is_some())?;
+    assert_eq!(doc["version"], 1, "{doc}");
+    assert!(doc["degraded_reasons"][0].as_str().is_some_and(|r| r.contains("not connected")), "{doc}");
+    assert!(agent.terminate(Duration::from_secs(30))?.success());
     Ok(())
 }

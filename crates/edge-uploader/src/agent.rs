@@ -73,6 +73,7 @@ impl Agent {
             stream_budget: crate::record_stream::PendingBudget::new(config.intake.stream_pending_total_bytes),
             request_budget: crate::intake::RequestBudget::new(config.intake.request_pending_total_bytes),
             request_idle_timeout: config.intake.request_idle_timeout,
+            connections: crate::intake::ConnectionLimit::new(config.intake.max_connections),
             batch_target: usize::try_from(config.spool.chunk_target_bytes).unwrap_or(usize::MAX),
             accepting: AtomicBool::new(true),
             counters: Arc::new(IntakeCounters::default()),
@@ -98,13 +99,10 @@ impl Agent {
             });
         }
         let unix = bind_unix(&config.intake.socket, config.intake.socket_mode, "intake.socket")?;
-        let router = crate::intake::router(intake.clone());
-        {
-            tasks.spawn(crate::intake::serve(unix, router.clone(), cancel_intake.clone()));
-        }
+        tasks.spawn(crate::intake::serve(unix, intake.clone(), cancel_intake.clone()));
         if let Some(addr) = config.intake.tcp {
             let tcp = TcpListener::bind(addr).await.with_context(|| format!("binding intake.tcp {addr}"))?;
-            tasks.spawn(crate::intake::serve(tcp, router, cancel_intake.clone()));
+            tasks.spawn(crate::intake::serve(tcp, intake.clone(), cancel_intake.clone()));
         }
         if let Some(path) = &config.intake.stream_socket {
             let listener = bind_unix(path, config.intake.socket_mode, "intake.stream_socket")?;
@@ -215,7 +213,7 @@ impl Agent {
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 23] = [
+        let fixed: [(&'static str, bool); 24] = [
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
             (
@@ -234,6 +232,7 @@ impl Agent {
                 a.intake.request_pending_total_bytes != b.intake.request_pending_total_bytes,
             ),
             ("intake.request_idle_timeout", a.intake.request_idle_timeout != b.intake.request_idle_timeout),
+            ("intake.max_connections", a.intake.max_connections != b.intake.max_connections),
             ("spool.path", a.spool.path != b.spool.path),
             ("spool.durability", a.spool.durability != b.spool.durability),
             ("spool.chunk_target", a.spool.chunk_target_bytes != b.spool.chunk_target_bytes),

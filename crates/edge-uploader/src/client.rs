@@ -38,16 +38,28 @@ impl IntakeClient {
         Self { path: path.as_ref().to_path_buf(), sender: None }
     }
 
+    /// A client on a connection already made to the intake socket.
+    pub async fn on(stream: UnixStream) -> anyhow::Result<Self> {
+        let path = stream.peer_addr().ok().and_then(|a| a.as_pathname().map(Path::to_path_buf)).unwrap_or_default();
+        let mut client = Self { path, sender: None };
+        client.sender = Some(Self::handshake(stream).await?);
+        Ok(client)
+    }
+
+    async fn handshake(stream: UnixStream) -> anyhow::Result<SendRequest<Full<Bytes>>> {
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(async move {
+            let _closed = conn.await;
+        });
+        Ok(sender)
+    }
+
     async fn connect(&mut self) -> anyhow::Result<&mut SendRequest<Full<Bytes>>> {
         if self.sender.as_ref().is_none_or(SendRequest::is_closed) {
             let stream = UnixStream::connect(&self.path)
                 .await
                 .with_context(|| format!("connecting to the intake socket {}", self.path.display()))?;
-            let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-            tokio::spawn(async move {
-                let _closed = conn.await;
-            });
-            self.sender = Some(sender);
+            self.sender = Some(Self::handshake(stream).await?);
         }
         self.sender.as_mut().context("intake connection")
     }

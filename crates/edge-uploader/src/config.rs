@@ -26,6 +26,10 @@ pub const MIN_PROBE_INTERVAL: Duration = Duration::from_secs(1);
 /// directory of `intake.socket`.
 pub const DEFAULT_STREAM_SOCKET: &str = "records.sock";
 
+/// The most `intake.max_connections` may be: a quarter of the descriptors the systemd unit
+/// allows (`LimitNOFILE=65536`), so the spool, the upload and the metrics always have theirs.
+pub const MAX_CONNECTIONS_LIMIT: u32 = 16384;
+
 /// A loopback address from `key`, or `None` when unset or empty.
 fn loopback(key: &str, value: Option<&str>, example: &str) -> anyhow::Result<Option<SocketAddr>> {
     match value {
@@ -67,6 +71,7 @@ pub struct RawIntake {
     pub request_pending_total_bytes: ByteSize,
     #[serde(with = "humantime_serde_compat")]
     pub request_idle_timeout: Duration,
+    pub max_connections: u32,
 }
 
 impl Default for RawIntake {
@@ -83,6 +88,7 @@ impl Default for RawIntake {
             stream_pending_total_bytes: ByteSize::b(crate::record_stream::PENDING_TOTAL as u64),
             request_pending_total_bytes: ByteSize::b(crate::intake::REQUEST_PENDING_TOTAL as u64),
             request_idle_timeout: Duration::from_secs(30),
+            max_connections: crate::intake::MAX_CONNECTIONS,
         }
     }
 }
@@ -224,8 +230,11 @@ pub struct IntakeConfig {
     pub stream_pending_total_bytes: usize,
     /// Body bytes all HTTP requests being read, framed or committed claim together.
     pub request_pending_total_bytes: usize,
-    /// How long a request's body may send nothing before the request is refused (408).
+    /// How long a request's body may send nothing before the request is refused (408), and an
+    /// HTTP connection may take to send a request's head before it is closed.
     pub request_idle_timeout: Duration,
+    /// Producer connections served at once, on all intake sockets together.
+    pub max_connections: u32,
 }
 
 /// Validated upload settings.
@@ -373,6 +382,12 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             humantime::format_duration(raw.intake.request_idle_timeout)
         );
     }
+    if !(1..=MAX_CONNECTIONS_LIMIT).contains(&raw.intake.max_connections) {
+        bail!(
+            "intake.max_connections: expected 1..={MAX_CONNECTIONS_LIMIT} (the systemd unit allows the agent 65536 descriptors), got {}",
+            raw.intake.max_connections
+        );
+    }
     let socket_mode = u32::from_str_radix(raw.intake.socket_mode.trim_start_matches("0o"), 8).map_err(|_| {
         anyhow::anyhow!("intake.socket_mode: expected an octal mode such as \"0660\", got {:?}", raw.intake.socket_mode)
     })?;
@@ -468,6 +483,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             stream_pending_total_bytes: stream_pending_total,
             request_pending_total_bytes: request_pending_total,
             request_idle_timeout: raw.intake.request_idle_timeout,
+            max_connections: raw.intake.max_connections,
         },
         spool,
         upload: UploadConfig {

@@ -60,9 +60,11 @@ pub struct Intake {
     /// What all HTTP requests being read, framed or committed claim together
     /// (`intake.request_pending_total_bytes`).
     pub request_budget: RequestBudget,
-    /// How long a request's body may send nothing before the request is refused
-    /// (`intake.request_idle_timeout`).
+    /// How long a request's body may send nothing before the request is refused, and how long
+    /// an HTTP connection may take to send a request's head (`intake.request_idle_timeout`).
     pub request_idle_timeout: std::time::Duration,
+    /// The producer connections all intake sockets serve at once (`intake.max_connections`).
+    pub connections: ConnectionLimit,
     /// Target size of one batch (the spool's chunk target), so large requests split into chunks.
     pub batch_target: usize,
     /// Cleared when shutdown begins: requests then get 503.
@@ -121,6 +123,11 @@ pub struct IntakeCounters {
     pub request_buffer_peak_bytes: AtomicU64,
     /// HTTP requests waiting for room in [`Intake::request_budget`] before their body is read.
     pub requests_waiting: AtomicU64,
+    /// Producer connections open now, on all intake sockets.
+    pub connections: AtomicU64,
+    /// Times a connection an intake socket accepted found [`Intake::connections`] full and
+    /// waited, the socket accepting nothing more, until a connection closed.
+    pub connection_limit_waits_total: AtomicU64,
     /// The same events by stream and by reason, for `/metrics`.
     pub metrics: crate::metrics::IntakeMetrics,
 }
@@ -233,6 +240,92 @@ impl RequestBudget {
     }
 }
 
+/// The default of `intake.max_connections`.
+pub const MAX_CONNECTIONS: u32 = 128;
+
+/// The producer connections all intake sockets serve at once (`intake.max_connections`): HTTP
+/// and record stream, Unix and TCP together.
+///
+/// A connection a socket accepts is served once it has a slot, so at the limit each socket
+/// holds one accepted connection unread and accepts nothing more until a connection closes:
+/// new producers wait in the socket's listen backlog (their connect or their first request
+/// does not complete) and nothing is refused. What every connection holds
+/// however quiet it is (a record-stream connection's 64 KiB receive buffer, an HTTP
+/// connection's read buffer, a task and a descriptor) is so bounded by the limit, and the
+/// descriptors never run out for the spool's own files. An HTTP connection gives its slot back
+/// once it sends no request head for `intake.request_idle_timeout`; a record-stream connection
+/// keeps it while it is open, since a producer at a sensor's pace is quiet most of the time.
+#[derive(Debug)]
+pub struct ConnectionLimit {
+    max: u32,
+    slots: Arc<tokio::sync::Semaphore>,
+    /// When the limit was last logged, so a producer that keeps it full logs once a minute.
+    warned: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl ConnectionLimit {
+    /// How often a limit that stays reached is logged again.
+    const WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
+    /// A limit of `max` connections (at least one).
+    pub fn new(max: u32) -> Self {
+        let max = max.max(1);
+        ConnectionLimit {
+            max,
+            slots: Arc::new(tokio::sync::Semaphore::new(max as usize)),
+            warned: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The limit.
+    pub fn max(&self) -> u32 {
+        self.max
+    }
+
+    /// A slot for a connection a socket accepted, waiting (first come, first served across the
+    /// sockets) while every slot is taken; counted in `counters.connections` until
+    /// the slot is dropped.
+    pub(crate) async fn slot(&self, counters: &Arc<IntakeCounters>) -> ConnectionSlot {
+        let permit = match self.slots.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                counters.connection_limit_waits_total.fetch_add(1, Ordering::Relaxed);
+                self.warn(counters);
+                // The semaphore is never closed, so the wait ends only with a slot.
+                self.slots.clone().acquire_owned().await.expect("the connection limit is never closed")
+            }
+        };
+        counters.connections.fetch_add(1, Ordering::Relaxed);
+        ConnectionSlot { _permit: permit, counters: counters.clone() }
+    }
+
+    fn warn(&self, counters: &IntakeCounters) {
+        let now = std::time::Instant::now();
+        let mut warned = crate::lock(&self.warned);
+        if warned.is_none_or(|at| now.duration_since(at) >= Self::WARN_EVERY) {
+            *warned = Some(now);
+            tracing::warn!(
+                max_connections = self.max,
+                open = counters.connections.load(Ordering::Relaxed),
+                "intake.max_connections reached: new producer connections wait in the socket's backlog until one closes"
+            );
+        }
+    }
+}
+
+/// A connection's slot in [`ConnectionLimit`], given back when the connection ends.
+#[derive(Debug)]
+pub(crate) struct ConnectionSlot {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    counters: Arc<IntakeCounters>,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.counters.connections.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// One connection's or request's share of a held-memory gauge of [`IntakeCounters`], given
 /// back when it is dropped.
 pub(crate) struct HeldShare {
@@ -330,6 +423,9 @@ pub const HTTP_READ_BUFFER: usize = 64 << 10;
 
 /// Serves the HTTP routes on `listener` until `cancel` fires, then lets each connection finish
 /// the request it is on (and close instead of keeping alive) and returns once all have closed.
+/// Each connection takes a slot of [`Intake::connections`] before it is served, and is closed
+/// when it sends no complete request head for [`Intake::request_idle_timeout`] (from its start,
+/// or from the answer before), so a quiet or stalled producer never keeps its slot for good.
 ///
 /// hyper directly rather than `axum::serve`, for the read buffer: hyper's default lets a
 /// connection's buffer grow to about 410 KiB, and growing it while it holds unread bytes
@@ -338,9 +434,10 @@ pub const HTTP_READ_BUFFER: usize = 64 << 10;
 /// larger buffer only means fewer, larger reads.
 pub async fn serve<L: axum::serve::Listener>(
     mut listener: L,
-    router: Router,
+    intake: Arc<Intake>,
     cancel: tokio_util::sync::CancellationToken,
 ) {
+    let router = router(intake.clone());
     let connections = tokio_util::task::TaskTracker::new();
     loop {
         // Accept errors are handled inside `Listener::accept` (logged, and a pause when out of
@@ -349,11 +446,20 @@ pub async fn serve<L: axum::serve::Listener>(
             () = cancel.cancelled() => break,
             accepted = listener.accept() => accepted,
         };
+        let slot = tokio::select! {
+            () = cancel.cancelled() => break,
+            slot = intake.connections.slot(&intake.counters) => slot,
+        };
         let service = hyper_util::service::TowerToHyperService::new(router.clone());
         let cancel = cancel.clone();
+        let head_timeout = intake.request_idle_timeout;
         connections.spawn(async move {
+            let _slot = slot;
             let mut builder = hyper::server::conn::http1::Builder::new();
-            builder.max_buf_size(HTTP_READ_BUFFER);
+            builder
+                .max_buf_size(HTTP_READ_BUFFER)
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(head_timeout);
             let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
             tokio::pin!(conn);
             let result = tokio::select! {

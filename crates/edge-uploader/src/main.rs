@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
+use edge_uploader::status::Fetched;
 use edge_uploader::{EXIT_CONFIG, config};
 
 /// jemalloc instead of glibc's allocator: chunk buffers of hundreds of KiB are allocated and
@@ -173,8 +174,10 @@ fn main() -> ExitCode {
         }
         Command::Status { json, max_backlog_age, socket, config } => {
             let socket = socket.unwrap_or_else(|| socket_from_config(config));
-            match runtime().map(|rt| rt.block_on(edge_uploader::status::fetch(&socket))) {
-                Ok(Some(doc)) => {
+            let fetched = runtime()
+                .map(|rt| rt.block_on(edge_uploader::status::fetch(&socket, edge_uploader::status::FETCH_TIMEOUT)));
+            match fetched {
+                Ok(Fetched::Answer(doc)) => {
                     let now = edge_uploader::status::now_ms();
                     let reasons = edge_uploader::status::degraded_reasons(&doc, max_backlog_age, now);
                     if json {
@@ -191,7 +194,17 @@ fn main() -> ExitCode {
                         edge_uploader::status::EXIT_DEGRADED
                     })
                 }
-                Ok(None) => {
+                Ok(Fetched::NoAnswer(why)) => {
+                    if json {
+                        let doc = serde_json::json!({"version": 1, "running": true, "answered": false, "socket": socket,
+                            "healthy": false, "degraded_reasons": [why]});
+                        println!("{doc}");
+                    } else {
+                        eprintln!("edge-uploader: degraded\n  ! {why}");
+                    }
+                    ExitCode::from(edge_uploader::status::EXIT_DEGRADED)
+                }
+                Ok(Fetched::NotRunning) => {
                     if json {
                         println!("{}", serde_json::json!({"version": 1, "running": false, "socket": socket}));
                     } else {

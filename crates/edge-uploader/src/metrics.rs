@@ -52,6 +52,10 @@ pub const INTAKE_STREAM_BUFFER_BYTES: &str = "edge_uploader_intake_stream_buffer
 pub const INTAKE_REQUEST_BUFFER_BYTES: &str = "edge_uploader_intake_request_buffer_bytes";
 /// HTTP requests waiting for room in `intake.request_pending_total_bytes` before their body is read.
 pub const INTAKE_REQUESTS_WAITING: &str = "edge_uploader_intake_requests_waiting";
+/// Producer connections open on the intake sockets.
+pub const INTAKE_CONNECTIONS: &str = "edge_uploader_intake_connections";
+/// Times the intake stopped accepting at `intake.max_connections` until a connection closed.
+pub const INTAKE_CONNECTION_LIMIT_WAITS_TOTAL: &str = "edge_uploader_intake_connection_limit_waits_total";
 /// Bytes held in the spool.
 pub const SPOOL_BYTES: &str = "edge_uploader_spool_bytes";
 /// Sealed chunks waiting for an ack.
@@ -78,7 +82,9 @@ pub const RECONNECTS_TOTAL: &str = "edge_uploader_reconnects_total";
 pub const CONNECT_ATTEMPTS_TOTAL: &str = "edge_uploader_connect_attempts_total";
 /// Reconnect backoff waits ended early by the gateway's network (a link up, a default route).
 pub const NETWORK_WAKEUPS_TOTAL: &str = "edge_uploader_network_wakeups_total";
+/// Probes sent to the server while it did not answer connection attempts.
 pub const PROBES_SENT_TOTAL: &str = "edge_uploader_probes_sent_total";
+/// Reconnect backoff waits ended early by an answered probe.
 pub const PROBE_WAKEUPS_TOTAL: &str = "edge_uploader_probe_wakeups_total";
 /// Histogram: connection attempt started → session established (the server's Welcome).
 pub const CONNECT_SECONDS: &str = "edge_uploader_connect_seconds";
@@ -104,13 +110,15 @@ pub const UPLOAD_WIRE_BYTES_TOTAL: &str = "edge_uploader_upload_wire_bytes_total
 pub const SPOOL_COMMIT_SECONDS: &str = "edge_uploader_spool_commit_seconds";
 
 /// Every metric name above.
-pub const ALL: [&str; 30] = [
+pub const ALL: [&str; 34] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
     INTAKE_STREAM_BUFFER_BYTES,
     INTAKE_REQUEST_BUFFER_BYTES,
     INTAKE_REQUESTS_WAITING,
+    INTAKE_CONNECTIONS,
+    INTAKE_CONNECTION_LIMIT_WAITS_TOTAL,
     SPOOL_BYTES,
     SPOOL_DISK_BYTES,
     SPOOL_CHUNKS,
@@ -124,6 +132,8 @@ pub const ALL: [&str; 30] = [
     RECONNECTS_TOTAL,
     CONNECT_ATTEMPTS_TOTAL,
     NETWORK_WAKEUPS_TOTAL,
+    PROBES_SENT_TOTAL,
+    PROBE_WAKEUPS_TOTAL,
     CONNECT_SECONDS,
     BYTES_IN_FLIGHT,
     QUIC_RTT_SECONDS,
@@ -386,6 +396,15 @@ const LIVE_REQUESTS_WAITING: Live = Live::gauge(
     "HTTP intake requests waiting for room in intake.request_pending_total_bytes before their body is read \
            (their producers are held back; a lasting non-zero value means the budget or the spool's commits limit the intake).",
 );
+const LIVE_CONNECTIONS: Live = Live::gauge(
+    INTAKE_CONNECTIONS,
+    "Producer connections open on the intake sockets, HTTP and record stream together (at most intake.max_connections).",
+);
+const LIVE_CONNECTION_LIMIT_WAITS: Live = Live::counter(
+    INTAKE_CONNECTION_LIMIT_WAITS_TOTAL,
+    "Times an intake socket found intake.max_connections connections open and stopped accepting until one closed \
+           (new producers wait in the socket's backlog meanwhile; a producer that leaks connections, or a limit too low).",
+);
 const LIVE_SPOOL_BYTES: Live = Live::gauge(
     SPOOL_BYTES,
     "Payload bytes in the spool: open batches and sealed chunks, record framing included, quarantine excluded.",
@@ -469,10 +488,12 @@ const LIVE_WIRE_BYTES: Live = Live::counter(
            counted on every attempt, so a chunk sent again counts again. Against \
            edge_uploader_upload_bytes_total it shows what compression saves on the uplink.",
 );
-const LIVE_ALL: [&Live; 20] = [
+const LIVE_ALL: [&Live; 24] = [
     &LIVE_STREAM_BUFFER,
     &LIVE_REQUEST_BUFFER,
     &LIVE_REQUESTS_WAITING,
+    &LIVE_CONNECTIONS,
+    &LIVE_CONNECTION_LIMIT_WAITS,
     &LIVE_SPOOL_BYTES,
     &LIVE_SPOOL_DISK_BYTES,
     &LIVE_SPOOL_CHUNKS,
@@ -485,6 +506,8 @@ const LIVE_ALL: [&Live; 20] = [
     &LIVE_RECONNECTS,
     &LIVE_CONNECT_ATTEMPTS,
     &LIVE_NETWORK_WAKEUPS,
+    &LIVE_PROBES_SENT,
+    &LIVE_PROBE_WAKEUPS,
     &LIVE_BYTES_IN_FLIGHT,
     &LIVE_CORRUPT,
     &LIVE_QUARANTINED,
@@ -510,6 +533,8 @@ fn live_families(spool: &SpoolStatsView, intake: &IntakeCounters, u: &UploadCoun
         LIVE_STREAM_BUFFER.family(&[("", intake.stream_buffer_bytes.load(Relaxed) as f64)]),
         LIVE_REQUEST_BUFFER.family(&[("", intake.request_buffer_bytes.load(Relaxed) as f64)]),
         LIVE_REQUESTS_WAITING.family(&[("", intake.requests_waiting.load(Relaxed) as f64)]),
+        LIVE_CONNECTIONS.family(&[("", intake.connections.load(Relaxed) as f64)]),
+        LIVE_CONNECTION_LIMIT_WAITS.family(&[("", intake.connection_limit_waits_total.load(Relaxed) as f64)]),
         LIVE_SPOOL_BYTES.family(&[("", s.total_bytes as f64)]),
         LIVE_SPOOL_DISK_BYTES.family(&[("", spool.disk_bytes().map_or(f64::NAN, |n| n as f64))]),
         LIVE_SPOOL_CHUNKS.family(&[("", s.sealed_chunks as f64)]),
@@ -669,6 +694,8 @@ mod tests {
         assert_eq!(rig.sample(INTAKE_STREAM_BUFFER_BYTES), Some(0.0));
         assert_eq!(rig.sample(INTAKE_REQUEST_BUFFER_BYTES), Some(0.0));
         assert_eq!(rig.sample(INTAKE_REQUESTS_WAITING), Some(0.0));
+        assert_eq!(rig.sample(INTAKE_CONNECTIONS), Some(0.0));
+        assert_eq!(rig.sample(INTAKE_CONNECTION_LIMIT_WAITS_TOTAL), Some(0.0));
         rig.upload.connected.store(true, Ordering::Relaxed);
         rig.upload.connects_total.store(3, Ordering::Relaxed);
         rig.upload.connect_attempts_total.store(7, Ordering::Relaxed);
@@ -680,6 +707,8 @@ mod tests {
         rig.intake.stream_buffer(1 << 20, 0);
         rig.intake.request_buffer(0, 5 << 10);
         rig.intake.requests_waiting.store(2, Ordering::Relaxed);
+        rig.intake.connections.store(7, Ordering::Relaxed);
+        rig.intake.connection_limit_waits_total.store(3, Ordering::Relaxed);
         rig.upload.stored.chunks.store(5, Ordering::Relaxed);
         rig.upload.stored.bytes.store(500, Ordering::Relaxed);
         rig.upload.retry.chunks.store(1, Ordering::Relaxed);
@@ -705,6 +734,8 @@ mod tests {
         assert_eq!(rig.intake.stream_buffer_peak_bytes.load(Ordering::Relaxed), 3 << 20);
         assert_eq!(rig.sample(INTAKE_REQUEST_BUFFER_BYTES), Some(f64::from(5 << 10)));
         assert_eq!(rig.sample(INTAKE_REQUESTS_WAITING), Some(2.0));
+        assert_eq!(rig.sample(INTAKE_CONNECTIONS), Some(7.0));
+        assert_eq!(rig.sample(INTAKE_CONNECTION_LIMIT_WAITS_TOTAL), Some(3.0));
         assert_eq!(rig.sample(&format!("{UPLOAD_CHUNKS_TOTAL}{{result=\"stored\"}}")), Some(5.0));
         assert_eq!(rig.sample(&format!("{UPLOAD_BYTES_TOTAL}{{result=\"stored\"}}")), Some(500.0));
         assert_eq!(rig.sample(&format!("{UPLOAD_CHUNKS_TOTAL}{{result=\"retry\"}}")), Some(1.0));

@@ -138,13 +138,23 @@ pub const READ_SIZE: usize = 64 << 10;
 
 /// Accepts record-stream connections until `cancel` fires. Accept errors are handled as for
 /// the HTTP intake (axum's `Listener`: logged, and a pause when out of descriptors).
+/// Each connection is served once it has a slot of [`Intake::connections`], and keeps it until
+/// it closes.
 pub async fn serve<L: Listener>(mut listener: L, intake: Arc<Intake>, cancel: CancellationToken, tasks: TaskTracker) {
     loop {
         let (io, _) = tokio::select! {
             () = cancel.cancelled() => return,
             a = listener.accept() => a,
         };
-        tasks.spawn(serve_connection(io, intake.clone(), cancel.clone()));
+        let slot = tokio::select! {
+            () = cancel.cancelled() => return,
+            slot = intake.connections.slot(&intake.counters) => slot,
+        };
+        let (intake, cancel) = (intake.clone(), cancel.clone());
+        tasks.spawn(async move {
+            let _slot = slot;
+            serve_connection(io, intake, cancel).await;
+        });
     }
 }
 

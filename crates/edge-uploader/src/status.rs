@@ -74,11 +74,59 @@ pub fn drain_eta_s(backlog_bytes: u64, rates: &Rates) -> Option<f64> {
     (net > 0.0).then(|| backlog_bytes as f64 / net)
 }
 
-/// Asks the agent behind `socket`; `None` if nothing answers.
-pub async fn fetch(socket: &Path) -> Option<Value> {
-    let mut client = IntakeClient::new(socket);
-    let resp = tokio::time::timeout(Duration::from_secs(5), client.get_json("/v1/status")).await.ok()?.ok()?;
-    (resp.status == 200).then_some(resp.body)
+/// How long `edge-uploader status` waits for the agent's answer.
+pub const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What asking the agent gave.
+#[derive(Debug)]
+pub enum Fetched {
+    /// Its status document.
+    Answer(Value),
+    /// Nothing listens on the socket (no socket file, or nobody accepts on it).
+    NotRunning,
+    /// Something listens but gave no status document: why, for the operator.
+    NoAnswer(String),
+}
+
+/// Asks the agent behind `socket`, waiting at most `timeout` for its answer.
+///
+/// An agent whose intake serves `intake.max_connections` connections already serves this one
+/// only once another closes: that is `NoAnswer`, not `NotRunning`.
+pub async fn fetch(socket: &Path, timeout: Duration) -> Fetched {
+    let busy = || {
+        format!(
+            "the agent accepts connections on {} but did not answer within {}: every intake.max_connections slot may be \
+             taken (edge_uploader_intake_connections on /metrics), or the agent is stuck",
+            socket.display(),
+            humantime::format_duration(timeout)
+        )
+    };
+    let stream = match tokio::time::timeout(timeout, tokio::net::UnixStream::connect(socket)).await {
+        Ok(Ok(stream)) => stream,
+        // The socket's backlog is full: the agent is there, and has not accepted for a while.
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::WouldBlock => return Fetched::NoAnswer(busy()),
+        Ok(Err(_)) => return Fetched::NotRunning,
+        Err(_) => return Fetched::NoAnswer(busy()),
+    };
+    let asked = async {
+        let mut client = IntakeClient::on(stream).await?;
+        client.get_json("/v1/status").await
+    };
+    match tokio::time::timeout(timeout, asked).await {
+        Err(_) => Fetched::NoAnswer(busy()),
+        Ok(Err(e)) => Fetched::NoAnswer(format!(
+            "the agent on {} did not answer: {}",
+            socket.display(),
+            edge_telemetry::logging::error_chain(e.as_ref())
+        )),
+        Ok(Ok(resp)) if resp.status == 200 => Fetched::Answer(resp.body),
+        Ok(Ok(resp)) => Fetched::NoAnswer(format!(
+            "the agent on {} answered {} to GET /v1/status: {}",
+            socket.display(),
+            resp.status,
+            resp.body
+        )),
+    }
 }
 
 /// Why the agent is degraded, if it is.

@@ -48,7 +48,7 @@ fn a_valid_config_passes_with_exit_0() {
 #[test]
 fn broken_configs_exit_78_and_name_the_key() {
     let f = files();
-    let cases: [(&str, String, &[&str]); 15] = [
+    let cases: [(&str, String, &[&str]); 17] = [
         ("unknown key", format!("[spool]\nmax_byte = \"1GiB\"\n[upload]\n{}", f.tls), &["max_byte", "line 2"]),
         ("wrong type", format!("[upload]\nmax_in_flight = \"lots\"\n{}", f.tls), &["max_in_flight", "line 2"]),
         ("bad duration", format!("[spool]\nlinger = \"soon\"\n[upload]\n{}", f.tls), &["linger", "soon"]),
@@ -78,6 +78,16 @@ fn broken_configs_exit_78_and_name_the_key() {
             "zero idle timeout",
             format!("[intake]\nrequest_idle_timeout = \"0s\"\n[upload]\n{}", f.tls),
             &["intake.request_idle_timeout", "1s..=1h", "0s"],
+        ),
+        (
+            "no connections",
+            format!("[intake]\nmax_connections = 0\n[upload]\n{}", f.tls),
+            &["intake.max_connections", "1..=16384", "got 0"],
+        ),
+        (
+            "more connections than the unit's descriptors allow",
+            format!("[intake]\nmax_connections = 20000\n[upload]\n{}", f.tls),
+            &["intake.max_connections", "1..=16384", "got 20000", "65536"],
         ),
         (
             "request limit below the record limit",

@@ -303,3 +303,81 @@ async fn a_stalled_body_is_refused_after_the_idle_timeout_and_the_request_waitin
     assert_eq!(stored.get("stalled"), None, "a refused request stores none of its records");
     assert_eq!(stored.get("next"), Some(&vec![b"{\"next\":1}".to_vec()]));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_limit_wait_until_one_closes_and_a_quiet_http_one_gives_its_slot_back() {
+    use std::sync::atomic::Ordering::Relaxed;
+    use tokio::io::AsyncReadExt;
+    let mut f = start(|raw| {
+        raw.intake.max_connections = 2;
+        raw.intake.request_idle_timeout = std::time::Duration::from_secs(1);
+    })
+    .await;
+    let dir = f._dir.path().to_owned();
+    let counters = f.agent.intake();
+    let open = || counters.connections.load(Relaxed);
+    let waits = || counters.connection_limit_waits_total.load(Relaxed);
+    let stream = edge_proto::StreamName::new("s").expect("a valid name");
+
+    // Slot 1: a record-stream producer, quiet between its records.
+    let mut producer =
+        edge_uploader::client::RecordStreamClient::connect(dir.join(edge_uploader::config::DEFAULT_STREAM_SOCKET))
+            .await
+            .expect("connects");
+    producer.record(&stream, b"first");
+    producer.flush().await.expect("sends");
+    assert!(matches!(
+        producer.reply().await.expect("an answer"),
+        Some(edge_proto::intake::Reply::Ack { committed: 1 })
+    ));
+    // Slot 2: an HTTP connection that never sends a request.
+    let mut quiet = tokio::net::UnixStream::connect(dir.join("intake.sock")).await.expect("connects");
+    wait_until("both connections are open", || open() == 2).await;
+
+    // A third producer's request is not served while both slots are taken.
+    let socket = dir.join("intake.sock");
+    let third = tokio::spawn(async move {
+        let mut c = IntakeClient::new(&socket);
+        let r = c.post("s", "application/x-ndjson", Bytes::from_static(b"{\"third\":1}")).await;
+        (r, c)
+    });
+    wait_until("the intake stops accepting at the limit", || waits() >= 1).await;
+    assert_eq!(open(), 2, "never more connections than the limit");
+    assert!(!third.is_finished(), "the third request waits");
+    assert_eq!(counters.records_total.load(Relaxed), 1);
+    // `edge-uploader status` says the agent is there but does not answer, not that it is not
+    // running.
+    let status = edge_uploader::status::fetch(&dir.join("intake.sock"), std::time::Duration::from_millis(300)).await;
+    assert!(
+        matches!(&status, edge_uploader::status::Fetched::NoAnswer(why) if why.contains("intake.max_connections")),
+        "{status:?}"
+    );
+
+    // The quiet connection is closed after request_idle_timeout, and its slot serves the third.
+    let mut byte = [0u8; 1];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(30), quiet.read(&mut byte))
+        .await
+        .expect("the agent closes a connection that sends no request")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "closed without an answer");
+    let (r, client) =
+        tokio::time::timeout(std::time::Duration::from_secs(30), third).await.expect("in time").expect("joins");
+    let r = r.expect("post");
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // The record-stream producer kept its slot through all of it.
+    producer.record(&stream, b"second");
+    producer.flush().await.expect("sends");
+    assert!(matches!(
+        producer.reply().await.expect("an answer"),
+        Some(edge_proto::intake::Reply::Ack { committed: 2 })
+    ));
+    drop(client);
+    drop(producer);
+    wait_until("the slots are given back as connections close", || open() == 0).await;
+    assert_eq!(counters.records_total.load(Relaxed), 3);
+    let _ = f.client.get_json("/v1/status").await.expect("served again");
+    f.agent.shutdown().await;
+    let stored = common::read_spool(&dir);
+    assert_eq!(stored.get("s").map(Vec::len), Some(3), "{stored:?}");
+}
