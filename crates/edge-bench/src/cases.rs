@@ -1515,7 +1515,9 @@ const LARGE_REQUEST_RECORDS: usize = 400;
 /// - HTTP producers posting 4 MiB requests ([`LARGE_REQUEST_RECORDS`] records of 10 KiB), under
 ///   the default `intake.request_pending_total_bytes` and under 1 GiB, which none of these
 ///   loads reaches: the agent as it was before requests shared a budget.
-pub async fn producers(ctx: &Ctx, counts: &[usize]) -> anyhow::Result<Results> {
+///
+/// Then [`idle_connections`] with `idle` connections (none for 0).
+pub async fn producers(ctx: &Ctx, counts: &[usize], idle: usize) -> anyhow::Result<Results> {
     let mut res = Results::default();
     let unbounded = WorldOptions { request_pending_total: Some("1GiB".into()), ..WorldOptions::default() };
     for &n in counts {
@@ -1529,7 +1531,104 @@ pub async fn producers(ctx: &Ctx, counts: &[usize]) -> anyhow::Result<Results> {
         let case = format!("live 10 KiB, 4 MiB HTTP requests, {n} producers, request budget 1 GiB");
         live_with(ctx, &mut res, &case, &load, &unbounded).await?;
     }
+    if idle > 0 {
+        idle_connections(ctx, &mut res, idle).await?;
+    }
     Ok(res)
+}
+
+/// `total` producer connections, half on the record-stream socket and half on the HTTP one,
+/// that each send one 64 KiB record (a record-stream frame, or a request of one
+/// `application/octet-stream` record) and then go quiet, as producers at a sensor's pace do
+/// between their bursts: the agent's resident memory once it has committed the record of every
+/// connection it serves, against the same agent before they connected. Under the default
+/// `intake.max_connections`, and with the limit at its highest (16384: the agent as it was
+/// before the limit). The connections it does not serve wait in the sockets' backlogs with
+/// their record in the kernel's socket buffer.
+pub async fn idle_connections(ctx: &Ctx, res: &mut Results, total: usize) -> anyhow::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    const GROUP: &str = "edge-uploader";
+    const RECORD: usize = 64 << 10;
+    let cases = [
+        (format!("{total} quiet connections after 64 KiB each"), None),
+        (format!("{total} quiet connections after 64 KiB each, limit 16384"), Some(16384)),
+    ];
+    for (case, limit) in cases {
+        res.mark_load(&case);
+        for rep in 0..ctx.reps {
+            let r: anyhow::Result<()> = async {
+                let opts = WorldOptions { max_connections: limit, ..WorldOptions::default() };
+                let mut w = World::new(&ctx.bins, &ctx.work.join("idle"), &opts)?;
+                w.start_ingest()?;
+                w.start_agent()?;
+                let pid = w.agent_pid()?;
+                let before = sys::rss_bytes(pid)?;
+                let stream_socket = w.socket.with_file_name("records.sock");
+                let name = edge_proto::StreamName::new("quiet")?;
+                let record = vec![b'q'; RECORD];
+                let head = format!(
+                    "POST /v1/streams/quiet HTTP/1.1\r\nHost: agent\r\nContent-Type: application/octet-stream\r\nContent-Length: {RECORD}\r\n\r\n"
+                );
+                // Each connection writes from a task of its own (those not served yet block once
+                // the socket's buffer is full) and is held open until the case ends.
+                let mut held = tokio::task::JoinSet::new();
+                for k in 0..total {
+                    let path = if k % 2 == 0 { &stream_socket } else { &w.socket };
+                    let mut io = tokio::net::UnixStream::connect(path).await.with_context(|| {
+                        format!("quiet connection {k} to {}: out of descriptors? (`ulimit -n` must allow {total} and more)", path.display())
+                    })?;
+                    let mut bytes = Vec::with_capacity(RECORD + 256);
+                    if k % 2 == 0 {
+                        bytes.extend_from_slice(&edge_proto::intake::MAGIC);
+                        edge_proto::intake::put_stream(&mut bytes, &name);
+                        edge_proto::intake::put_record(&mut bytes, &record);
+                    } else {
+                        bytes.extend_from_slice(head.as_bytes());
+                        bytes.extend_from_slice(&record);
+                    }
+                    held.spawn(async move {
+                        let _ = io.write_all(&bytes).await;
+                        std::future::pending::<()>().await;
+                        drop(io);
+                    });
+                }
+                // The agent serves what its limit allows; the rest wait in the backlogs.
+                let served = limit.map_or(edge_uploader::intake::MAX_CONNECTIONS as usize, |l| l as usize).min(total);
+                let deadline = Instant::now() + Duration::from_secs(120);
+                let (open, records) = loop {
+                    let m = world::scrape(w.agent_metrics)?;
+                    let (open, records) =
+                        (m.sum("edge_uploader_intake_connections"), m.sum("edge_uploader_intake_records_total"));
+                    if (open as usize >= served && records as usize >= served) || Instant::now() > deadline {
+                        break (open, records);
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                };
+                anyhow::ensure!(
+                    open as usize == served && records as usize == served,
+                    "the agent serves {open} connections and committed {records} records, not {served} of each"
+                );
+                let after = sys::rss_bytes(pid)?;
+                let (before_mib, after_mib) = (before as f64 / MIB as f64, after as f64 / MIB as f64);
+                let per_conn_kib = (after.saturating_sub(before)) as f64 / open.max(1.0) / 1024.0;
+                ctx.progress(format!(
+                    "{case} rep {}: {open} served, agent RSS {before_mib:.1} -> {after_mib:.1} MiB ({per_conn_kib:.0} KiB per connection served)",
+                    rep + 1
+                ));
+                res.add(GROUP, &case, "connections served", 0, open);
+                res.add(GROUP, &case, "agent RSS before, MiB", 1, before_mib);
+                res.add(GROUP, &case, "agent RSS with them, MiB", 1, after_mib);
+                res.add(GROUP, &case, "ratio to before", 2, after_mib / before_mib);
+                res.add(GROUP, &case, "KiB per connection served", 0, per_conn_kib);
+                held.abort_all();
+                w.cleanup();
+                Ok(())
+            }
+            .await;
+            res.failed(&case, rep, r);
+        }
+    }
+    Ok(())
 }
 
 async fn live_with(ctx: &Ctx, res: &mut Results, case: &str, load: &Load, opts: &WorldOptions) -> anyhow::Result<f64> {

@@ -94,13 +94,19 @@ enum Cmd {
     },
     /// The record-stream live case and HTTP producers of 4 MiB requests (under the default
     /// request budget and under 1 GiB) with more and more producer connections: what the agent
-    /// stores, its CPU and its peak RSS at each count.
+    /// stores, its CPU and its peak RSS at each count; then quiet connections, under the default
+    /// `intake.max_connections` and without it.
     Producers {
         #[arg(long, default_value_t = 3)]
         reps: usize,
         /// Producer connections, one count per case (comma-separated).
         #[arg(long, value_delimiter = ',', default_value = "4,16,64")]
         counts: Vec<usize>,
+        /// Then this many connections (half record stream, half HTTP) that send 64 KiB each and
+        /// go quiet: the agent's RSS with them under the default `intake.max_connections` and
+        /// with it at 16384; 0 skips it.
+        #[arg(long, default_value_t = 2000)]
+        idle: usize,
         #[arg(long)]
         allow_stale: bool,
     },
@@ -315,17 +321,17 @@ fn main() -> anyhow::Result<()> {
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
-        Cmd::Producers { reps, counts, allow_stale } => {
+        Cmd::Producers { reps, counts, idle, allow_stale } => {
             anyhow::ensure!(counts.iter().all(|&n| n > 0), "--counts: every count must be at least 1");
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
             let list: Vec<String> = counts.iter().map(usize::to_string).collect();
             ctx.command = format!(
-                "cargo run --release -p edge-bench -- producers --reps {} --counts {}",
+                "cargo run --release -p edge-bench -- producers --reps {} --counts {} --idle {idle}",
                 ctx.reps,
                 list.join(",")
             );
-            let results = rt.block_on(cases::producers(&ctx, &counts))?;
+            let results = rt.block_on(cases::producers(&ctx, &counts, idle))?;
             println!("{}", results.markdown(&ctx));
             Ok(())
         }

@@ -36,6 +36,11 @@ pub fn peak_rss_bytes(pid: u32) -> anyhow::Result<u64> {
     status_kib(pid, "VmHWM:").map(|k| k * 1024)
 }
 
+/// Resident set size now (`VmRSS`) in bytes.
+pub fn rss_bytes(pid: u32) -> anyhow::Result<u64> {
+    status_kib(pid, "VmRSS:").map(|k| k * 1024)
+}
+
 fn status_kib(pid: u32, key: &str) -> anyhow::Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .with_context(|| format!("reading /proc/{pid}/status"))?;

@@ -111,6 +111,8 @@ pub struct WorldOptions {
     /// `intake.request_pending_total_bytes` (e.g. `"1GiB"`); `None` leaves the agent's default
     /// and writes no key, so daemons from before the key still run.
     pub request_pending_total: Option<String>,
+    /// `intake.max_connections`; `None` leaves the agent's default and writes no key.
+    pub max_connections: Option<u32>,
 }
 
 /// A JetStream stream for the ingest's JetStream sink (`edge-bench sink`).
@@ -148,6 +150,7 @@ impl Default for WorldOptions {
             default_backoff: false,
             probe_interval: None,
             request_pending_total: None,
+            max_connections: None,
         }
     }
 }
@@ -214,10 +217,13 @@ impl World {
         if let Some(p) = &opts.probe_interval {
             backoff.push_str(&format!("probe_interval = \"{p}\"\n"));
         }
-        let intake_extra = opts
+        let mut intake_extra = opts
             .request_pending_total
             .as_ref()
             .map_or(String::new(), |b| format!("request_pending_total_bytes = \"{b}\"\n"));
+        if let Some(n) = opts.max_connections {
+            intake_extra.push_str(&format!("max_connections = {n}\n"));
+        }
         let agent_toml = format!(
             "[intake]\nsocket = {}\n{intake_extra}\n[spool]\npath = {}\nmax_bytes = {}\ndurability = \"{}\"\nchunk_target = \"{}\"\n\
              linger = \"{}\"\ncompression = \"{}\"\nzstd_level = {}\n\n\
