@@ -316,6 +316,13 @@ where
     let mut eof = false;
     // The receive buffer's part of the gauge; the parser keeps the part of its batch buffers.
     let mut held = HeldShare::stream(p.intake.counters.clone());
+    // A producer at a sensor's pace is quiet most of the time: once its connection holds no
+    // unframed byte and has read none for a whole `QUIET_AFTER`, the receive buffer (grown to
+    // a read or to its largest record) is given back. The timer is reset once per period, not
+    // per read, so a busy connection pays nothing for it.
+    let quiet = tokio::time::sleep(QUIET_AFTER);
+    tokio::pin!(quiet);
+    let mut read_since_check = false;
     let intake = p.intake.clone();
     if !p.intake.accepting.load(Ordering::Acquire) {
         refusal = Some(Refusal::shutting_down());
@@ -369,6 +376,7 @@ where
             rbuf.reserve(READ_SIZE);
         }
         held.set(rbuf.capacity());
+        let may_shrink = can_read && rbuf.is_empty() && rbuf.capacity() > QUIET_BUFFER;
         if ack_due && written == wbuf.len() {
             wbuf.clear();
             written = 0;
@@ -407,6 +415,16 @@ where
                 if read? == 0 {
                     eof = true;
                 }
+                read_since_check = true;
+            }
+            () = &mut quiet, if may_shrink => {
+                if !read_since_check {
+                    // The next read lands in a small buffer, which grows again (to one read)
+                    // as soon as it holds part of a frame.
+                    rbuf = BytesMut::with_capacity(QUIET_BUFFER);
+                }
+                read_since_check = false;
+                quiet.as_mut().reset(tokio::time::Instant::now() + QUIET_AFTER);
             }
             () = cancel.cancelled(), if !stopped => {
                 // What was read is still committed; the producer learns how much.
@@ -638,6 +656,14 @@ impl Drop for Parser {
 
 /// Spare room below which the receive buffer grows before the next read.
 const FRAME_SLACK: usize = 4096;
+
+/// How long a connection with nothing unframed reads nothing before its receive buffer shrinks
+/// to [`QUIET_BUFFER`] (it does after one to two of these).
+pub const QUIET_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The receive buffer of a quiet connection: one read's worth of small records, and no more
+/// than [`FRAME_SLACK`], so that the first read after a quiet spell does not grow it at once.
+pub const QUIET_BUFFER: usize = FRAME_SLACK;
 
 #[cfg(test)]
 mod tests {

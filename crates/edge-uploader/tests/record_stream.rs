@@ -384,3 +384,41 @@ async fn shutdown_does_not_wait_for_a_producer_that_reads_nothing() {
     let want: Vec<Vec<u8>> = (0..rounds as usize).map(|i| record("quiet", i)).collect();
     assert_eq!(common::read_spool(dir.path()).get("quiet"), Some(&want), "every committed record is kept");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_connection_gives_its_receive_buffer_back_and_goes_on_as_before() {
+    use edge_uploader::record_stream::{QUIET_AFTER, QUIET_BUFFER};
+    use std::sync::atomic::Ordering::Relaxed;
+    let f = start(|_| {}).await;
+    let counters = f.agent.intake().clone();
+    let held = || counters.stream_buffer_bytes.load(Relaxed);
+    let mut c = f.client().await;
+    // One large record grows the connection's receive buffer past one read.
+    let large = vec![b'L'; 300 << 10];
+    c.record(&name("q"), &large);
+    c.flush().await.expect("writes");
+    assert_eq!(c.reply().await.expect("answers"), Some(Reply::Ack { committed: 1 }));
+    let grown = held();
+    assert!(grown > edge_uploader::record_stream::READ_SIZE as u64, "the buffer grew for the record: {grown} bytes");
+    // Then the producer is quiet: within two periods the buffer is down to the small one.
+    let shrunk = async {
+        while held() > QUIET_BUFFER as u64 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(QUIET_AFTER * 2 + Duration::from_secs(5), shrunk)
+        .await
+        .unwrap_or_else(|_| panic!("a quiet connection still holds {} bytes", held()));
+    // The connection goes on: small records and another large one, acked and stored in order.
+    for i in 0..50 {
+        c.record(&name("q"), &record("q", i));
+    }
+    c.record(&name("q"), &large);
+    assert_eq!(c.finish().await.expect("finishes"), Reply::Ack { committed: 52 });
+    assert_eq!(held(), 0);
+    let stored = f.stop_and_read().await;
+    let mut want = vec![large.clone()];
+    want.extend((0..50).map(|i| record("q", i)));
+    want.push(large);
+    assert_eq!(stored.get("q"), Some(&want));
+}
