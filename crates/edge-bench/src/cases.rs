@@ -1541,11 +1541,13 @@ pub async fn producers(ctx: &Ctx, counts: &[usize], idle: usize) -> anyhow::Resu
 /// that each send one 64 KiB record (a record-stream frame, or a request of one
 /// `application/octet-stream` record) and then go quiet, as producers at a sensor's pace do
 /// between their bursts: the agent's resident memory once it has committed the record of every
-/// connection it serves, against the same agent before they connected. Under the default
+/// connection it serves, and again after they have been quiet for 5 s, against the same agent
+/// before they connected. Under the default
 /// `intake.max_connections`, and with the limit at its highest (16384: the agent as it was
 /// before the limit). The connections it does not serve wait in the sockets' backlogs with
 /// their record in the kernel's socket buffer.
 pub async fn idle_connections(ctx: &Ctx, res: &mut Results, total: usize) -> anyhow::Result<()> {
+    const QUIET_WAIT: Duration = Duration::from_secs(5);
     use tokio::io::AsyncWriteExt;
     const GROUP: &str = "edge-uploader";
     const RECORD: usize = 64 << 10;
@@ -1609,17 +1611,30 @@ pub async fn idle_connections(ctx: &Ctx, res: &mut Results, total: usize) -> any
                     "the agent serves {open} connections and committed {records} records, not {served} of each"
                 );
                 let after = sys::rss_bytes(pid)?;
-                let (before_mib, after_mib) = (before as f64 / MIB as f64, after as f64 / MIB as f64);
-                let per_conn_kib = (after.saturating_sub(before)) as f64 / open.max(1.0) / 1024.0;
+                // Then the connections stay quiet: long enough for a record-stream connection to
+                // shrink its receive buffer and for the allocator to return the pages (its decay
+                // is one second), well short of the HTTP connections' idle timeout (30 s).
+                tokio::time::sleep(QUIET_WAIT).await;
+                let quiet = sys::rss_bytes(pid)?;
+                let stream_held = world::scrape(w.agent_metrics)?.sum("edge_uploader_intake_stream_buffer_bytes");
+                let mib = |b: u64| b as f64 / MIB as f64;
+                let per_conn_kib = |b: u64| b.saturating_sub(before) as f64 / open.max(1.0) / 1024.0;
                 ctx.progress(format!(
-                    "{case} rep {}: {open} served, agent RSS {before_mib:.1} -> {after_mib:.1} MiB ({per_conn_kib:.0} KiB per connection served)",
-                    rep + 1
+                    "{case} rep {}: {open} served, agent RSS {:.1} -> {:.1} MiB, {:.1} MiB {} s later ({:.0} KiB per connection served; the record-stream connections' buffers {:.1} MiB)",
+                    rep + 1,
+                    mib(before),
+                    mib(after),
+                    mib(quiet),
+                    QUIET_WAIT.as_secs(),
+                    per_conn_kib(quiet),
+                    stream_held / MIB as f64
                 ));
                 res.add(GROUP, &case, "connections served", 0, open);
-                res.add(GROUP, &case, "agent RSS before, MiB", 1, before_mib);
-                res.add(GROUP, &case, "agent RSS with them, MiB", 1, after_mib);
-                res.add(GROUP, &case, "ratio to before", 2, after_mib / before_mib);
-                res.add(GROUP, &case, "KiB per connection served", 0, per_conn_kib);
+                res.add(GROUP, &case, "agent RSS before, MiB", 1, mib(before));
+                res.add(GROUP, &case, "agent RSS with them, MiB", 1, mib(after));
+                res.add(GROUP, &case, "agent RSS with them 5 s later, MiB", 1, mib(quiet));
+                res.add(GROUP, &case, "ratio to before, 5 s later", 2, mib(quiet) / mib(before));
+                res.add(GROUP, &case, "KiB per connection served, 5 s later", 0, per_conn_kib(quiet));
                 held.abort_all();
                 w.cleanup();
                 Ok(())

@@ -20,11 +20,14 @@ static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// jemalloc's settings, read once at start (the environment variable `_RJEM_MALLOC_CONF` can
 /// override them): one arena (two cores; the default of four per core held twice the memory),
 /// freed pages given back after one second rather than ten. With these, peak RSS matched
-/// glibc's while CPU per GiB stayed jemalloc's (`edge-bench pipeline`, BENCHMARKS.md).
+/// glibc's while CPU per GiB stayed jemalloc's (`edge-bench pipeline`, BENCHMARKS.md). Without
+/// a background thread jemalloc gives pages back only while the process allocates, so an agent
+/// whose producers had gone quiet kept what they had freed: its thread gives them back on time
+/// (`edge-bench producers --idle`, BENCHMARKS.md).
 // jemalloc reads this symbol by name; exporting a symbol is what `unsafe_code` flags.
 #[allow(unsafe_code, non_upper_case_globals)]
 #[unsafe(export_name = "_rjem_malloc_conf")]
-pub static malloc_conf: &[u8] = b"narenas:1,dirty_decay_ms:1000,muzzy_decay_ms:0\0";
+pub static malloc_conf: &[u8] = b"narenas:1,dirty_decay_ms:1000,muzzy_decay_ms:0,background_thread:true\0";
 
 #[derive(Parser, Debug)]
 #[command(
