@@ -277,15 +277,10 @@ impl ConnectionLimit {
         }
     }
 
-    /// The limit.
-    pub fn max(&self) -> u32 {
-        self.max
-    }
-
     /// A slot for a connection a socket accepted, waiting (first come, first served across the
     /// sockets) while every slot is taken; counted in `counters.connections` until
     /// the slot is dropped.
-    pub(crate) async fn slot(&self, counters: &Arc<IntakeCounters>) -> ConnectionSlot {
+    async fn slot(&self, counters: &Arc<IntakeCounters>) -> ConnectionSlot {
         let permit = match self.slots.clone().try_acquire_owned() {
             Ok(p) => p,
             Err(_) => {
@@ -297,6 +292,25 @@ impl ConnectionLimit {
         };
         counters.connections.fetch_add(1, Ordering::Relaxed);
         ConnectionSlot { _permit: permit, counters: counters.clone() }
+    }
+
+    /// The next connection `listener` accepts, with its slot; `None` once `cancel` fires.
+    /// Accept errors are handled inside `Listener::accept` (logged, and a pause when out of
+    /// descriptors), as for `axum::serve`.
+    pub(crate) async fn accept<L: axum::serve::Listener>(
+        &self,
+        listener: &mut L,
+        counters: &Arc<IntakeCounters>,
+        cancel: &tokio_util::sync::CancellationToken,
+    ) -> Option<(L::Io, ConnectionSlot)> {
+        let (io, _) = tokio::select! {
+            () = cancel.cancelled() => return None,
+            accepted = listener.accept() => accepted,
+        };
+        tokio::select! {
+            () = cancel.cancelled() => None,
+            slot = self.slot(counters) => Some((io, slot)),
+        }
     }
 
     fn warn(&self, counters: &IntakeCounters) {
@@ -439,17 +453,7 @@ pub async fn serve<L: axum::serve::Listener>(
 ) {
     let router = router(intake.clone());
     let connections = tokio_util::task::TaskTracker::new();
-    loop {
-        // Accept errors are handled inside `Listener::accept` (logged, and a pause when out of
-        // descriptors), as for `axum::serve`.
-        let (io, _) = tokio::select! {
-            () = cancel.cancelled() => break,
-            accepted = listener.accept() => accepted,
-        };
-        let slot = tokio::select! {
-            () = cancel.cancelled() => break,
-            slot = intake.connections.slot(&intake.counters) => slot,
-        };
+    while let Some((io, slot)) = intake.connections.accept(&mut listener, &intake.counters, &cancel).await {
         let service = hyper_util::service::TowerToHyperService::new(router.clone());
         let cancel = cancel.clone();
         let head_timeout = intake.request_idle_timeout;

@@ -141,15 +141,7 @@ pub const READ_SIZE: usize = 64 << 10;
 /// Each connection is served once it has a slot of [`Intake::connections`], and keeps it until
 /// it closes.
 pub async fn serve<L: Listener>(mut listener: L, intake: Arc<Intake>, cancel: CancellationToken, tasks: TaskTracker) {
-    loop {
-        let (io, _) = tokio::select! {
-            () = cancel.cancelled() => return,
-            a = listener.accept() => a,
-        };
-        let slot = tokio::select! {
-            () = cancel.cancelled() => return,
-            slot = intake.connections.slot(&intake.counters) => slot,
-        };
+    while let Some((io, slot)) = intake.connections.accept(&mut listener, &intake.counters, &cancel).await {
         let (intake, cancel) = (intake.clone(), cancel.clone());
         tasks.spawn(async move {
             let _slot = slot;
