@@ -1359,6 +1359,7 @@ fn drain_prefill(bytes: u64) -> Load {
         rate: None,
         window: None,
         distinct: false,
+        chunked: false,
     }
 }
 
@@ -1378,10 +1379,22 @@ fn live_load(record: usize, per_request: usize, duration: Option<Duration>, byte
             rate: None,
             window: Some(STREAM_WINDOW),
             distinct: false,
+            chunked: false,
         };
     }
     let producers = if per_request == 1 { 32 } else { 8 };
-    Load { producers, streams: 4, record, per_request, duration, bytes, rate: None, window: None, distinct: false }
+    Load {
+        producers,
+        streams: 4,
+        record,
+        per_request,
+        duration,
+        bytes,
+        rate: None,
+        window: None,
+        distinct: false,
+        chunked: false,
+    }
 }
 
 /// Records a record-stream producer keeps sent and unacknowledged.
@@ -1508,13 +1521,20 @@ async fn live(
 /// producers already claim all of the default `intake.request_pending_total_bytes` (64 MiB).
 const LARGE_REQUEST_RECORDS: usize = 400;
 
+/// Records of 10 KiB per request in the chunked cases of [`producers`] and their
+/// `Content-Length` twins: 100 KiB bodies.
+const SMALL_REQUEST_RECORDS: usize = 10;
+
 /// With each of `counts` producer connections in turn, on 4 streams, what the agent stores and
 /// its peak RSS as the producers grow in number:
 /// - the record-stream live case (10 KiB records), all connections' gathering under
 ///   `intake.stream_pending_total_bytes`;
 /// - HTTP producers posting 4 MiB requests ([`LARGE_REQUEST_RECORDS`] records of 10 KiB), under
 ///   the default `intake.request_pending_total_bytes` and under 1 GiB, which none of these
-///   loads reaches: the agent as it was before requests shared a budget.
+///   loads reaches: the agent as it was before requests shared a budget;
+/// - HTTP producers posting 100 KiB requests ([`SMALL_REQUEST_RECORDS`] records of 10 KiB),
+///   with a `Content-Length` and chunked, as clients that stream a body do: what a body
+///   without a length costs under the shared budget.
 ///
 /// Then [`idle_connections`] with `idle` connections (none for 0).
 pub async fn producers(ctx: &Ctx, counts: &[usize], idle: usize) -> anyhow::Result<Results> {
@@ -1530,6 +1550,16 @@ pub async fn producers(ctx: &Ctx, counts: &[usize], idle: usize) -> anyhow::Resu
         live_with(ctx, &mut res, &case, &load, &WorldOptions::default()).await?;
         let case = format!("live 10 KiB, 4 MiB HTTP requests, {n} producers, request budget 1 GiB");
         live_with(ctx, &mut res, &case, &load, &unbounded).await?;
+        for chunked in [false, true] {
+            let load = Load {
+                producers: n,
+                chunked,
+                ..live_load(10 * KIB, SMALL_REQUEST_RECORDS, Some(Duration::from_secs(8)), None)
+            };
+            let framing = if chunked { "chunked" } else { "with Content-Length" };
+            let case = format!("live 10 KiB, 100 KiB HTTP requests {framing}, {n} producers");
+            live_with(ctx, &mut res, &case, &load, &WorldOptions::default()).await?;
+        }
     }
     if idle > 0 {
         idle_connections(ctx, &mut res, idle).await?;
@@ -1741,6 +1771,7 @@ async fn latency_once(
         rate: Some(rate_mb_s * 1e6),
         window: None,
         distinct,
+        chunked: false,
     };
     let p = world::produce(&w.socket, &load).await?;
     w.wait_drained(p.records, Duration::from_secs(120))?;
@@ -1792,6 +1823,7 @@ async fn small(ctx: &Ctx, res: &mut Results, duration: Duration) -> anyhow::Resu
             rate: None,
             window: None,
             distinct: false,
+            chunked: false,
         };
         let p = world::produce(&w.socket, &load).await?;
         let cpu = sys::cpu_seconds(pid)? - cpu0;

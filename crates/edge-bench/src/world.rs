@@ -551,6 +551,10 @@ pub struct Load {
     /// never holds the same record twice and zstd shrinks it only as far as such bytes go
     /// (printable random bytes: to about 0.82, by entropy alone).
     pub distinct: bool,
+    /// HTTP producers send their bodies chunked (`Transfer-Encoding: chunked`, one chunk per
+    /// body), as clients that stream a body of unknown length do, instead of with a
+    /// `Content-Length`.
+    pub chunked: bool,
 }
 
 /// What the producers got acknowledged.
@@ -601,7 +605,7 @@ pub async fn produce(socket: &Path, load: &Load) -> anyhow::Result<Produced> {
         let load = load.clone();
         let stream = format!("bench-{}", k % load.streams.max(1));
         set.spawn(async move {
-            let mut client = IntakeConn::new(&socket);
+            let mut client = IntakeConn::new(&socket, load.chunked);
             let interval = load.rate.map(|r| Duration::from_secs_f64(req_bytes as f64 * load.producers as f64 / r));
             // Stagger paced producers over one interval so requests do not arrive in waves.
             let mut next =
@@ -697,7 +701,7 @@ pub async fn produce_fresh(socket: &Path, producers: usize, fresh: Fresh, bytes:
         let socket = socket.to_path_buf();
         let accepted = accepted.clone();
         set.spawn(async move {
-            let mut client = IntakeConn::new(&socket);
+            let mut client = IntakeConn::new(&socket, false);
             let mut device = Readings::new(k);
             let (mut records, mut refused) = (0u64, 0u64);
             let stream = format!("sensors-{}", k % 4);
@@ -736,7 +740,7 @@ pub async fn produce_paced(
     for k in 0..devices {
         let socket = socket.to_path_buf();
         set.spawn(async move {
-            let mut client = IntakeConn::new(&socket);
+            let mut client = IntakeConn::new(&socket, false);
             let mut device = Readings::new(k);
             let stream = format!("sensors-{}", k % 4);
             let (mut records, mut bytes, mut refused) = (0u64, 0u64, 0u64);
@@ -895,11 +899,13 @@ struct IntakeConn {
     path: PathBuf,
     conn: Option<tokio::io::BufReader<tokio::net::UnixStream>>,
     head: Vec<u8>,
+    /// Bodies go as one chunk of a chunked body instead of with a `Content-Length`.
+    chunked: bool,
 }
 
 impl IntakeConn {
-    fn new(path: &Path) -> Self {
-        Self { path: path.to_path_buf(), conn: None, head: Vec::with_capacity(256) }
+    fn new(path: &Path, chunked: bool) -> Self {
+        Self { path: path.to_path_buf(), conn: None, head: Vec::with_capacity(256), chunked }
     }
 
     /// Posts `body` until the intake accepts it, 5 ms after each refusal (503 full, 507 disk
@@ -929,14 +935,19 @@ impl IntakeConn {
         }
         let conn = self.conn.as_mut().context("intake connection")?;
         self.head.clear();
-        write!(
-            self.head,
-            "POST /v1/streams/{stream} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\n\r\n",
-            body.len()
-        )?;
+        write!(self.head, "POST /v1/streams/{stream} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {ctype}\r\n")?;
+        if self.chunked {
+            write!(self.head, "Transfer-Encoding: chunked\r\n\r\n{:x}\r\n", body.len())?;
+        } else {
+            write!(self.head, "Content-Length: {}\r\n\r\n", body.len())?;
+        }
+        let chunked = self.chunked;
         let result: anyhow::Result<(u16, Vec<u8>, bool)> = async {
             conn.get_mut().write_all(&self.head).await?;
             conn.get_mut().write_all(body).await?;
+            if chunked {
+                conn.get_mut().write_all(b"\r\n0\r\n\r\n").await?;
+            }
             let mut line = String::new();
             conn.read_line(&mut line).await?;
             let status: u16 = line.split_whitespace().nth(1).context("no HTTP status line")?.parse()?;
@@ -1083,6 +1094,7 @@ mod tests {
             rate: None,
             window: None,
             distinct: true,
+            chunked: false,
         };
         for (record, per_request) in [(10 * 1024, 1), (100, 10), (100 * 1024, 1)] {
             let mut b = Bodies::new(&load(record, per_request));

@@ -11,21 +11,22 @@
 //! | 408 | the body sent nothing for `request_idle_timeout` |
 //! | 413 | a record over `max_record_bytes`, or a body over `max_request_bytes` |
 //! | 415 | a content type other than the two above |
-//! | 503 | the agent is shutting down |
+//! | 503 | the agent is shutting down, or a body without a length gave way (see [`RequestBudget`]); the latter with `Retry-After` |
 //! | 507 | the spool is full (policy `reject`) or its disk is; with `Retry-After` |
 //!
 //! A rejected request stores none of its records: the request is one all-or-nothing append.
 //!
 //! Memory across requests is bounded whatever their number: before its body is read, a request
-//! claims its size from one [`RequestBudget`] (`intake.request_pending_total_bytes`) and holds
-//! the claim until its answer, so the bodies being read, framed and committed together are at
-//! most the budget, or one request larger than it running alone. A request waiting for room
+//! claims its size from one [`RequestBudget`] (`intake.request_pending_total_bytes`; a body
+//! without a length claims what it has sent, as it arrives) and holds the claim until its
+//! answer, so the bodies being read, framed and committed together are at most the budget, or
+//! one request larger than it running alone. A request waiting for room
 //! reads nothing: its producer is held back by the socket. A body that stops arriving for
 //! `intake.request_idle_timeout` is refused and its claim ends, so the requests waiting never
 //! wait on a producer that stalled.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use axum::Router;
 use axum::body::Body;
@@ -121,7 +122,8 @@ pub struct IntakeCounters {
     pub request_buffer_bytes: AtomicU64,
     /// The highest [`request_buffer_bytes`](Self::request_buffer_bytes) since start.
     pub request_buffer_peak_bytes: AtomicU64,
-    /// HTTP requests waiting for room in [`Intake::request_budget`] before their body is read.
+    /// HTTP requests waiting for room in [`Intake::request_budget`]: before their body is read,
+    /// or, sent without a length, for more of it.
     pub requests_waiting: AtomicU64,
     /// Producer connections open now, on all intake sockets.
     pub connections: AtomicU64,
@@ -171,15 +173,27 @@ fn held_changed(now: &AtomicU64, peak: &AtomicU64, old: usize, new: usize) {
 /// `intake.max_request_bytes`.
 pub const REQUEST_PENDING_TOTAL: usize = 64 << 20;
 
+/// What a body sent without a `Content-Length` claims first (the size of its first batch
+/// buffer); it claims more as it arrives, doubling, up to `intake.max_request_bytes`.
+pub const CHUNKED_FIRST_CLAIM: usize = 64 << 10;
+
 /// What the HTTP requests being read, framed or committed claim together, in body bytes
 /// (`intake.request_pending_total_bytes`).
 ///
-/// A request claims its whole body before it reads any of it: the `Content-Length` it declares,
-/// or `intake.max_request_bytes` for a body sent without one, and never more than the budget (a
-/// request larger than the budget waits for all of it and runs alone). So no request waits for
-/// room while it holds some, and the requests waiting are admitted in the order they came as
-/// the claims before them end; every claim ends with its request's answer, which waits for
-/// nothing but the producer's body and the spool.
+/// A request with a `Content-Length` claims its whole body before it reads any of it (never
+/// more than the budget: a request larger than the budget waits for all of it and runs alone).
+/// A body sent without one claims [`CHUNKED_FIRST_CLAIM`] and then, before it frames what
+/// would take it past its claim, twice its claim or what it has read, whichever is more (at
+/// most `intake.max_request_bytes` and the budget): so a producer streaming a body holds the
+/// room of what it has sent, not of the largest body allowed. Claims are admitted in the order
+/// they came, and one that finds no room waits unread.
+///
+/// Every wait ends. A request admitted waits only for its producer and the spool, unless it
+/// needs more room: such growing claims are served before any new request, the oldest first.
+/// Should every claim holding room be waiting to grow, none would end, so the youngest of them
+/// gives way: its room goes back, and its request is refused with 503 and `Retry-After`,
+/// storing none of its records. Since the oldest is never the one that gives way, it always
+/// goes on, and a claim alone can always grow.
 ///
 /// The memory a claim stands for is its body framed: the records' bytes and four bytes of
 /// framing each ([`IntakeCounters::request_buffer_bytes`] counts it), at most two and a half
@@ -188,15 +202,110 @@ pub const REQUEST_PENDING_TOTAL: usize = 64 << 20;
 #[derive(Debug)]
 pub struct RequestBudget {
     cap: usize,
-    permits: tokio::sync::Semaphore,
-    peak: AtomicUsize,
+    state: std::sync::Mutex<BudgetState>,
+    /// Woken whenever the budget admits, grows or refuses a claim; each waiter then looks at its
+    /// own.
+    changed: tokio::sync::Notify,
 }
 
+#[derive(Debug, Default)]
+struct BudgetState {
+    used: usize,
+    peak: usize,
+    /// The next claim's ticket: tickets are handed out in the order requests come, so the
+    /// lowest is the oldest.
+    next: u64,
+    claims: std::collections::HashMap<u64, ClaimState>,
+    /// Tickets waiting to be admitted, oldest first.
+    queue: std::collections::VecDeque<u64>,
+    /// Tickets holding room and waiting for more.
+    growing: std::collections::BTreeSet<u64>,
+    /// Claims holding room and not waiting: each of them ends on its own.
+    running: usize,
+}
+
+#[derive(Debug)]
+struct ClaimState {
+    held: usize,
+    phase: Phase,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waiting to be admitted with this many bytes.
+    Queued(usize),
+    Running,
+    /// Holding room and waiting for this many bytes more.
+    Growing(usize),
+    /// Gave way to an older claim; it holds nothing.
+    GaveWay,
+}
+
+impl BudgetState {
+    /// Admits and grows what now fits, growing claims first, and makes the youngest growing
+    /// claim give way while all claims holding room wait to grow. Whether anything changed.
+    fn dispatch(&mut self, cap: usize) -> bool {
+        let mut changed = false;
+        loop {
+            if let Some(&oldest) = self.growing.first() {
+                let Some(c) = self.claims.get_mut(&oldest) else { unreachable!("a growing ticket has a claim") };
+                let Phase::Growing(more) = c.phase else { unreachable!("a growing ticket is growing") };
+                // A claim alone grows whatever it asks (it never asks past the budget).
+                if self.used + more <= cap || self.used == c.held {
+                    c.held += more;
+                    c.phase = Phase::Running;
+                    self.used += more;
+                    self.running += 1;
+                    self.growing.remove(&oldest);
+                } else if self.running == 0 && self.growing.len() > 1 {
+                    let Some(youngest) = self.growing.pop_last() else { unreachable!("two growing") };
+                    let Some(c) = self.claims.get_mut(&youngest) else { unreachable!("a growing ticket has a claim") };
+                    self.used -= c.held;
+                    c.held = 0;
+                    c.phase = Phase::GaveWay;
+                } else {
+                    // Claims running will end and give room back; nothing new is admitted
+                    // before the growing claims have theirs.
+                    break;
+                }
+            } else if let Some(&first) = self.queue.front() {
+                let Some(c) = self.claims.get_mut(&first) else { unreachable!("a queued ticket has a claim") };
+                let Phase::Queued(bytes) = c.phase else { unreachable!("a queued ticket is queued") };
+                if self.used + bytes > cap {
+                    break;
+                }
+                c.held = bytes;
+                c.phase = Phase::Running;
+                self.used += bytes;
+                self.running += 1;
+                self.queue.pop_front();
+            } else {
+                break;
+            }
+            changed = true;
+        }
+        self.peak = self.peak.max(self.used);
+        changed
+    }
+}
+
+/// A request's share of [`RequestBudget`], given back when it is dropped.
+#[derive(Debug)]
+pub(crate) struct Claim<'a> {
+    budget: &'a RequestBudget,
+    ticket: u64,
+    /// What it holds (it changes only in [`Claim::grow_to`]).
+    held: usize,
+}
+
+/// A claim that had to give way to older claims (see [`RequestBudget`]).
+#[derive(Debug)]
+pub(crate) struct GaveWay;
+
 impl RequestBudget {
-    /// A budget of `cap` bytes (at most `u32::MAX`; larger is cut there).
+    /// A budget of `cap` bytes.
     pub fn new(cap: usize) -> Self {
-        let cap = cap.min(u32::MAX as usize);
-        RequestBudget { cap, permits: tokio::sync::Semaphore::new(cap), peak: AtomicUsize::new(0) }
+        RequestBudget { cap, state: Default::default(), changed: tokio::sync::Notify::new() }
     }
 
     /// The budget in bytes.
@@ -204,39 +313,132 @@ impl RequestBudget {
         self.cap
     }
 
-    /// Bytes claimed now, with those set aside for the first request waiting (it takes room as
-    /// it comes free, until it has all it claims).
+    /// Bytes claimed now.
     pub fn used(&self) -> usize {
-        self.cap - self.permits.available_permits()
+        crate::lock(&self.state).used
     }
 
     /// The most bytes claimed at once since start.
     pub fn peak(&self) -> usize {
-        self.peak.load(Ordering::Relaxed)
+        crate::lock(&self.state).peak
     }
 
     /// Claims `bytes` (at most the budget), waiting for room first come, first served; counted
     /// in `counters.requests_waiting` while it waits.
-    async fn claim(&self, bytes: usize, counters: &IntakeCounters) -> tokio::sync::SemaphorePermit<'_> {
-        let n = u32::try_from(bytes.min(self.cap)).unwrap_or(u32::MAX);
-        let permit = match self.permits.try_acquire_many(n) {
-            Ok(p) => p,
-            Err(_) => {
-                // Counted down on every way out, a producer that goes away while waiting too.
-                struct Waiting<'a>(&'a AtomicU64);
-                impl Drop for Waiting<'_> {
-                    fn drop(&mut self) {
-                        self.0.fetch_sub(1, Ordering::Relaxed);
-                    }
-                }
-                counters.requests_waiting.fetch_add(1, Ordering::Relaxed);
-                let _waiting = Waiting(&counters.requests_waiting);
-                // The semaphore is never closed, so the wait ends only with a permit.
-                self.permits.acquire_many(n).await.expect("the request budget is never closed")
-            }
+    pub(crate) async fn claim(&self, bytes: usize, counters: &IntakeCounters) -> Claim<'_> {
+        let bytes = bytes.min(self.cap);
+        let (claim, admitted) = {
+            let mut st = crate::lock(&self.state);
+            let ticket = st.next;
+            st.next += 1;
+            st.claims.insert(ticket, ClaimState { held: 0, phase: Phase::Queued(bytes) });
+            st.queue.push_back(ticket);
+            // Every earlier change was dispatched, so this can admit only the new claim, and
+            // only if nothing was waiting: no one else to wake.
+            st.dispatch(self.cap);
+            let admitted = st.claims.get(&ticket).is_some_and(|c| c.phase == Phase::Running);
+            (Claim { budget: self, ticket, held: bytes }, admitted)
         };
-        self.peak.fetch_max(self.used(), Ordering::Relaxed);
-        permit
+        if !admitted {
+            // Dropped while waiting (the producer went away), the claim leaves the queue.
+            let admitted = self.wait(claim.ticket, counters).await;
+            debug_assert!(admitted, "a claim that holds nothing never gives way");
+        }
+        claim
+    }
+
+    /// Waits until `ticket` runs (true) or gave way (false), counted in
+    /// `counters.requests_waiting` if it has to wait at all.
+    async fn wait(&self, ticket: u64, counters: &IntakeCounters) -> bool {
+        let mut waiting = None;
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            // Registered before the look at the state, so no change between the two is missed.
+            changed.as_mut().enable();
+            match crate::lock(&self.state).claims.get(&ticket).map(|c| c.phase) {
+                Some(Phase::Running) | None => return true,
+                Some(Phase::GaveWay) => return false,
+                Some(Phase::Queued(_) | Phase::Growing(_)) => {}
+            }
+            waiting.get_or_insert_with(|| Waiting::new(&counters.requests_waiting));
+            changed.await;
+        }
+    }
+}
+
+/// Counts a request waiting for room, down again on every way out, a producer that goes away
+/// while waiting too.
+struct Waiting<'a>(&'a AtomicU64);
+
+impl<'a> Waiting<'a> {
+    fn new(n: &'a AtomicU64) -> Self {
+        n.fetch_add(1, Ordering::Relaxed);
+        Waiting(n)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Claim<'_> {
+    /// The bytes this claim holds.
+    pub(crate) fn held(&self) -> usize {
+        self.held
+    }
+
+    /// Grows the claim to `total` bytes (at most the budget), waiting for room as
+    /// [`RequestBudget`] says; `Err(GaveWay)` if it had to give way, holding nothing then.
+    pub(crate) async fn grow_to(&mut self, total: usize, counters: &IntakeCounters) -> Result<(), GaveWay> {
+        let budget = self.budget;
+        let more = total.min(budget.cap).saturating_sub(self.held);
+        if more == 0 {
+            return Ok(());
+        }
+        let grown = {
+            let mut st = crate::lock(&budget.state);
+            let Some(c) = st.claims.get_mut(&self.ticket) else {
+                unreachable!("a claim is in the state until dropped")
+            };
+            debug_assert_eq!(c.phase, Phase::Running, "only a running claim grows");
+            c.phase = Phase::Growing(more);
+            st.running -= 1;
+            st.growing.insert(self.ticket);
+            if st.dispatch(budget.cap) {
+                budget.changed.notify_waiters();
+            }
+            st.claims.get(&self.ticket).is_some_and(|c| c.phase == Phase::Running)
+        };
+        if grown || budget.wait(self.ticket, counters).await {
+            self.held += more;
+            Ok(())
+        } else {
+            self.held = 0;
+            Err(GaveWay)
+        }
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        let budget = self.budget;
+        let mut st = crate::lock(&budget.state);
+        let Some(c) = st.claims.remove(&self.ticket) else { return };
+        st.used -= c.held;
+        match c.phase {
+            Phase::Queued(_) => st.queue.retain(|&t| t != self.ticket),
+            Phase::Running => st.running -= 1,
+            Phase::Growing(_) => {
+                st.growing.remove(&self.ticket);
+            }
+            Phase::GaveWay => {}
+        }
+        if st.dispatch(budget.cap) {
+            budget.changed.notify_waiters();
+        }
     }
 }
 
@@ -388,11 +590,12 @@ pub enum Rejection {
     SpoolFull,
     StorageError,
     BodyTimeout,
+    RequestBudgetFull,
 }
 
 impl Rejection {
     /// Every reason, so the metric can show each one at 0 before it first happens.
-    pub const ALL: [Rejection; 10] = [
+    pub const ALL: [Rejection; 11] = [
         Rejection::ShuttingDown,
         Rejection::BadStreamName,
         Rejection::UnsupportedContentType,
@@ -403,6 +606,7 @@ impl Rejection {
         Rejection::SpoolFull,
         Rejection::StorageError,
         Rejection::BodyTimeout,
+        Rejection::RequestBudgetFull,
     ];
 
     /// The code as it appears in the JSON answer and in the metric label.
@@ -418,6 +622,7 @@ impl Rejection {
             Rejection::SpoolFull => "spool_full",
             Rejection::StorageError => "storage_error",
             Rejection::BodyTimeout => "body_timeout",
+            Rejection::RequestBudgetFull => "request_budget_full",
         }
     }
 }
@@ -618,8 +823,11 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
             format!("body exceeds intake.max_request_bytes = {}", intake.max_request_bytes),
         );
     }
-    // Held to the answer: the claim covers the body from its first byte read to its commit.
-    let _claim = intake.request_budget.claim(declared.unwrap_or(intake.max_request_bytes), &intake.counters).await;
+    // Held to the answer: the claim covers the body from its first byte read to its commit. A
+    // body without a length claims a first step and more as it arrives.
+    let first = declared.unwrap_or(CHUNKED_FIRST_CLAIM.min(intake.max_request_bytes));
+    let mut claim = intake.request_budget.claim(first, &intake.counters).await;
+    let mut read = 0usize;
     // The body is framed into batches as it arrives: a large request is held once, framed, and
     // never as a whole raw body beside its framed copy.
     let mut framer = Framer::new(stream.as_str(), ndjson, intake.max_record_bytes, intake.batch_target);
@@ -656,6 +864,21 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
             }
         };
         let Ok(data) = frame.into_data() else { continue };
+        read = read.saturating_add(data.len());
+        if declared.is_none() && read > claim.held() {
+            let total = read.max(claim.held().saturating_mul(2)).min(intake.max_request_bytes);
+            if claim.grow_to(total, &intake.counters).await.is_err() {
+                let mut resp = error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Rejection::RequestBudgetFull,
+                    "bodies sent without a Content-Length together outgrew intake.request_pending_total_bytes \
+                     and this one gave way to an older one; none of its records were stored; retry, \
+                     or send a Content-Length",
+                );
+                resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
+                return resp;
+            }
+        }
         if let Err(e) = framer.push(&data) {
             return framer_error(&e, intake.max_record_bytes);
         }
@@ -971,5 +1194,91 @@ mod tests {
         assert_eq!(frame(true, &[b"\n\r\n", b"\n"], 10, 64).map(|r| r.1), Err(FrameError::Empty));
         assert_eq!(frame(true, &[], 10, 64).map(|r| r.1), Err(FrameError::Empty));
         assert_eq!(frame(false, &[b""], 10, 64).map(|r| r.1), Err(FrameError::Empty));
+    }
+
+    /// A budget and counters that live for the test, so claims can move into spawned tasks.
+    fn budget(cap: usize) -> (&'static RequestBudget, &'static IntakeCounters) {
+        (Box::leak(Box::new(RequestBudget::new(cap))), Box::leak(Box::default()))
+    }
+
+    async fn until_waiting(counters: &IntakeCounters, n: u64) {
+        let waiting = async {
+            while counters.requests_waiting.load(Ordering::Relaxed) != n {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(10), waiting)
+            .await
+            .unwrap_or_else(|_| panic!("{n} claims waiting"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_growing_claim_goes_before_a_request_that_came_earlier() {
+        let (b, counters) = budget(100);
+        let mut first = b.claim(50, counters).await;
+        let second = b.claim(50, counters).await;
+        let queued = tokio::spawn(async move { b.claim(45, counters).await.held() });
+        until_waiting(counters, 1).await;
+        let grown = tokio::spawn(async move {
+            let r = first.grow_to(95, counters).await;
+            (r.is_ok(), first)
+        });
+        until_waiting(counters, 2).await;
+        drop(second);
+        // The growing claim takes the room; the request queued before it grows still waits.
+        let (ok, first) = grown.await.expect("the growing task");
+        assert!(ok);
+        assert_eq!((first.held(), b.used()), (95, 95));
+        until_waiting(counters, 1).await;
+        drop(first);
+        assert_eq!(queued.await.expect("the queued task"), 45);
+        assert_eq!((b.used(), b.peak()), (0, 100));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn when_every_claim_waits_to_grow_the_youngest_gives_way_and_the_oldest_goes_on() {
+        let (b, counters) = budget(100);
+        let mut older = b.claim(50, counters).await;
+        let mut younger = b.claim(50, counters).await;
+        let grown = tokio::spawn(async move {
+            let r = older.grow_to(70, counters).await;
+            (r.is_ok(), older)
+        });
+        until_waiting(counters, 1).await;
+        // The younger one asks for more too: no claim could end, so it gives way at once.
+        let gave_way = tokio::time::timeout(std::time::Duration::from_secs(10), younger.grow_to(70, counters)).await;
+        assert!(matches!(gave_way, Ok(Err(GaveWay))), "{gave_way:?}");
+        assert_eq!(younger.held(), 0);
+        let (ok, older) = grown.await.expect("the growing task");
+        assert!(ok);
+        assert_eq!((older.held(), b.used()), (70, 70));
+        drop(younger);
+        assert_eq!(b.used(), 70);
+        drop(older);
+        assert_eq!(b.used(), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_claim_dropped_while_it_waits_gives_its_place_and_its_room_back() {
+        let (b, counters) = budget(100);
+        let all = b.claim(100, counters).await;
+        let queued = tokio::spawn(async move { b.claim(10, counters).await.held() });
+        until_waiting(counters, 1).await;
+        queued.abort();
+        until_waiting(counters, 0).await;
+        drop(all);
+        // Nothing left in the queue: a claim of the whole budget is admitted at once.
+        let mut half = b.claim(50, counters).await;
+        let other = b.claim(50, counters).await;
+        assert_eq!(b.used(), 100);
+        let growing = tokio::spawn(async move { half.grow_to(80, counters).await.is_ok() });
+        until_waiting(counters, 1).await;
+        growing.abort();
+        until_waiting(counters, 0).await;
+        // The growing claim went with its task: what it held is back, and one alone grows.
+        let mut other = other;
+        assert_eq!(b.used(), 50);
+        assert!(other.grow_to(100, counters).await.is_ok());
+        assert_eq!(b.used(), 100);
     }
 }

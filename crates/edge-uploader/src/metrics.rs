@@ -393,8 +393,8 @@ const LIVE_REQUEST_BUFFER: Live = Live::gauge(
 );
 const LIVE_REQUESTS_WAITING: Live = Live::gauge(
     INTAKE_REQUESTS_WAITING,
-    "HTTP intake requests waiting for room in intake.request_pending_total_bytes before their body is read \
-           (their producers are held back; a lasting non-zero value means the budget or the spool's commits limit the intake).",
+    "HTTP intake requests waiting for room in intake.request_pending_total_bytes before their body is read, \
+           or for more of a body sent without Content-Length (their producers are held back; a lasting non-zero value means the budget or the spool's commits limit the intake).",
 );
 const LIVE_CONNECTIONS: Live = Live::gauge(
     INTAKE_CONNECTIONS,

@@ -169,6 +169,12 @@ impl RawRequest {
         self.io.write_all(bytes).await.expect("body");
     }
 
+    /// Sends `bytes` as one chunk of a chunked body (an empty one ends the body).
+    async fn send_chunk(&mut self, bytes: &[u8]) {
+        let chunk = [format!("{:x}\r\n", bytes.len()).as_bytes(), bytes, b"\r\n"].concat();
+        self.send(&chunk).await;
+    }
+
     /// The status and JSON body of the answer, which must come within 30 s.
     async fn answer(self) -> (u16, serde_json::Value) {
         tokio::time::timeout(std::time::Duration::from_secs(30), self.read_answer()).await.expect("an answer in time")
@@ -230,10 +236,10 @@ async fn concurrent_requests_share_one_budget_wait_for_room_and_lose_nothing() {
         requests.push(r);
     }
     wait_until("four requests wait for room", || waiting() == 4).await;
-    // The two requests admitted claim their whole bodies; what is left is set aside for the
-    // first request waiting.
-    assert_eq!(f.agent.request_budget().used(), budget);
-    // A body sent without a length claims intake.max_request_bytes: it waits behind the others.
+    // The two requests admitted claim their whole bodies; the first waiting does not fit.
+    assert_eq!(f.agent.request_budget().used(), 2 * len);
+    // A body sent without a length claims a first step; first come, first served, it waits
+    // behind the others.
     let mut chunked = RawRequest::start(&socket, "chunked", None).await;
     chunked.send(b"a\r\n{\"last\":1}\r\n").await;
     wait_until("the chunked request waits too", || waiting() == 5).await;
@@ -269,6 +275,107 @@ async fn concurrent_requests_share_one_budget_wait_for_room_and_lose_nothing() {
         assert_eq!(stored.get(&format!("p{k}")), Some(&want), "stream p{k}");
     }
     assert_eq!(stored.get("chunked"), Some(&vec![b"{\"last\":1}".to_vec()]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_body_claims_what_it_sends_so_other_requests_are_not_held_behind_it() {
+    use std::sync::atomic::Ordering::Relaxed;
+    // The default budget and largest request, 64 MiB each.
+    let f = start(|_| {}).await;
+    let socket = f._dir.path().join("intake.sock");
+    let counters = f.agent.intake();
+    let line = |k: usize, i: usize| format!("{{\"p\":{k},\"i\":{i:05},\"pad\":\"{}\"}}", "x".repeat(200)).into_bytes();
+    let lines = |k: usize, n: std::ops::Range<usize>| -> Vec<u8> {
+        n.flat_map(|i| [line(k, i), b"\n".to_vec()].concat()).collect()
+    };
+
+    // A producer streams a body without a length and pauses part-way.
+    let mut open = RawRequest::start(&socket, "open", None).await;
+    open.send_chunk(&lines(0, 0..10)).await;
+    wait_until("the open request is framing", || counters.request_buffer_bytes.load(Relaxed) > 0).await;
+    // It claims a first step, not intake.max_request_bytes (which is the whole budget).
+    assert_eq!(f.agent.request_budget().used(), edge_uploader::intake::CHUNKED_FIRST_CLAIM);
+
+    // Requests with and without a length are read and answered while it is open.
+    let sized_body = lines(1, 0..100);
+    let mut sized = RawRequest::start(&socket, "sized", Some(sized_body.len())).await;
+    sized.send(&sized_body).await;
+    let (status, answer) = sized.answer().await;
+    assert_eq!((status, answer["records"].as_u64()), (200, Some(100)), "{answer}");
+    let mut other = RawRequest::start(&socket, "other", None).await;
+    other.send_chunk(&lines(2, 0..100)).await;
+    other.send_chunk(b"").await;
+    let (status, answer) = other.answer().await;
+    assert_eq!((status, answer["records"].as_u64()), (200, Some(100)), "{answer}");
+
+    // The open body goes on, past its first claim (about 2 MiB more), and ends.
+    for part in 1..100 {
+        open.send_chunk(&lines(0, part * 100..part * 100 + 100)).await;
+    }
+    open.send_chunk(b"").await;
+    let (status, answer) = open.answer().await;
+    assert_eq!((status, answer["records"].as_u64()), (200, Some(9910)), "{answer}");
+    let peak = f.agent.request_budget().peak();
+    let body = lines(0, 0..10).len() + lines(0, 100..10000).len();
+    assert!(peak >= body && peak <= 4 * body, "{peak} bytes claimed at the peak for a body of {body}");
+    assert_eq!((f.agent.request_budget().used(), counters.requests_waiting.load(Relaxed)), (0, 0));
+    f.agent.shutdown().await;
+    let stored = common::read_spool(f._dir.path());
+    let want = |k: usize, n: std::ops::Range<usize>| -> Vec<Vec<u8>> { n.map(|i| line(k, i)).collect() };
+    assert_eq!(stored.get("sized"), Some(&want(1, 0..100)));
+    assert_eq!(stored.get("other"), Some(&want(2, 0..100)));
+    assert_eq!(stored.get("open"), Some(&[want(0, 0..10), want(0, 100..10000)].concat()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_bodies_that_outgrow_the_budget_together_the_younger_gives_way_and_loses_nothing() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let budget = 256usize << 10;
+    let f = start_with_request_budget(budget, |_| {}).await;
+    let socket = f._dir.path().join("intake.sock");
+    let counters = f.agent.intake();
+    let line = |k: usize, i: usize| format!("{{\"p\":{k},\"i\":{i:03},\"pad\":\"{}\"}}", "x".repeat(980)).into_bytes();
+    let lines = |k: usize, n: std::ops::Range<usize>| -> Vec<u8> {
+        n.flat_map(|i| [line(k, i), b"\n".to_vec()].concat()).collect()
+    };
+    let part = lines(0, 0..100).len();
+    assert!(
+        part > budget / 4 && 2 * part < budget,
+        "each half of a body ({part} bytes) grows its claim to a quarter of the budget, not more"
+    );
+
+    // Two bodies sent without a length each take half the budget: their first step, then twice it.
+    let mut older = RawRequest::start(&socket, "older", None).await;
+    older.send_chunk(&lines(0, 0..100)).await;
+    wait_until("the older body has half the budget", || f.agent.request_budget().used() == budget / 2).await;
+    let mut younger = RawRequest::start(&socket, "younger", None).await;
+    younger.send_chunk(&lines(1, 0..100)).await;
+    wait_until("both bodies claim the budget", || f.agent.request_budget().used() == budget).await;
+    // The older one needs more and waits for the younger one, which needs more too: it gives way.
+    older.send_chunk(&lines(0, 100..200)).await;
+    wait_until("the older body waits to grow", || counters.requests_waiting.load(Relaxed) == 1).await;
+    younger.send_chunk(&lines(1, 100..200)).await;
+    let (status, answer) = younger.answer().await;
+    assert_eq!((status, answer["error"].as_str()), (503, Some("request_budget_full")), "{answer}");
+    assert!(answer["detail"].as_str().is_some_and(|d| d.contains("Content-Length")), "{answer}");
+    older.send_chunk(b"").await;
+    let (status, answer) = older.answer().await;
+    assert_eq!((status, answer["records"].as_u64()), (200, Some(200)), "{answer}");
+
+    // Its producer sends it again, and it is stored once.
+    let mut again = RawRequest::start(&socket, "younger", None).await;
+    again.send_chunk(&lines(1, 0..200)).await;
+    again.send_chunk(b"").await;
+    let (status, answer) = again.answer().await;
+    assert_eq!((status, answer["records"].as_u64()), (200, Some(200)), "{answer}");
+    let budget_peak = f.agent.request_budget().peak();
+    assert!(budget_peak <= budget, "{budget_peak} bytes claimed at once");
+    assert_eq!((f.agent.request_budget().used(), counters.requests_waiting.load(Relaxed)), (0, 0));
+    f.agent.shutdown().await;
+    let stored = common::read_spool(f._dir.path());
+    let want = |k: usize| -> Vec<Vec<u8>> { (0..200).map(|i| line(k, i)).collect() };
+    assert_eq!(stored.get("older"), Some(&want(0)));
+    assert_eq!(stored.get("younger"), Some(&want(1)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
