@@ -1,13 +1,13 @@
 //! The operator's commands against real daemons: `edge-uploader status` (text, `--json`, exit
 //! codes 0 healthy / 1 degraded / 3 not running, and degraded when the agent accepts but cannot
-//! answer) and `edge-uploader push`.
+//! answer on its socket, with its state from the metrics listener) and `edge-uploader push`.
 
 use std::process::{Command, Output};
 use std::time::Duration;
 
 use edge_testkit::bin;
 
-use crate::common::{World, rewrite, status_json, wait_json};
+use crate::common::{World, json_output, rewrite, status_json, wait_json};
 
 fn uploader(world: &World, args: &[&str]) -> anyhow::Result<Output> {
     let cfg = world.agent_config.to_string_lossy().into_owned();
@@ -106,12 +106,31 @@ fn status_of_an_agent_with_every_connection_slot_taken_is_degraded_not_not_runni
     // intake.request_idle_timeout, 30 s), so the agent accepts status's connection but serves
     // it only once that one closes.
     let quiet = std::os::unix::net::UnixStream::connect(world.intake_socket())?;
+    // The metrics listener the config names is outside the limit: status shows the agent's
+    // own document from there, degraded by the socket's silence.
     let out = uploader(&world, &["status"])?;
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(stdout.contains("degraded") && stdout.contains("intake.max_connections"), "{stdout}");
+    assert!(stdout.contains("from the metrics listener") && stdout.contains("connection:"), "{stdout}");
+    let (code, doc) = status_json(&world)?;
+    assert_eq!(code, 1, "{doc}");
+    assert_eq!(
+        (&doc["version"], &doc["intake_socket_answered"], &doc["healthy"]),
+        (&1.into(), &false.into(), &false.into()),
+        "{doc}"
+    );
+    assert!(doc["spool"].is_object() && doc["answered_on"].is_string(), "{doc}");
+    assert!(doc["degraded_reasons"][0].as_str().is_some_and(|r| r.contains("did not answer within 5s")), "{doc}");
+    // Asked on a socket given by hand, status knows no metrics listener for it: the agent
+    // accepts but does not answer, which is degraded, not "not running".
+    let socket = world.intake_socket().to_string_lossy().into_owned();
+    let out = uploader(&world, &["status", "--socket", &socket])?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("degraded") && stderr.contains("intake.max_connections"), "{stderr}");
     assert!(!stderr.contains("not running"), "{stderr}");
-    let (code, doc) = status_json(&world)?;
+    let (code, doc) = json_output("edge-uploader", &["status", "--json", "--socket", &socket])?;
     assert_eq!(code, 1, "{doc}");
     assert_eq!(
         (&doc["running"], &doc["answered"], &doc["healthy"]),

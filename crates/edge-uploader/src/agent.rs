@@ -293,7 +293,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let registry = prometheus::Registry::new();
     crate::metrics::register(&registry, agent.spool.stats_view(), agent.intake(), agent.upload())
         .context("registering metrics")?;
-    let metrics = crate::metrics::MetricsServer::start(metrics_listener, registry);
+    // `/v1/status` there too, outside the intake's connection limit (see `status::fetch_metrics`).
+    let metrics = crate::metrics::MetricsServer::start_with(
+        metrics_listener,
+        registry,
+        crate::intake::status_router(&agent.intake),
+    );
     edge_telemetry::notify::ready();
     let watchdog = edge_telemetry::notify::watchdog_interval();
     tokio::pin!(shutdown);

@@ -46,7 +46,16 @@ impl IntakeClient {
         Ok(client)
     }
 
-    async fn handshake(stream: UnixStream) -> anyhow::Result<SendRequest<Full<Bytes>>> {
+    /// A client on a TCP connection already made, for one exchange (it does not reconnect):
+    /// `GET /v1/status` on the agent's metrics listener.
+    pub async fn on_tcp(stream: tokio::net::TcpStream) -> anyhow::Result<Self> {
+        Ok(Self { path: PathBuf::new(), sender: Some(Self::handshake(stream).await?) })
+    }
+
+    async fn handshake<S>(stream: S) -> anyhow::Result<SendRequest<Full<Bytes>>>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
         let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
         tokio::spawn(async move {
             let _closed = conn.await;

@@ -636,6 +636,27 @@ pub fn router(intake: Arc<Intake>) -> Router {
         .with_state(intake)
 }
 
+/// `GET /v1/status` alone, for the metrics listener: it answers there whatever the intake
+/// sockets' connection slots are doing, so `edge-uploader status` can still see the agent when
+/// every `intake.max_connections` slot is taken. It does not keep the intake alive (the
+/// metrics listener outlives the agent's shutdown, whose spool thread ends only once the
+/// intake is gone): once it is, it answers 503.
+pub fn status_router(intake: &Arc<Intake>) -> Router {
+    let intake = Arc::downgrade(intake);
+    Router::new().route(
+        "/v1/status",
+        get(move || {
+            let intake = intake.upgrade();
+            async move {
+                match intake {
+                    Some(intake) => axum::Json(status_json(&intake)).into_response(),
+                    None => error(StatusCode::SERVICE_UNAVAILABLE, Rejection::ShuttingDown, "the agent has stopped"),
+                }
+            }
+        }),
+    )
+}
+
 /// Read buffer of an HTTP connection at most, in bytes (hyper's `max_buf_size`; its minimum is
 /// 8 KiB).
 pub const HTTP_READ_BUFFER: usize = 64 << 10;

@@ -176,13 +176,37 @@ fn main() -> ExitCode {
             report(runtime().and_then(|rt| rt.block_on(edge_uploader::agent::run(cfg, shutdown_signal()))))
         }
         Command::Status { json, max_backlog_age, socket, config } => {
-            let socket = socket.unwrap_or_else(|| socket_from_config(config));
-            let fetched = runtime()
-                .map(|rt| rt.block_on(edge_uploader::status::fetch(&socket, edge_uploader::status::FETCH_TIMEOUT)));
+            let from_config = read_config_for_status(config);
+            // The metrics listener is asked only for the agent whose socket the config names.
+            let metrics = if socket.is_none() { from_config.metrics } else { None };
+            let socket = socket.unwrap_or(from_config.socket);
+            let fetched = runtime().map(|rt| {
+                rt.block_on(async {
+                    let timeout = edge_uploader::status::FETCH_TIMEOUT;
+                    match edge_uploader::status::fetch(&socket, timeout).await {
+                        // The intake socket did not answer: every connection slot may be taken.
+                        // The metrics listener is outside that limit; its status document is
+                        // shown, with the socket's silence as a reason to be degraded.
+                        Fetched::NoAnswer(why) => match metrics {
+                            Some(addr) => match edge_uploader::status::fetch_metrics(addr, timeout).await {
+                                Ok(doc) => (Fetched::Answer(doc), Some((why, addr))),
+                                Err(also) => (Fetched::NoAnswer(format!("{why}; {also}")), None),
+                            },
+                            None => (Fetched::NoAnswer(why), None),
+                        },
+                        other => (other, None),
+                    }
+                })
+            });
             match fetched {
-                Ok(Fetched::Answer(doc)) => {
+                Ok((Fetched::Answer(mut doc), silent)) => {
                     let now = edge_uploader::status::now_ms();
-                    let reasons = edge_uploader::status::degraded_reasons(&doc, max_backlog_age, now);
+                    let mut reasons = edge_uploader::status::degraded_reasons(&doc, max_backlog_age, now);
+                    if let Some((why, addr)) = silent {
+                        reasons.insert(0, format!("{why}; this status came from the metrics listener {addr}"));
+                        doc["intake_socket_answered"] = serde_json::Value::Bool(false);
+                        doc["answered_on"] = serde_json::json!(addr.to_string());
+                    }
                     if json {
                         let mut doc = doc;
                         doc["healthy"] = serde_json::Value::Bool(reasons.is_empty());
@@ -197,7 +221,7 @@ fn main() -> ExitCode {
                         edge_uploader::status::EXIT_DEGRADED
                     })
                 }
-                Ok(Fetched::NoAnswer(why)) => {
+                Ok((Fetched::NoAnswer(why), _)) => {
                     if json {
                         let doc = serde_json::json!({"version": 1, "running": true, "answered": false, "socket": socket,
                             "healthy": false, "degraded_reasons": [why]});
@@ -207,7 +231,7 @@ fn main() -> ExitCode {
                     }
                     ExitCode::from(edge_uploader::status::EXIT_DEGRADED)
                 }
-                Ok(Fetched::NotRunning) => {
+                Ok((Fetched::NotRunning, _)) => {
                     if json {
                         println!("{}", serde_json::json!({"version": 1, "running": false, "socket": socket}));
                     } else {
@@ -321,13 +345,33 @@ async fn push(
 /// The intake socket named in the config (or the default). Only that key is needed, so the
 /// file is read without requiring the TLS files to exist; an unreadable file means the default.
 fn socket_from_config(config: Option<PathBuf>) -> PathBuf {
+    raw_config_or_default(config).intake.socket
+}
+
+/// Where `status` asks: the intake socket and the metrics listener (if any) of the config.
+struct StatusAddrs {
+    socket: PathBuf,
+    metrics: Option<std::net::SocketAddr>,
+}
+
+fn read_config_for_status(config: Option<PathBuf>) -> StatusAddrs {
+    let raw = raw_config_or_default(config);
+    let metrics = raw.metrics.listen.trim().parse::<std::net::SocketAddr>().ok().map(|a| match a.ip() {
+        // A listener on every address is asked on loopback.
+        std::net::IpAddr::V4(ip) if ip.is_unspecified() => (std::net::Ipv4Addr::LOCALHOST, a.port()).into(),
+        std::net::IpAddr::V6(ip) if ip.is_unspecified() => (std::net::Ipv6Addr::LOCALHOST, a.port()).into(),
+        _ => a,
+    });
+    StatusAddrs { socket: raw.intake.socket, metrics }
+}
+
+/// The config file at `config` (or the default path), or the defaults where it cannot be read.
+fn raw_config_or_default(config: Option<PathBuf>) -> config::RawConfig {
     let path = config.unwrap_or_else(|| PathBuf::from(config::DEFAULT_CONFIG_PATH));
     std::fs::read_to_string(&path)
         .ok()
         .and_then(|text| toml::from_str::<config::RawConfig>(&text).ok())
         .unwrap_or_default()
-        .intake
-        .socket
 }
 
 fn read_stdin() -> anyhow::Result<Vec<u8>> {

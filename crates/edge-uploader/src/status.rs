@@ -5,6 +5,7 @@ use std::io::IsTerminal;
 use std::path::Path;
 use std::time::Duration;
 
+use anyhow::Context;
 use serde_json::Value;
 
 use crate::client::IntakeClient;
@@ -126,6 +127,25 @@ pub async fn fetch(socket: &Path, timeout: Duration) -> Fetched {
             resp.status,
             resp.body
         )),
+    }
+}
+
+/// Asks the agent's metrics listener at `addr` for its status document, within `timeout`:
+/// what `edge-uploader status` shows when the intake socket does not answer ([`Fetched::NoAnswer`]),
+/// since that listener is not under `intake.max_connections`. `Err` says why there is none.
+pub async fn fetch_metrics(addr: std::net::SocketAddr, timeout: Duration) -> Result<Value, String> {
+    let asked = async {
+        let stream = tokio::net::TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
+        let mut client = IntakeClient::on_tcp(stream).await?;
+        client.get_json("/v1/status").await
+    };
+    match tokio::time::timeout(timeout, asked).await {
+        Err(_) => {
+            Err(format!("the metrics listener {addr} did not answer within {}", humantime::format_duration(timeout)))
+        }
+        Ok(Err(e)) => Err(format!("the metrics listener {addr}: {}", edge_telemetry::logging::error_chain(e.as_ref()))),
+        Ok(Ok(resp)) if resp.status == 200 && resp.body["version"] == 1 => Ok(resp.body),
+        Ok(Ok(resp)) => Err(format!("the metrics listener {addr} answered {} to GET /v1/status", resp.status)),
     }
 }
 
