@@ -1302,4 +1302,46 @@ mod tests {
         assert!(other.grow_to(100, counters).await.is_ok());
         assert_eq!(b.used(), 100);
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn many_claims_growing_at_random_all_end_and_never_hold_more_than_the_budget() {
+        let (b, counters) = budget(1000);
+        let mut tasks = tokio::task::JoinSet::new();
+        for k in 0..200u64 {
+            tasks.spawn(async move {
+                // A small LCG per task: the sizes and steps differ, the run is the same each time.
+                let mut x = k.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let mut next = move |n: u64| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    (x >> 33) % n
+                };
+                let sized = next(2) == 0;
+                let mut claim = b.claim(if sized { 1 + next(600) as usize } else { 64 }, counters).await;
+                if !sized {
+                    for _ in 0..next(5) {
+                        let total = claim.held() * 2 + next(100) as usize;
+                        if claim.grow_to(total, counters).await.is_err() {
+                            return false;
+                        }
+                    }
+                }
+                for _ in 0..next(4) {
+                    tokio::task::yield_now().await;
+                }
+                drop(claim);
+                true
+            });
+        }
+        let all = async {
+            let mut gave_way = 0;
+            while let Some(done) = tasks.join_next().await {
+                gave_way += usize::from(!done.expect("a claim task"));
+            }
+            gave_way
+        };
+        let gave_way = tokio::time::timeout(std::time::Duration::from_secs(30), all).await.expect("every claim ends");
+        assert!(gave_way < 200, "{gave_way} of 200 gave way");
+        assert!(b.peak() <= 1000, "{} claimed at once", b.peak());
+        assert_eq!((b.used(), counters.requests_waiting.load(Ordering::Relaxed)), (0, 0));
+    }
 }
