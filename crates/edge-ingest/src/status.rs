@@ -170,11 +170,7 @@ pub fn addr_from_config(config: Option<&Path>) -> Option<String> {
 pub fn resolve(addr: &str) -> Result<SocketAddr, String> {
     let mut found = addr.to_socket_addrs().map_err(|e| format!("{addr:?} is not a HOST:PORT address: {e}"))?;
     let a = found.next().ok_or_else(|| format!("{addr:?} resolves to no address"))?;
-    Ok(match a.ip() {
-        std::net::IpAddr::V4(ip) if ip.is_unspecified() => SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, a.port())),
-        std::net::IpAddr::V6(ip) if ip.is_unspecified() => SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, a.port())),
-        _ => a,
-    })
+    Ok(edge_telemetry::metrics::local_addr_of(a))
 }
 
 /// What asking for the status gave.

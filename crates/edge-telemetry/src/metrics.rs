@@ -154,6 +154,16 @@ pub async fn bind(listen: Option<SocketAddr>) -> Result<Option<TcpListener>, Bin
     Ok(Some(listener))
 }
 
+/// The address to ask a metrics listener on: `listen` itself, or loopback on its port where it
+/// listens on every address (`0.0.0.0`, `::`), as the daemons' `status` commands do.
+pub fn local_addr_of(listen: SocketAddr) -> SocketAddr {
+    match listen.ip() {
+        std::net::IpAddr::V4(ip) if ip.is_unspecified() => (std::net::Ipv4Addr::LOCALHOST, listen.port()).into(),
+        std::net::IpAddr::V6(ip) if ip.is_unspecified() => (std::net::Ipv6Addr::LOCALHOST, listen.port()).into(),
+        _ => listen,
+    }
+}
+
 /// The `/metrics` HTTP server.
 #[derive(Debug)]
 pub struct MetricsServer {

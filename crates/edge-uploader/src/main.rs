@@ -356,12 +356,8 @@ struct StatusAddrs {
 
 fn read_config_for_status(config: Option<PathBuf>) -> StatusAddrs {
     let raw = raw_config_or_default(config);
-    let metrics = raw.metrics.listen.trim().parse::<std::net::SocketAddr>().ok().map(|a| match a.ip() {
-        // A listener on every address is asked on loopback.
-        std::net::IpAddr::V4(ip) if ip.is_unspecified() => (std::net::Ipv4Addr::LOCALHOST, a.port()).into(),
-        std::net::IpAddr::V6(ip) if ip.is_unspecified() => (std::net::Ipv6Addr::LOCALHOST, a.port()).into(),
-        _ => a,
-    });
+    let metrics =
+        raw.metrics.listen.trim().parse::<std::net::SocketAddr>().ok().map(edge_telemetry::metrics::local_addr_of);
     StatusAddrs { socket: raw.intake.socket, metrics }
 }
 

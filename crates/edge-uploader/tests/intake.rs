@@ -175,6 +175,14 @@ impl RawRequest {
         self.send(&chunk).await;
     }
 
+    /// Posts `body` as one chunked body on a connection of its own and reads the answer.
+    async fn post_chunked(socket: &std::path::Path, stream: &str, body: &[u8]) -> (u16, serde_json::Value) {
+        let mut r = RawRequest::start(socket, stream, None).await;
+        r.send_chunk(body).await;
+        r.send_chunk(b"").await;
+        r.answer().await
+    }
+
     /// The status and JSON body of the answer, which must come within 30 s.
     async fn answer(self) -> (u16, serde_json::Value) {
         tokio::time::timeout(std::time::Duration::from_secs(30), self.read_answer()).await.expect("an answer in time")
@@ -302,10 +310,7 @@ async fn a_chunked_body_claims_what_it_sends_so_other_requests_are_not_held_behi
     sized.send(&sized_body).await;
     let (status, answer) = sized.answer().await;
     assert_eq!((status, answer["records"].as_u64()), (200, Some(100)), "{answer}");
-    let mut other = RawRequest::start(&socket, "other", None).await;
-    other.send_chunk(&lines(2, 0..100)).await;
-    other.send_chunk(b"").await;
-    let (status, answer) = other.answer().await;
+    let (status, answer) = RawRequest::post_chunked(&socket, "other", &lines(2, 0..100)).await;
     assert_eq!((status, answer["records"].as_u64()), (200, Some(100)), "{answer}");
 
     // The open body goes on, past its first claim (about 2 MiB more), and ends.
@@ -363,10 +368,7 @@ async fn chunked_bodies_that_outgrow_the_budget_together_the_younger_gives_way_a
     assert_eq!((status, answer["records"].as_u64()), (200, Some(200)), "{answer}");
 
     // Its producer sends it again, and it is stored once.
-    let mut again = RawRequest::start(&socket, "younger", None).await;
-    again.send_chunk(&lines(1, 0..200)).await;
-    again.send_chunk(b"").await;
-    let (status, answer) = again.answer().await;
+    let (status, answer) = RawRequest::post_chunked(&socket, "younger", &lines(1, 0..200)).await;
     assert_eq!((status, answer["records"].as_u64()), (200, Some(200)), "{answer}");
     let budget_peak = f.agent.request_budget().peak();
     assert!(budget_peak <= budget, "{budget_peak} bytes claimed at once");
