@@ -30,6 +30,9 @@
 //!     version 3 (0 for a file created at version 3); those batches have no `row_crc`.
 //!   * `row_crc`: the row checksum (see `rowcrc.rs`) over the four values above, rewritten with
 //!     the counters.
+//!   * `segments_synced_through`: while a [`WalSync`] makes the commits durable, a batch id
+//!     whose payload bytes, and those of every batch below it, are known to be synced; open
+//!     checks the batches above it and removes it (see `unsynced.rs`). Not in `row_crc`.
 //! * Every `streams`, `chunks` and `batches` row has a `row_crc` INTEGER: a CRC-32C over the
 //!   table name and the row's other columns (for `batches` all but `data`, which `crc32c`
 //!   covers; for `chunks` all but `quarantine`). Stream rows and `meta` are checked at
@@ -95,9 +98,12 @@
 //! segment when it appends); a call with nothing to do opens no
 //! transaction. At `COMMIT` SQLite appends the changed pages to `-wal` with a
 //! commit frame; under `synchronous=FULL` it then fsyncs `-wal` before `COMMIT` returns, under
-//! `NORMAL` it does not. [`Spool::defer_wal_sync`] switches a `Full` spool to `NORMAL` and
-//! returns a [`WalSync`] that fsyncs `-wal` on another thread, for every commit that returned
-//! before it starts, while the writer goes on (see `walsync.rs`). Checkpoints (automatic, every ~1000 WAL pages, and when the last
+//! `NORMAL` it does not. [`Spool::defer_wal_sync`] switches a `Full` spool to `NORMAL`, takes
+//! the segment's `fdatasync` out of `commit`, and returns a [`WalSync`] that, on another
+//! thread, for every commit that returned before it starts, fsyncs `-wal` while a thread of
+//! its own syncs the segments those commits wrote: a commit's two syncs run side by side
+//! while the writer goes on (see `walsync.rs`; what open does about rows whose bytes a power cut lost is in
+//! `unsynced.rs`). Checkpoints (automatic, every ~1000 WAL pages, and when the last
 //! connection closes) copy WAL pages into the main file and fsync both in either mode; the WAL is
 //! then reset and kept at most 64 MiB (`journal_size_limit`). Rows are never changed outside
 //! such a transaction, so every crash point lands on a committed state.
@@ -122,11 +128,18 @@
 //! * Sealing happens inside a transaction together with the `streams.next_seq` and
 //!   `sealed_through` bump, so a chunk's id, sequence number and contents never change once
 //!   sealed, and a sequence number is never reused, across acks, drops, quarantines and reopens.
+//!   The one exception was never visible: after [`Spool::defer_wal_sync`], a chunk sealed over
+//!   batches whose bytes a power cut lost before their sync is deleted at open and its sequence
+//!   number used again; readers list a chunk only after a sync that covers its bytes, so it
+//!   was never sent.
 //!   Sealing writes the chunk row and the stream row only; batch rows are written once, at
 //!   append.
 //! * Rows are deleted only (a) by [`Spool::ack`], chunk and batches in one transaction;
 //!   (b) by [`FullPolicy::DropOldest`] eviction inside an `append` transaction, counted in `meta`
-//!   in that same transaction; (c) by [`Spool::purge_quarantined`]. Reading never deletes.
+//!   in that same transaction; (c) by [`Spool::purge_quarantined`]; (d) at open, after
+//!   [`Spool::defer_wal_sync`], the batches from the first whose bytes a power cut lost on (no
+//!   producer was answered for them), counted in [`OpenReport::unsynced_records_dropped`].
+//!   Reading never deletes.
 //! * An ack may be lost in a crash (the process dies before `ack` commits, or a power cut rolls
 //!   it back under `Normal`). The chunk is then still in the spool after restart and is offered
 //!   again with the same id, stream, seq and bytes. That is safe because the server dedups by
@@ -216,6 +229,7 @@ mod schema;
 mod segment;
 mod spool;
 mod state;
+mod unsynced;
 mod walsync;
 
 use std::fmt;
@@ -415,6 +429,9 @@ pub struct OpenReport {
     pub open_batches: u64,
     /// Sealed, not quarantined chunks found (they will be offered again).
     pub sealed_chunks: u64,
+    /// Records whose payload bytes a power cut lost before their deferred sync, dropped at
+    /// open (see [`Spool::defer_wal_sync`]). No producer was answered for them.
+    pub unsynced_records_dropped: u64,
 }
 
 /// Result of [`Spool::ack`].

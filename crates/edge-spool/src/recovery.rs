@@ -30,6 +30,8 @@ pub(crate) struct Opened {
     pub id: SpoolId,
     pub state: State,
     pub created: bool,
+    /// What the check of the batches above the synced-segments mark dropped.
+    pub unsynced: crate::unsynced::Dropped,
 }
 
 /// The outcome of one attempt to open the file.
@@ -139,8 +141,9 @@ fn try_open(opts: &SpoolOptions) -> Result<Attempt, SpoolError> {
     let Ok(bytes) = <[u8; 16]>::try_from(raw.as_slice()) else {
         return Ok(Attempt::Bad(format!("spool id has {} bytes, expected 16", raw.len())));
     };
+    let unsynced = crate::unsynced::drop_lost_tail(&mut conn, &opts.path)?;
     let state = State::load(&conn)?;
-    Ok(Attempt::Ready(Box::new(Opened { conn, id: SpoolId(bytes), state, created })))
+    Ok(Attempt::Ready(Box::new(Opened { conn, id: SpoolId(bytes), state, created, unsynced })))
 }
 
 /// `quick_check` does not compare index entries with their rows. The full check of each table

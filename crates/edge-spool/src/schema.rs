@@ -254,6 +254,11 @@ pub(crate) const META_DROPPED_CHUNKS: &str = "dropped_chunks";
 pub(crate) const META_DROPPED_RECORDS: &str = "dropped_records";
 pub(crate) const META_LEGACY_BATCHES: &str = "legacy_batches_through";
 pub(crate) const META_ROW_CRC: &str = "row_crc";
+/// With deferred segment syncs: the newest batch id whose payload bytes a completed sync
+/// covered when the last commit was built (see `unsynced.rs`). Absent otherwise. Not in the
+/// meta checksum: a damaged value only makes open check more batches, or fewer (then a lost
+/// batch is found when its chunk is read, and the chunk is quarantined).
+pub(crate) const META_SEGMENTS_SYNCED: &str = "segments_synced_through";
 
 /// What [`migrate`] found.
 #[derive(Debug, PartialEq, Eq)]

@@ -10,6 +10,12 @@
 //! cuts them off. Bytes below the committed end are never written again while a row points at
 //! them.
 //!
+//! With deferred syncs ([`SegmentWriter::defer_syncs`], from
+//! [`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync)) the write is not synced: it is
+//! registered, and the [`WalSync`](crate::WalSync) syncs it beside the WAL, before anyone is
+//! answered. A committed row may then point at bytes a power cut loses; open finds and drops
+//! such rows ([`crate::unsynced`]).
+//!
 //! A segment is deleted once no row points into it and it is not the active one, after the
 //! commit that deleted its last rows. A crash in between leaves a file that no row references:
 //! [`SegmentWriter::open`] deletes it, and cuts each referenced segment back to the end of its
@@ -33,8 +39,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::recovery::with_suffix;
+use crate::walsync::SegmentSyncs;
 use crate::{Durability, SpoolError};
 
 /// What the index says about one segment: the rows that still point into it, the end of its
@@ -164,7 +172,8 @@ pub(crate) fn io_error(path: &Path, source: io::Error) -> SpoolError {
 #[derive(Debug)]
 struct Active {
     id: i64,
-    file: File,
+    /// Shared with the [`SegmentSyncs`] while a deferred sync is due.
+    file: Arc<File>,
     /// Bytes committed: the end of the last row that points into this segment.
     end: u64,
 }
@@ -179,8 +188,13 @@ pub(crate) struct SegmentWriter {
     next_id: i64,
     /// Bytes written past `active.end` by a commit not yet known to have committed.
     pending: u64,
-    /// Those bytes were written and fdatasynced (only the index commit is outstanding).
+    /// Those bytes were written (and fdatasynced, unless syncs are deferred): only the index
+    /// commit is outstanding, and if it fails they are stepped over, never overwritten.
     pending_durable: bool,
+    /// Deferred syncs: each write is registered here instead of synced.
+    deferred: Option<SegmentSyncs>,
+    /// Writes made, numbered from 1 (for [`SegmentSyncs`]).
+    writes: u64,
     /// Segments no longer written to; each is deleted once no row points into it.
     retired: BTreeSet<i64>,
     /// Spare files (deleted segments kept for reuse), at most [`SPARES`].
@@ -284,7 +298,7 @@ impl SegmentWriter {
                 f.sync_data().map_err(|e| io_error(file, e))?;
             }
             if continued {
-                active = Some(Active { id: *id, file: f, end: u.end });
+                active = Some(Active { id: *id, file: Arc::new(f), end: u.end });
             }
         }
         let w = SegmentWriter {
@@ -294,6 +308,8 @@ impl SegmentWriter {
             next_id: next_id.saturating_add(1),
             pending: 0,
             pending_durable: false,
+            deferred: None,
+            writes: 0,
             retired: BTreeSet::new(),
             spares,
             sync_wal_before_delete: durability == Durability::Normal,
@@ -332,15 +348,15 @@ impl SegmentWriter {
             .map_err(|e| io_error(&p, e))?;
         sync_dir(&self.db)?;
         self.next_id = id.saturating_add(1);
-        if let Some(old) = self.active.replace(Active { id, file, end: 0 }) {
+        if let Some(old) = self.active.replace(Active { id, file: Arc::new(file), end: 0 }) {
             self.retired.insert(old.id);
         }
         Ok((id, 0))
     }
 
     /// Writes `parts`, back to back, at the active segment's committed end and `fdatasync`s
-    /// them. The bytes count only after [`SegmentWriter::committed`]; until then the next write
-    /// or open overwrites or cuts them.
+    /// them (or, with deferred syncs, registers them to be synced). The bytes count only after
+    /// [`SegmentWriter::committed`]; until then the next write or open overwrites or cuts them.
     pub(crate) fn write(&mut self, parts: &[&[u8]]) -> Result<(), SpoolError> {
         let Some(a) = &mut self.active else {
             return Err(SpoolError::Inconsistent("segment write without an active segment".into()));
@@ -357,12 +373,17 @@ impl SegmentWriter {
         } else {
             write_all_vectored_at(&a.file, parts, a.end)
         };
+        let deferred = self.deferred.as_ref();
         let result = result.and_then(|()| {
             crate::crash_point!("spool::segment::written");
-            a.file.sync_data()
+            if deferred.is_some() { Ok(()) } else { a.file.sync_data() }
         });
         let Err(e) = result else {
             self.pending_durable = true;
+            self.writes += 1;
+            if let Some(syncs) = deferred {
+                syncs.register(a.id, &a.file, self.writes);
+            }
             return Ok(());
         };
         let err = io_error(&p, e);
@@ -379,6 +400,18 @@ impl SegmentWriter {
             self.retired.insert(a.id);
         }
         Err(err)
+    }
+
+    /// From now on, writes are not synced but registered in `syncs` for a
+    /// [`WalSync`](crate::WalSync) to sync.
+    pub(crate) fn defer_syncs(&mut self, syncs: SegmentSyncs) {
+        self.deferred = Some(syncs);
+    }
+
+    /// The number of the last successful write (0: none yet), as registered with deferred
+    /// syncs.
+    pub(crate) fn last_write(&self) -> u64 {
+        self.writes
     }
 
     /// The index commit that points at the last written bytes succeeded.

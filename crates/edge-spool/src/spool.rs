@@ -5,7 +5,7 @@
 //! the transaction is rolled back (by `Transaction`'s drop, or by SQLite itself for `SQLITE_FULL`
 //! and I/O errors) and the counters are untouched, so the spool stays usable.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 
 use rusqlite::{OptionalExtension, Transaction, TransactionBehavior};
 
@@ -14,10 +14,10 @@ use crate::reader::SpoolReader;
 use crate::recovery;
 use crate::reserve::Reserve;
 use crate::rowcrc::{self, BatchRow, ChunkRow, SegRef};
-use crate::schema::{BATCH_LEN, META_DROPPED_CHUNKS, META_DROPPED_RECORDS, META_ROW_CRC};
+use crate::schema::{BATCH_LEN, META_DROPPED_CHUNKS, META_DROPPED_RECORDS, META_ROW_CRC, META_SEGMENTS_SYNCED};
 use crate::segment::{SegmentUse, SegmentWriter};
 use crate::state::{State, StreamState, min_opt};
-use crate::walsync::{Visible, WalSync};
+use crate::walsync::{SegmentSyncs, Visible, WalSync};
 use crate::{
     AckReport, AppendOutcome, AppendRequest, Batch, ChunkId, ChunkMeta, CommitReport, FullPolicy, OpenReport, SealWhat,
     SpoolError, SpoolId, SpoolOptions, SpoolStats, len_u64,
@@ -35,6 +35,13 @@ pub struct Spool {
     segments: SegmentWriter,
     /// The newest chunk id readers may list (see `walsync.rs`).
     visible: Visible,
+    /// Deferred segment syncs (from [`Spool::defer_wal_sync`]).
+    syncs: Option<SegmentSyncs>,
+    /// With deferred segment syncs: per committed segment write not yet known to be synced,
+    /// its number and the newest batch id it holds, oldest first.
+    unsynced: VecDeque<(u64, i64)>,
+    /// The newest batch id whose bytes are known to be durable (with deferred segment syncs).
+    known_synced: i64,
 }
 
 impl Spool {
@@ -57,6 +64,7 @@ impl Spool {
             quarantined,
             open_batches: opened.state.open_batches(),
             sealed_chunks: opened.state.sealed_chunks(),
+            unsynced_records_dropped: opened.unsynced.records,
         };
         tracing::info!(
             path = %opts.path.display(),
@@ -64,6 +72,7 @@ impl Spool {
             created = report.created,
             open_batches = report.open_batches,
             sealed_chunks = report.sealed_chunks,
+            unsynced_records_dropped = report.unsynced_records_dropped,
             "spool opened"
         );
         let reserve = Reserve::open(recovery::with_suffix(&opts.path, "-reserve"), opts.disk_reserve_bytes);
@@ -82,6 +91,9 @@ impl Spool {
             reserve,
             segments,
             visible: Visible::default(),
+            syncs: None,
+            unsynced: VecDeque::new(),
+            known_synced: 0,
         };
         Ok((spool, report))
     }
@@ -222,6 +234,9 @@ impl Spool {
             }
         };
         self.segments.committed();
+        if self.syncs.is_some() && st.next_batch_id > self.state.next_batch_id {
+            self.unsynced.push_back((self.segments.last_write(), st.next_batch_id.saturating_sub(1)));
+        }
         // Segments whose last row this commit deleted.
         self.segments.collect(self.state.segments.keys(), &st.segments, self.reserve.is_present());
         self.state = st;
@@ -309,6 +324,25 @@ impl Spool {
         }
         refresh_oldest_sealed(&tx, &mut st, &touched)?;
         settle_segments(&tx, &mut st)?;
+        if let Some(syncs) = &self.syncs {
+            // The newest batch whose bytes a completed sync covers, for open to check from. It
+            // moves at most once per sync (a `meta` page in that commit's WAL frames), and keeps
+            // the batches open checks to those of the last sync or two: above the mark, bytes
+            // that fail their CRC are taken for a lost write, not for damage (`unsynced.rs`).
+            let synced_write = syncs.synced_write();
+            while let Some(&(write, batch)) = self.unsynced.front()
+                && write <= synced_write
+            {
+                self.known_synced = self.known_synced.max(batch);
+                self.unsynced.pop_front();
+            }
+            if st.segments_synced_through.is_some_and(|m| m < self.known_synced) {
+                tx.prepare_cached("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)")
+                    .and_then(|mut s| s.execute((META_SEGMENTS_SYNCED, self.known_synced)))
+                    .map_err(ctx("recording how far the segments are synced"))?;
+                st.segments_synced_through = Some(self.known_synced);
+            }
+        }
         if pending.len > 0 {
             segments.write(&pending.parts)?;
         }
@@ -471,14 +505,52 @@ impl Spool {
         if self.opts.durability != crate::Durability::Full {
             return Ok(None);
         }
-        let mut sync = WalSync::open(recovery::with_suffix(&self.opts.path, "-wal"), self.visible.clone())?;
+        // Every batch's bytes are durable now (synced with their commit, or checked and synced
+        // by open): the mark starts at the newest batch, in a commit `FULL` makes durable.
+        let mark = self.state.next_batch_id.saturating_sub(1);
+        self.conn
+            .execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)", (META_SEGMENTS_SYNCED, mark))
+            .map_err(ctx("recording how far the segments are synced"))?;
+        self.state.segments_synced_through = Some(mark);
+        self.known_synced = mark;
+        let syncs = SegmentSyncs::default();
+        let mut sync = WalSync::open(recovery::with_suffix(&self.opts.path, "-wal"), self.visible.clone())?
+            .with_segments(self.opts.path.clone(), syncs.clone())?;
         // Commits before this call were synced by `FULL`, or made under `Normal` by an earlier
         // run: sync once, then every chunk in the file is durable.
         sync.sync(None)?;
         self.conn.pragma_update(None, "synchronous", "NORMAL").map_err(ctx("setting synchronous"))?;
         self.segments.sync_wal_before_delete(true);
+        self.segments.defer_syncs(syncs.clone());
+        self.syncs = Some(syncs);
         self.visible.set(self.newest_chunk().map_or(0, |c| c.0));
         Ok(Some(sync))
+    }
+
+    /// With deferred syncs ([`Spool::defer_wal_sync`]), after the [`WalSync`]'s last sync (at
+    /// shutdown): when every payload byte written is durable, moves the synced-segments mark
+    /// to the newest batch, so that the next open checks nothing and a batch damaged while the
+    /// agent was stopped is found as damage when its chunk is read (quarantined, as without
+    /// deferred syncs), not taken for a lost write. Does nothing otherwise.
+    ///
+    /// # Errors
+    /// When the mark cannot be written; the next open then checks the batches above the old one.
+    pub fn mark_synced(&mut self) -> Result<(), SpoolError> {
+        let Some(syncs) = &self.syncs else { return Ok(()) };
+        if syncs.synced_write() < self.segments.last_write() {
+            return Ok(());
+        }
+        let newest = self.state.next_batch_id.saturating_sub(1);
+        if self.state.segments_synced_through.is_none_or(|m| m >= newest) {
+            return Ok(());
+        }
+        self.conn
+            .execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)", (META_SEGMENTS_SYNCED, newest))
+            .map_err(ctx("recording how far the segments are synced"))?;
+        self.state.segments_synced_through = Some(newest);
+        self.known_synced = newest;
+        self.unsynced.clear();
+        Ok(())
     }
 
     /// Runs a write that frees (or must not be blocked by a lack of) disk space. On
@@ -1552,6 +1624,126 @@ mod tests {
         // A sync that covers fewer chunks never hides one again.
         sync.sync(Some(first)).expect("sync");
         assert_eq!(ids(&mut reader), vec![first, second]);
+    }
+
+    /// Under deferred syncs: "first" appended and synced, then "second" and "third" (sealed
+    /// into one chunk with "first") committed without a sync of their segment bytes. Returns
+    /// the spool, closed, and the one segment's path.
+    fn deferred_tail(opts: &SpoolOptions) -> std::path::PathBuf {
+        let (mut spool, _) = open(opts);
+        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
+        spool.append(&[req(vec![batch("a", b"first")])], 1).expect("append");
+        sync.sync(None).expect("sync");
+        // This commit records that "first" is synced; nothing syncs it or the next one.
+        spool.append(&[req(vec![batch("a", b"second")])], 2).expect("append");
+        spool.commit(&[req(vec![batch("a", b"third")])], &[], SealWhat::All, 3).expect("commit");
+        assert_eq!(spool.stats().sealed_chunks, 1);
+        let mark: i64 = spool
+            .conn()
+            .query_row("SELECT value FROM meta WHERE key = ?1", [META_SEGMENTS_SYNCED], |r| r.get(0))
+            .expect("mark");
+        let first_batch: i64 =
+            spool.conn().query_row("SELECT min(id) FROM batches", [], |r| r.get(0)).expect("first batch");
+        assert_eq!(mark, first_batch, "the mark covers the synced batch only");
+        drop((spool, sync));
+        let segs = segment_files(opts);
+        assert_eq!(segs.len(), 1);
+        crate::segment::path(&opts.path, segs[0])
+    }
+
+    #[test]
+    fn a_power_cut_that_lost_unsynced_segment_bytes_drops_their_rows_and_reopens_the_chunk() {
+        let (_dir, opts) = setup();
+        let seg = deferred_tail(&opts);
+        // What a power cut leaves: the WAL's commits, the segment only as far as its last sync.
+        std::fs::OpenOptions::new().write(true).open(&seg).expect("segment").set_len(5).expect("cut");
+        let (mut spool, report) = open(&opts);
+        assert_eq!(report.unsynced_records_dropped, 2);
+        assert_eq!((report.open_batches, report.sealed_chunks), (1, 0), "the chunk is gone, \"first\" open again");
+        assert_eq!(count(&spool, "SELECT count(*) FROM meta WHERE key = 'segments_synced_through'"), 0);
+        // The chunk over the lost batches was never sent: its sequence number is used again.
+        spool.append(&[req(vec![batch("a", b"again")])], 4).expect("append");
+        spool.seal_all(5).expect("seal");
+        let chunks = all_sealed(&spool);
+        assert_eq!(chunks.len(), 1);
+        assert_eq!((chunks[0].seq, chunks[0].records), (1, 2));
+        assert_eq!(read(&spool, &chunks[0]).expect("read"), b"firstagain");
+        assert!(!crate::check(&opts.path).expect("check").has_damage());
+    }
+
+    #[test]
+    fn unsynced_segment_bytes_that_survived_are_kept_and_the_mark_is_removed() {
+        let (_dir, opts) = setup();
+        deferred_tail(&opts);
+        let (spool, report) = open(&opts);
+        assert_eq!(report.unsynced_records_dropped, 0);
+        assert_eq!(count(&spool, "SELECT count(*) FROM meta WHERE key = 'segments_synced_through'"), 0);
+        let chunks = all_sealed(&spool);
+        assert_eq!((chunks.len(), chunks[0].seq, chunks[0].records), (1, 1, 3));
+        assert_eq!(read(&spool, &chunks[0]).expect("read"), b"firstsecondthird");
+    }
+
+    #[test]
+    fn a_lost_batch_drops_the_later_batches_of_other_streams_too() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
+        spool.append(&[req(vec![batch("a", b"a1"), batch("b", b"b1")])], 1).expect("append");
+        sync.sync(None).expect("sync");
+        spool.append(&[req(vec![batch("a", b"a2")])], 2).expect("append");
+        spool.commit(&[req(vec![batch("b", b"b2")])], &[], SealWhat::All, 3).expect("commit");
+        drop((spool, sync));
+        let segs = segment_files(&opts);
+        let seg = crate::segment::path(&opts.path, segs[0]);
+        // "a2" lost, "b2" (written after it) on disk: b2's commit was not answered either.
+        let f = std::fs::OpenOptions::new().write(true).open(&seg).expect("segment");
+        std::os::unix::fs::FileExt::write_all_at(&f, b"XX", 4).expect("damage a2");
+        let (mut spool, report) = open(&opts);
+        assert_eq!(report.unsynced_records_dropped, 2);
+        assert_eq!((report.open_batches, report.sealed_chunks), (2, 0));
+        spool.seal_all(4).expect("seal");
+        let mut payloads: Vec<_> =
+            all_sealed(&spool).iter().map(|c| (c.stream.clone(), c.seq, read(&spool, c).expect("read"))).collect();
+        payloads.sort();
+        assert_eq!(payloads, vec![("a".into(), 1, b"a1".to_vec()), ("b".into(), 1, b"b1".to_vec())]);
+    }
+
+    #[test]
+    fn a_spool_that_never_deferred_has_no_mark_and_nothing_is_checked() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"bytes")])], 1).expect("append");
+        assert_eq!(count(&spool, "SELECT count(*) FROM meta WHERE key = 'segments_synced_through'"), 0);
+        drop(spool);
+        let (_, report) = open(&opts);
+        assert_eq!((report.unsynced_records_dropped, report.open_batches), (0, 1));
+    }
+
+    #[test]
+    fn after_a_clean_shutdown_damage_in_the_last_commits_is_damage_not_a_lost_write() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
+        spool.append(&[req(vec![batch("a", b"first")])], 1).expect("append");
+        spool.commit(&[req(vec![batch("a", b"second")])], &[], SealWhat::All, 2).expect("commit");
+        // Not synced yet: the mark stays where it is.
+        spool.mark_synced().expect("mark");
+        let mark = |spool: &Spool| count(spool, "SELECT value FROM meta WHERE key = 'segments_synced_through'");
+        assert_eq!(mark(&spool), 0);
+        // The last sync, as at shutdown: then the mark covers every batch.
+        sync.sync(None).expect("sync");
+        spool.mark_synced().expect("mark");
+        assert_eq!(mark(&spool), count(&spool, "SELECT max(id) FROM batches"));
+        drop((spool, sync));
+        // A byte of "second" damaged while the agent was stopped.
+        let seg = crate::segment::path(&opts.path, segment_files(&opts)[0]);
+        let f = std::fs::OpenOptions::new().write(true).open(&seg).expect("segment");
+        std::os::unix::fs::FileExt::write_all_at(&f, b"X", 6).expect("damage");
+        let (spool, report) = open(&opts);
+        assert_eq!(report.unsynced_records_dropped, 0, "nothing is taken for a lost write");
+        let chunks = all_sealed(&spool);
+        assert_eq!((chunks.len(), chunks[0].records), (1, 2), "the chunk is still there");
+        assert!(matches!(read(&spool, &chunks[0]), Err(SpoolError::Corrupt { .. })), "and reading it finds the damage");
     }
 
     #[test]

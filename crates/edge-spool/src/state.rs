@@ -64,6 +64,9 @@ pub(crate) struct State {
     /// Payload segments that rows point into, by id: bytes still referenced and the end of the
     /// last row. A segment leaves the map when its last row is deleted.
     pub segments: BTreeMap<i64, SegmentUse>,
+    /// `meta.segments_synced_through` as on disk (`None`: absent; open removes it, and
+    /// [`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync) writes it).
+    pub segments_synced_through: Option<i64>,
 }
 
 impl State {

@@ -1,7 +1,11 @@
-//! The WAL's sync, taken off the writer's path: under [`Durability::Full`](crate::Durability::Full)
-//! the writer may run `synchronous=NORMAL` and hand each commit to a [`WalSync`] on another
-//! thread, which `fdatasync`s `-wal` while the writer builds the next transaction (see
-//! [`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync)).
+//! The syncs, taken off the writer's path: under [`Durability::Full`](crate::Durability::Full)
+//! the writer may run `synchronous=NORMAL`, write each commit's payload bytes without syncing
+//! them, and hand each commit to a [`WalSync`] on another thread, which `fdatasync`s `-wal`
+//! while a thread of its own, `edge-spool-seg`, `fdatasync`s the payload segments written
+//! since the last sync. A commit is durable once both are, so it waits for the slower of its
+//! two syncs instead of their sum, and the writer for neither (see
+//! [`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync)). On a gateway's flash, where a
+//! sync takes milliseconds, that is what a producer waits for.
 //!
 //! Under `NORMAL` a commit is visible to every connection as soon as `COMMIT` returns, before
 //! it is durable. A chunk read and sent in that window could be stored by the server and then
@@ -10,12 +14,18 @@
 //! watermark, the newest chunk id a completed sync covers ([`SpoolReader::sealed_after`]
 //! filters by it).
 //!
+//! The segment bytes of a commit are not durable when its rows are committed either, and the
+//! sync of the WAL may make the rows durable first (it syncs every commit in the file, also
+//! those that came after the segments' sync started). So commits record in `meta`
+//! (`segments_synced_through`) a batch id at or below the newest whose bytes a completed sync
+//! covers, and open checks the bytes of every batch above it ([`crate::unsynced`]).
+//!
 //! [`SpoolReader::sealed_after`]: crate::SpoolReader::sealed_after
 
 use std::fs::File;
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError, mpsc};
 
 use crate::{ChunkId, SpoolError};
 
@@ -45,6 +55,94 @@ impl Visible {
     }
 }
 
+/// Payload segments written and not yet synced, shared by the writer (which registers each
+/// write) and its [`WalSync`] (whose segment thread syncs them while the WAL is synced). Writes
+/// are numbered by the writer from 1. Whichever thread comes first syncs what is registered;
+/// another that needs the same writes durable waits for it instead of syncing them again.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SegmentSyncs(Arc<SyncsShared>);
+
+#[derive(Debug, Default)]
+struct SyncsShared {
+    state: Mutex<SyncsState>,
+    /// Signalled when a sync ends.
+    ended: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct SyncsState {
+    /// The segments written since the last sync took them, by id.
+    files: Vec<(i64, Arc<File>)>,
+    /// The number of the newest write registered.
+    registered: u64,
+    /// The number of the newest write that a completed sync covers (0: none yet).
+    synced: u64,
+    /// A sync has taken `files` and not ended yet.
+    running: bool,
+    /// The first sync that failed, with the segment it failed on: nothing after it is durable
+    /// (see [`WalSync`]'s `failed`).
+    failed: Option<(PathBuf, String)>,
+}
+
+impl SegmentSyncs {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SyncsState> {
+        self.0.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Write number `write` put bytes into segment `id` (`file`), not synced.
+    pub(crate) fn register(&self, id: i64, file: &Arc<File>, write: u64) {
+        let mut st = self.lock();
+        if !st.files.iter().any(|(i, _)| *i == id) {
+            st.files.push((id, Arc::clone(file)));
+        }
+        st.registered = st.registered.max(write);
+    }
+
+    /// The number of the newest write whose bytes are durable.
+    pub(crate) fn synced_write(&self) -> u64 {
+        self.lock().synced
+    }
+
+    /// The number of the newest write registered.
+    fn registered(&self) -> u64 {
+        self.lock().registered
+    }
+
+    /// Returns once writes 1 to `target` are durable: synced here, or by a sync another
+    /// thread is running.
+    ///
+    /// # Errors
+    /// [`SpoolError::Io`] naming the segment when a sync failed, now or before.
+    fn sync_through(&self, db: &Path, target: u64) -> Result<(), SpoolError> {
+        let mut st = self.lock();
+        loop {
+            if let Some((path, first)) = &st.failed {
+                let detail = format!("a sync of this payload segment failed ({first}); nothing since is durable");
+                return Err(SpoolError::Io { path: path.clone(), source: std::io::Error::other(detail) });
+            }
+            if st.synced >= target {
+                return Ok(());
+            }
+            if st.running {
+                st = self.0.ended.wait(st).unwrap_or_else(PoisonError::into_inner);
+                continue;
+            }
+            let files = std::mem::take(&mut st.files);
+            let through = st.registered;
+            st.running = true;
+            drop(st);
+            let result = files.iter().try_for_each(|(id, file)| file.sync_data().map_err(|e| (*id, e)));
+            st = self.lock();
+            st.running = false;
+            match result {
+                Ok(()) => st.synced = st.synced.max(through),
+                Err((id, e)) => st.failed = Some((crate::segment::path(db, id), e.to_string())),
+            }
+            self.0.ended.notify_all();
+        }
+    }
+}
+
 /// Makes the writer's commits durable after the fact; made by
 /// [`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync). `Send`: it is meant for a thread of
 /// its own.
@@ -57,37 +155,100 @@ pub struct WalSync {
     wal: PathBuf,
     file: File,
     visible: Visible,
+    /// Set when the writer's segment syncs are deferred too.
+    segments: Option<Segments>,
     /// The first sync that failed. Linux may drop the dirty pages of a failed write-back and
     /// report the error once: a later successful `fdatasync` would prove nothing, so a failure
     /// stays a failure for the life of this value.
     failed: Option<String>,
 }
 
+/// The payload segments a [`WalSync`] makes durable with the WAL, and the thread
+/// (`edge-spool-seg`) that syncs them while the WAL is synced.
+#[derive(Debug)]
+struct Segments {
+    db: PathBuf,
+    syncs: SegmentSyncs,
+    /// Tells the thread to sync writes 1 to the number sent; `None` once it is gone (the
+    /// syncs are then made after the WAL's, one after the other).
+    helper: Option<mpsc::Sender<u64>>,
+    join: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Segments {
+    fn drop(&mut self) {
+        self.helper = None;
+        if let Some(join) = self.join.take()
+            && join.join().is_err()
+        {
+            tracing::error!("the spool's segment sync thread panicked");
+        }
+    }
+}
+
 impl WalSync {
     /// Opens the WAL file `wal`.
     pub(crate) fn open(wal: PathBuf, visible: Visible) -> Result<Self, SpoolError> {
         match File::open(&wal) {
-            Ok(file) => Ok(WalSync { wal, file, visible, failed: None }),
+            Ok(file) => Ok(WalSync { wal, file, visible, segments: None, failed: None }),
             Err(source) => Err(SpoolError::Io { path: wal, source }),
         }
     }
 
-    /// `fdatasync`s the WAL. Every commit that returned before this call is durable once it
-    /// returns `Ok`; then readers may list chunks up to `sealed_through` (the newest chunk id
-    /// those commits sealed, from [`Spool::newest_chunk`](crate::Spool::newest_chunk) after
-    /// them).
+    /// Makes every [`WalSync::sync`] also make the payload segments of the spool at `db`
+    /// registered in `syncs` durable, on a thread started here, while it syncs the WAL.
     ///
     /// # Errors
-    /// [`SpoolError::Io`] when the WAL cannot be synced, and on every call after such a
-    /// failure: the commits since the last good sync may be lost in a power cut.
+    /// [`SpoolError::Io`] when the thread cannot be started.
+    pub(crate) fn with_segments(mut self, db: PathBuf, syncs: SegmentSyncs) -> Result<Self, SpoolError> {
+        let (tx, rx) = mpsc::channel::<u64>();
+        let (thread_db, thread_syncs) = (db.clone(), syncs.clone());
+        let join = std::thread::Builder::new()
+            .name("edge-spool-seg".into())
+            .spawn(move || {
+                while let Ok(target) = rx.recv() {
+                    // A failure is kept in `syncs`, where the WAL's thread finds it.
+                    let _failed = thread_syncs.sync_through(&thread_db, target);
+                }
+            })
+            .map_err(|source| SpoolError::Io { path: db.clone(), source })?;
+        self.segments = Some(Segments { db, syncs, helper: Some(tx), join: Some(join) });
+        Ok(self)
+    }
+
+    /// `fdatasync`s the WAL and, at the same time on a thread of its own, the payload segments
+    /// written by the commits that returned before this call (when the writer defers their
+    /// syncs). Every commit that returned before this call is durable once it returns `Ok`;
+    /// then readers may list chunks up to `sealed_through` (the newest chunk id those commits
+    /// sealed, from [`Spool::newest_chunk`](crate::Spool::newest_chunk) after them).
+    ///
+    /// # Errors
+    /// [`SpoolError::Io`] when a segment or the WAL cannot be synced, and on every call after
+    /// such a failure: the commits since the last good sync may be lost in a power cut.
     pub fn sync(&mut self, sealed_through: Option<ChunkId>) -> Result<(), SpoolError> {
         if let Some(first) = &self.failed {
             let detail = format!("an earlier fsync of the WAL failed ({first}); nothing since is durable");
             return Err(SpoolError::Io { path: self.wal.clone(), source: std::io::Error::other(detail) });
         }
+        // The segments' sync beside the WAL's, so a commit waits for the slower of the two, not
+        // for both in turn. The WAL's may then make rows durable before their bytes: open finds
+        // such rows after a power cut (`unsynced.rs`), and nobody was answered for them.
+        let target = self.segments.as_mut().map(|s| {
+            let target = s.syncs.registered();
+            if s.helper.as_ref().is_some_and(|h| h.send(target).is_err()) {
+                s.helper = None;
+            }
+            target
+        });
         if let Err(e) = self.file.sync_data() {
             self.failed = Some(e.to_string());
             return Err(SpoolError::Io { path: self.wal.clone(), source: e });
+        }
+        if let (Some(s), Some(target)) = (&self.segments, target)
+            && let Err(e) = s.syncs.sync_through(&s.db, target)
+        {
+            self.failed = Some(e.to_string());
+            return Err(e);
         }
         if let Some(c) = sealed_through {
             self.visible.raise(c.0);
@@ -125,6 +286,67 @@ mod tests {
         // A new WalSync (a restart) syncs.
         WalSync::open(wal, visible.clone()).expect("open").sync(Some(ChunkId(5))).expect("sync");
         assert_eq!(visible.get(), 5);
+    }
+
+    #[test]
+    fn a_sync_covers_the_registered_segment_writes_and_a_failed_one_names_the_segment() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = dir.path().join("spool.db");
+        let wal = dir.path().join("spool.db-wal");
+        std::fs::write(&wal, b"frames").expect("write");
+        let seg = Arc::new(File::create(crate::segment::path(&db, 7)).expect("segment"));
+        let syncs = SegmentSyncs::default();
+        let mut sync = WalSync::open(wal, Visible::default())
+            .expect("open")
+            .with_segments(db.clone(), syncs.clone())
+            .expect("thread");
+        sync.sync(None).expect("nothing registered");
+        assert_eq!(syncs.synced_write(), 0);
+        syncs.register(7, &seg, 1);
+        syncs.register(7, &seg, 2);
+        sync.sync(None).expect("sync");
+        assert_eq!(syncs.synced_write(), 2, "covers every write registered before it began");
+        assert!(syncs.lock().files.is_empty(), "and takes the files");
+
+        // A segment that cannot be synced (a pipe: EINVAL), as a failing disk would fail it.
+        let (pipe, _writer) = std::io::pipe().expect("pipe");
+        syncs.register(8, &Arc::new(File::from(std::os::fd::OwnedFd::from(pipe))), 3);
+        let err = sync.sync(None).expect_err("a pipe cannot be synced");
+        assert!(err.to_string().contains(&crate::segment::path(&db, 8).display().to_string()), "{err}");
+        assert_eq!(syncs.synced_write(), 2);
+        syncs.register(7, &seg, 4);
+        assert!(sync.sync(None).is_err(), "stays failed");
+        assert_eq!(syncs.synced_write(), 2);
+    }
+
+    #[test]
+    fn a_sync_the_other_thread_runs_is_waited_for_not_run_twice() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = dir.path().join("spool.db");
+        let syncs = SegmentSyncs::default();
+        // The writer has taken write 1's files and is syncing them; a file left registered
+        // that cannot be synced (a pipe) shows whether the waiting side syncs on its own.
+        let (pipe, _writer) = std::io::pipe().expect("pipe");
+        syncs.register(8, &Arc::new(File::from(std::os::fd::OwnedFd::from(pipe))), 1);
+        syncs.lock().running = true;
+        let waiter = {
+            let syncs = syncs.clone();
+            let db = db.clone();
+            std::thread::spawn(move || syncs.sync_through(&db, 1))
+        };
+        {
+            let mut st = syncs.lock();
+            st.running = false;
+            st.synced = 1;
+            syncs.0.ended.notify_all();
+        }
+        waiter.join().expect("no panic").expect("the writer's sync covered write 1");
+        assert_eq!(syncs.synced_write(), 1);
+        // Write 2 is the waiting side's to sync: it fails on the pipe, and names it.
+        syncs.register(8, &Arc::new(File::open(dir.path()).expect("dir")), 2);
+        let err = syncs.sync_through(&db, 2).expect_err("the pipe cannot be synced");
+        assert!(err.to_string().contains(&crate::segment::path(&db, 8).display().to_string()), "{err}");
+        assert!(syncs.sync_through(&db, 2).is_err(), "stays failed");
     }
 
     #[test]

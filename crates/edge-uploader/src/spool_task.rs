@@ -7,10 +7,13 @@
 //! nothing else to commit wait up to `ACK_LINGER` for company. The thread wakes the uploader
 //! whenever a commit sealed at least one chunk.
 //!
-//! Under `durability = "full"` the WAL's fsync is not on that thread: the spool runs
-//! `synchronous=NORMAL` and a second thread, `edge-spool-sync`, `fdatasync`s the WAL for every
-//! commit queued when it starts ([`edge_spool::WalSync`]) while the writer builds the next
-//! transaction. Only after that sync is a commit *settled*: producers get their answers,
+//! Under `durability = "full"` no fsync is on that thread: the spool runs
+//! `synchronous=NORMAL` and writes each commit's payload bytes without syncing them, and a
+//! second thread, `edge-spool-sync`, makes every commit queued when it starts durable
+//! ([`edge_spool::WalSync`]): it `fdatasync`s the WAL while a third, `edge-spool-seg`,
+//! `fdatasync`s the payload segments, while the writer builds the next transaction. So a
+//! commit waits for the slower of its two syncs, not for both in turn (on a gateway's flash a
+//! sync takes milliseconds). Only after both syncs is a commit *settled*: producers get their answers,
 //! `seal_all` callers return, the chunks it sealed become visible to the spool's readers and
 //! are handed to the uploader, and the uploader is woken. A failed sync answers every
 //! outstanding request with an error and ends the process (status 74): nothing committed since
@@ -593,6 +596,10 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
         if join.join().is_err() {
             error!("spool sync thread panicked");
         }
+    }
+    // Everything is synced now: the next open need not check the last commits' bytes.
+    if let Err(e) = spool.mark_synced() {
+        warn!(error = %e, "could not record that the spool's segments are synced; the next start checks the last commits' bytes");
     }
 }
 
