@@ -7,6 +7,10 @@
 //! the connection is read-only, so it can run while the agent appends (WAL readers see one
 //! consistent snapshot and never block the writer).
 //!
+//! After a power cut the last commits' batches may point at bytes that were lost before their
+//! sync (see `unsynced.rs`): they are reported as a [`LostTail`], what the agent drops at its
+//! next open, and neither they nor the chunks sealed over them count as damage.
+//!
 //! Salvage: each batch has its own checksum, so the good batches of a damaged chunk are known
 //! intact and are reported (`salvageable_records` / `salvageable_bytes`). Re-sealing them into
 //! a new chunk is not done: a chunk's sequence number and contents never change once sealed,
@@ -44,6 +48,20 @@ pub struct DamagedChunk {
     pub salvageable_bytes: u64,
     /// What did not match, first problem first.
     pub detail: String,
+}
+
+/// The last commits' batches whose payload bytes a power cut lost before their sync (see
+/// [`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync)): no producer was told they were
+/// stored and none was sent. The agent drops them, with every later batch and the chunks
+/// sealed over them, when it next opens the spool. Not damage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LostTail {
+    /// The first batch whose bytes were lost.
+    pub first_batch: i64,
+    /// Batches from it on.
+    pub batches: u64,
+    /// Records in them.
+    pub records: u64,
 }
 
 /// Damage found in one open (not yet sealed) batch.
@@ -86,6 +104,9 @@ pub struct CheckReport {
     pub damaged_rows: Vec<String>,
     /// A read error that stopped the walk over the rows (SQLite-level damage), if any.
     pub read_error: Option<String>,
+    /// Batches of the last commits that a power cut took the bytes of, if any: not counted
+    /// as damage, nor are the chunks sealed over them.
+    pub lost_tail: Option<LostTail>,
 }
 
 impl CheckReport {
@@ -139,6 +160,12 @@ pub fn check(path: &Path) -> Result<CheckReport, SpoolError> {
             return Ok(report);
         }
     };
+    if version >= 4 {
+        match lost_tail(&conn, path) {
+            Ok(tail) => report.lost_tail = tail,
+            Err(e) => report.read_error = Some(error_text(&e)),
+        }
+    }
     if let Err(e) = walk(&conn, path, version, &mut report) {
         report.read_error = Some(error_text(&e));
     }
@@ -154,6 +181,20 @@ fn error_text(e: &SpoolError) -> String {
         src = s.source();
     }
     out
+}
+
+/// The batches open would drop as a lost tail (`unsynced.rs`).
+fn lost_tail(conn: &Connection, path: &Path) -> Result<Option<LostTail>, SpoolError> {
+    let Some(first_batch) = crate::unsynced::scan(conn, path)?.and_then(|s| s.first_lost) else {
+        return Ok(None);
+    };
+    let (batches, records): (i64, i64) = conn
+        .query_row("SELECT count(*), coalesce(sum(records), 0) FROM batches WHERE id >= ?1", [first_batch], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .map_err(ctx("counting the batches of the lost tail"))?;
+    let n = |v: i64| u64::try_from(v).unwrap_or(0);
+    Ok(Some(LostTail { first_batch, batches: n(batches), records: n(records) }))
 }
 
 /// `PRAGMA integrity_check(100)`: empty when "ok".
@@ -332,6 +373,8 @@ fn walk(conn: &Connection, path: &Path, version: i64, report: &mut CheckReport) 
         None
     };
     let mut files = Files { segments: SegmentFiles::new(path), buf: Vec::new() };
+    // Batches from here on belong to the lost tail: open drops them, and the chunks over them.
+    let tail = report.lost_tail.as_ref().map_or(i64::MAX, |t| t.first_batch);
     let chunk_crc_columns = if version >= 3 {
         ", c.id, c.stream_id, c.seq, c.records, c.bytes, c.first_ms, c.sealed_ms, c.first_batch, c.last_batch, c.row_crc"
     } else {
@@ -416,6 +459,7 @@ fn walk(conn: &Connection, path: &Path, version: i64, report: &mut CheckReport) 
             ));
         }
         match (problems.is_empty(), c.quarantined.is_some()) {
+            (false, false) if range.2 >= tail => {}
             (true, false) => {}
             (true, true) => report.quarantined_intact += 1,
             (false, quarantined) => {
@@ -444,9 +488,12 @@ fn walk(conn: &Connection, path: &Path, version: i64, report: &mut CheckReport) 
         let v = check_batch(r, rows_checked, &mut files).map_err(ctx("reading open batches"))?;
         report.batches += 1;
         report.bytes += v.len;
-        if let Some(detail) = v.problem {
+        let id: i64 = r.get(0).map_err(ctx("reading open batches"))?;
+        if let Some(detail) = v.problem
+            && id < tail
+        {
             report.damaged_open_batches.push(DamagedBatch {
-                id: r.get(0).map_err(ctx("reading open batches"))?,
+                id,
                 stream: r.get(1).map_err(ctx("reading open batches"))?,
                 records: v.records,
                 bytes: v.len,

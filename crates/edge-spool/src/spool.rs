@@ -1657,6 +1657,11 @@ mod tests {
         let seg = deferred_tail(&opts);
         // What a power cut leaves: the WAL's commits, the segment only as far as its last sync.
         std::fs::OpenOptions::new().write(true).open(&seg).expect("segment").set_len(5).expect("cut");
+        // `spool check` before the agent starts again: a lost tail, not damage.
+        let checked = crate::check(&opts.path).expect("check");
+        let tail = checked.lost_tail.clone().expect("a lost tail");
+        assert_eq!((tail.batches, tail.records), (2, 2), "{checked:?}");
+        assert!(!checked.has_damage(), "{checked:?}");
         let (mut spool, report) = open(&opts);
         assert_eq!(report.unsynced_records_dropped, 2);
         assert_eq!((report.open_batches, report.sealed_chunks), (1, 0), "the chunk is gone, \"first\" open again");

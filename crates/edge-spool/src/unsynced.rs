@@ -55,14 +55,23 @@ pub(crate) struct Dropped {
 /// Reads at most this much of a batch at a time.
 const READ_PIECE: usize = 1 << 20;
 
-/// Checks the batches above the mark, drops the lost tail and removes the mark (see the
-/// module's text). Does nothing when the file has no mark.
-pub(crate) fn drop_lost_tail(conn: &mut Connection, db: &Path) -> Result<Dropped, SpoolError> {
+/// What the check of the batches above the mark found.
+#[derive(Debug, Default)]
+pub(crate) struct Scan {
+    /// The first batch above the mark whose bytes were lost: it and every later batch go.
+    pub first_lost: Option<i64>,
+    /// The segments of the batches above the mark that passed.
+    pub intact_segments: BTreeSet<i64>,
+}
+
+/// Checks the batches above the mark against their CRC-32C, up to the first that fails;
+/// `None` when the file has no mark. Reads only (`spool check` runs it too).
+pub(crate) fn scan(conn: &Connection, db: &Path) -> Result<Option<Scan>, SpoolError> {
     let mark: Option<rusqlite::types::Value> = conn
         .query_row("SELECT value FROM meta WHERE key = ?1", [META_SEGMENTS_SYNCED], |r| r.get(0))
         .optional()
         .map_err(ctx("reading the synced-segments mark"))?;
-    let Some(mark) = mark else { return Ok(Dropped::default()) };
+    let Some(mark) = mark else { return Ok(None) };
     let mark = match mark {
         rusqlite::types::Value::Integer(m) => m,
         other => {
@@ -71,59 +80,65 @@ pub(crate) fn drop_lost_tail(conn: &mut Connection, db: &Path) -> Result<Dropped
             0
         }
     };
-    let mut first_lost = None;
-    let mut synced = BTreeSet::new();
-    {
-        let mut files: BTreeMap<i64, Option<File>> = BTreeMap::new();
-        let mut stmt = conn
-            .prepare(
-                "SELECT id, stream_id, records, crc32c, commit_ms, row_crc, segment, seg_offset, seg_len
-                 FROM batches WHERE id > ?1 AND segment IS NOT NULL ORDER BY id",
-            )
-            .map_err(ctx("listing the batches above the synced-segments mark"))?;
-        let mut rows = stmt.query([mark]).map_err(ctx("listing the batches above the synced-segments mark"))?;
-        let mut buf = Vec::new();
-        while let Some(r) = rows.next().map_err(ctx("listing the batches above the synced-segments mark"))? {
-            let cols = (r.get(6), r.get(7), r.get(8));
-            let read = |i| r.get::<_, i64>(i);
-            let (Ok(id), Ok(stream_id), Ok(records), Ok(crc32c), Ok(commit_ms), Ok(stored), (Ok(s), Ok(o), Ok(l))) =
-                (read(0), read(1), read(2), read(3), read(4), r.get::<_, Option<i64>>(5), cols)
-            else {
-                // Values of the wrong type: damage, for the reader and `spool check` to report.
-                continue;
-            };
-            let Ok(Some(seg)) = SegRef::from_columns((Some(s), Some(o), Some(l))) else { continue };
-            let row = BatchRow { id, stream_id, records, crc32c, commit_ms, seg: Some(seg) };
-            if stored != Some(row.crc()) {
-                continue;
-            }
-            let file = match files.entry(seg.segment) {
-                std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::btree_map::Entry::Vacant(e) => {
-                    let p = segment::path(db, seg.segment);
-                    match File::open(&p) {
-                        Ok(f) => e.insert(Some(f)),
-                        Err(err) if err.kind() == io::ErrorKind::NotFound => e.insert(None),
-                        Err(err) => return Err(segment::io_error(&p, err)),
-                    }
-                }
-            };
-            let intact = match file {
-                Some(f) => {
-                    crc_of(f, seg, &mut buf)
-                        .map_err(|e| segment::io_error(&segment::path(db, seg.segment), e))?
-                        .map(i64::from)
-                        == Some(crc32c)
-                }
-                None => false,
-            };
-            if !intact {
-                first_lost = Some(id);
-                break;
-            }
-            synced.insert(seg.segment);
+    let mut found = Scan::default();
+    let mut files: BTreeMap<i64, Option<File>> = BTreeMap::new();
+    let mut stmt = conn
+        .prepare(
+            "SELECT id, stream_id, records, crc32c, commit_ms, row_crc, segment, seg_offset, seg_len
+             FROM batches WHERE id > ?1 AND segment IS NOT NULL ORDER BY id",
+        )
+        .map_err(ctx("listing the batches above the synced-segments mark"))?;
+    let mut rows = stmt.query([mark]).map_err(ctx("listing the batches above the synced-segments mark"))?;
+    let mut buf = Vec::new();
+    while let Some(r) = rows.next().map_err(ctx("listing the batches above the synced-segments mark"))? {
+        let cols = (r.get(6), r.get(7), r.get(8));
+        let read = |i| r.get::<_, i64>(i);
+        let (Ok(id), Ok(stream_id), Ok(records), Ok(crc32c), Ok(commit_ms), Ok(stored), (Ok(s), Ok(o), Ok(l))) =
+            (read(0), read(1), read(2), read(3), read(4), r.get::<_, Option<i64>>(5), cols)
+        else {
+            // Values of the wrong type: damage, for the reader and `spool check` to report.
+            continue;
+        };
+        let Ok(Some(seg)) = SegRef::from_columns((Some(s), Some(o), Some(l))) else { continue };
+        let row = BatchRow { id, stream_id, records, crc32c, commit_ms, seg: Some(seg) };
+        if stored != Some(row.crc()) {
+            continue;
         }
+        let file = match files.entry(seg.segment) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => {
+                let p = segment::path(db, seg.segment);
+                match File::open(&p) {
+                    Ok(f) => e.insert(Some(f)),
+                    Err(err) if err.kind() == io::ErrorKind::NotFound => e.insert(None),
+                    Err(err) => return Err(segment::io_error(&p, err)),
+                }
+            }
+        };
+        let intact = match file {
+            Some(f) => {
+                crc_of(f, seg, &mut buf)
+                    .map_err(|e| segment::io_error(&segment::path(db, seg.segment), e))?
+                    .map(i64::from)
+                    == Some(crc32c)
+            }
+            None => false,
+        };
+        if !intact {
+            found.first_lost = Some(id);
+            break;
+        }
+        found.intact_segments.insert(seg.segment);
     }
+    Ok(Some(found))
+}
+
+/// Checks the batches above the mark, drops the lost tail and removes the mark (see the
+/// module's text). Does nothing when the file has no mark.
+pub(crate) fn drop_lost_tail(conn: &mut Connection, db: &Path) -> Result<Dropped, SpoolError> {
+    let Some(Scan { first_lost, intact_segments: synced }) = scan(conn, db)? else {
+        return Ok(Dropped::default());
+    };
     // The bytes that passed are on disk or in the page cache: make them durable before the
     // mark that says so goes.
     for id in &synced {

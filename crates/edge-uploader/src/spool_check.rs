@@ -96,6 +96,9 @@ pub fn to_json(path: &Path, r: &CheckReport) -> serde_json::Value {
             + r.damaged_open_batches.iter().map(|b| i64::try_from(b.bytes).unwrap_or(i64::MAX)).sum::<i64>(),
         "quarantined_damaged": r.quarantined_damaged.iter().map(chunk_json).collect::<Vec<_>>(),
         "quarantined_intact": r.quarantined_intact,
+        "lost_tail": r.lost_tail.as_ref().map(|t| json!({
+            "first_batch": t.first_batch, "batches": t.batches, "records": t.records,
+        })),
     })
 }
 
@@ -146,10 +149,44 @@ pub fn render(path: &Path, r: &CheckReport) -> String {
     if r.quarantined_intact > 0 {
         let _ = writeln!(out, "{} quarantined chunk(s) with intact bytes", r.quarantined_intact);
     }
+    if let Some(t) = &r.lost_tail {
+        let _ = writeln!(
+            out,
+            "lost in a power cut before their sync: {} records in {} batch(es) from batch {} (no producer was told they \
+             were stored, none was sent; the agent drops them when it starts)",
+            t.records, t.batches, t.first_batch
+        );
+    }
     let _ = writeln!(
         out,
         "{}",
         if r.has_damage() { format!("DAMAGE FOUND: {} records affected", r.damaged_records()) } else { "clean".into() }
     );
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lost_tail_is_reported_as_what_the_agent_drops_not_as_damage() {
+        let report = CheckReport {
+            chunks: 1,
+            batches: 3,
+            lost_tail: Some(edge_spool::LostTail { first_batch: 7, batches: 2, records: 40 }),
+            ..CheckReport::default()
+        };
+        let path = Path::new("/var/lib/edge-uploader/spool.db");
+        let text = render(path, &report);
+        assert!(
+            text.contains("lost in a power cut before their sync: 40 records in 2 batch(es) from batch 7"),
+            "{text}"
+        );
+        assert!(text.trim_end().ends_with("clean"), "{text}");
+        let doc = to_json(path, &report);
+        assert_eq!(doc["clean"], true);
+        assert_eq!(doc["lost_tail"]["records"], 40);
+        assert_eq!(doc["damaged_records"], 0);
+    }
 }
