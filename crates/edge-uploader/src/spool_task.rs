@@ -441,7 +441,7 @@ impl Syncer {
                 let through = group.iter().filter_map(|s| s.sealed_through).max();
                 let synced = wal.sync(through).map_err(|e| {
                     let failure = AppendFailure::Storage(edge_telemetry::logging::error_chain(&e));
-                    error!(error = %failure, "could not fsync the spool's WAL: the last commits may not survive a power cut; exiting");
+                    error!(error = %failure, "could not fsync the spool's WAL or payload segments: the last commits may not survive a power cut; exiting");
                     failure
                 });
                 let failed = synced.is_err();
