@@ -10,19 +10,20 @@
 //! completed sync covered when they were built (the first commit after each sync moves it),
 //! and a clean shutdown moves it to the newest batch
 //! ([`Spool::mark_synced`](crate::Spool::mark_synced)). At open, every batch above it is read
-//! and checked against its CRC-32C. The mark is kept that close behind the syncs because a
-//! batch above it whose bytes fail is taken for a lost write and dropped with every later
-//! one, where below it the same failure is damage, and its chunk is quarantined when read;
-//! after a crash the batches above the mark are those of the last sync or two, which a
-//! power cut could lose, and after a clean shutdown there are none. From the first one that fails (its segment missing, too short,
-//! or its bytes different), that batch and every later one are deleted, and so are the chunks
-//! sealed over them: their earlier batches become open again, and each stream's next sequence
-//! number goes back to the first deleted chunk's (never sent, so the server never saw it). A
-//! later batch that passes goes too: its commit came after the lost one, so it was not
+//! and checked against its CRC-32C. From the first one that fails (its segment missing, too
+//! short, or its bytes different), that batch and every later one are deleted, and so are the
+//! chunks sealed over them: their earlier batches become open again, and each stream's next
+//! sequence number goes back to the first deleted chunk's (never sent, so the server never saw
+//! it). A later batch that passes goes too: its commit came after the lost one, so it was not
 //! answered either. The batches that pass are synced (after a crash without a power cut their
 //! bytes may still be only in the page cache), and the mark is removed: everything in the file
 //! is then durable, and [`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync) writes a new
 //! one.
+//!
+//! The mark is kept close behind the syncs because above it a batch whose bytes fail is taken
+//! for a lost write, where below it the same failure is damage and its chunk is quarantined
+//! when read: after a crash the batches above the mark are those of the last sync or two,
+//! which a power cut could lose, and after a clean shutdown there are none.
 //!
 //! A batch row that fails its own row checksum is left alone: that is damage to the file, not
 //! a lost write, and reading its chunk quarantines it as before.

@@ -103,9 +103,11 @@ impl SegmentSyncs {
         self.lock().synced
     }
 
-    /// The number of the newest write registered.
-    fn registered(&self) -> u64 {
-        self.lock().registered
+    /// The number of the newest write registered, when some registered write is not known to
+    /// be durable (not synced yet, or its sync failed); `None` when there is nothing to sync.
+    fn unsynced_through(&self) -> Option<u64> {
+        let st = self.lock();
+        (st.registered > st.synced).then_some(st.registered)
     }
 
     /// Returns once writes 1 to `target` are durable: synced here, or by a sync another
@@ -233,12 +235,13 @@ impl WalSync {
         // The segments' sync beside the WAL's, so a commit waits for the slower of the two, not
         // for both in turn. The WAL's may then make rows durable before their bytes: open finds
         // such rows after a power cut (`unsynced.rs`), and nobody was answered for them.
-        let target = self.segments.as_mut().map(|s| {
-            let target = s.syncs.registered();
+        // Commits that wrote no payload bytes since the last sync (seals, acks) wake no thread.
+        let target = self.segments.as_mut().and_then(|s| {
+            let target = s.syncs.unsynced_through()?;
             if s.helper.as_ref().is_some_and(|h| h.send(target).is_err()) {
                 s.helper = None;
             }
-            target
+            Some(target)
         });
         if let Err(e) = self.file.sync_data() {
             self.failed = Some(e.to_string());
