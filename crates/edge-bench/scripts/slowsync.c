@@ -3,14 +3,20 @@
  * loaded into take SLOWSYNC_US microseconds longer (default 3000), as a gateway's SD card or
  * eMMC would, where a sync costs milliseconds rather than this host's fraction of one. The
  * real call is made first; the delay follows it, so what reaches the disk is unchanged.
+ * With SLOWSYNC_SERIAL=1 the syncs of the process are also made one at a time (a process-wide
+ * lock held across the call and its delay), as a card without command queueing flushes one
+ * request after the other: two syncs started together then end after twice the delay, not
+ * once.
  *
  *   cc -shared -fPIC -O2 -o /tmp/slowsync.so crates/edge-bench/scripts/slowsync.c -ldl
  *   crates/edge-bench/scripts/env_build_dir.sh /tmp/slow uploader LD_PRELOAD=/tmp/slowsync.so
+ *   crates/edge-bench/scripts/env_build_dir.sh /tmp/serial uploader LD_PRELOAD=/tmp/slowsync.so SLOWSYNC_SERIAL=1
  *
  * For the benchmark's A/Bs only (ab.sh): never for a test, which must not depend on timing.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -24,6 +30,17 @@ static long delay_us(void) {
     return us;
 }
 
+static pthread_mutex_t device = PTHREAD_MUTEX_INITIALIZER;
+
+static int serial(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char *v = getenv("SLOWSYNC_SERIAL");
+        on = v && v[0] == '1';
+    }
+    return on;
+}
+
 static void pause_after_sync(void) {
     long us = delay_us();
     struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
@@ -34,15 +51,19 @@ static void pause_after_sync(void) {
 int fsync(int fd) {
     static int (*real)(int);
     if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
+    int locked = serial() && pthread_mutex_lock(&device) == 0;
     int r = real(fd);
     pause_after_sync();
+    if (locked) pthread_mutex_unlock(&device);
     return r;
 }
 
 int fdatasync(int fd) {
     static int (*real)(int);
     if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync");
+    int locked = serial() && pthread_mutex_lock(&device) == 0;
     int r = real(fd);
     pause_after_sync();
+    if (locked) pthread_mutex_unlock(&device);
     return r;
 }

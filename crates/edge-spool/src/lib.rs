@@ -82,7 +82,8 @@
 //! Every write call (`commit`, and `append`, `seal_*`, `ack`, which are `commit`s with one kind
 //! of work; `quarantine`, `purge_quarantined`) is one `BEGIN IMMEDIATE` ... `COMMIT`. A call
 //! with appends first writes their bytes, back to back, at the committed end of the active
-//! segment (one `pwritev` of the batches themselves) and `fdatasync`s it, under either
+//! segment (one `pwritev` of the batches themselves, framed as one *commit record* whose
+//! trailer lists the rows the commit adds: see `journal.rs`) and `fdatasync`s it, under either
 //! durability, so a committed row never points at bytes that were not durable; a new segment
 //! (when the active one holds [`SpoolOptions::segment_target_bytes`]) is created and the
 //! directory fsynced first. Bytes of a call that fails are cut off again (and by the next
@@ -100,10 +101,13 @@
 //! commit frame; under `synchronous=FULL` it then fsyncs `-wal` before `COMMIT` returns, under
 //! `NORMAL` it does not. [`Spool::defer_wal_sync`] switches a `Full` spool to `NORMAL`, takes
 //! the segment's `fdatasync` out of `commit`, and returns a [`WalSync`] that, on another
-//! thread, for every commit that returned before it starts, fsyncs `-wal` while a thread of
-//! its own syncs the segments those commits wrote: a commit's two syncs run side by side
-//! while the writer goes on (see `walsync.rs`; what open does about rows whose bytes a power cut lost is in
-//! `unsynced.rs`). Checkpoints (automatic, every ~1000 WAL pages, and when the last
+//! thread, makes every commit that returned before it starts durable while the writer goes
+//! on: it `fdatasync`s the segments those commits wrote, which is enough for a commit that
+//! appends (its record brings its rows back if the WAL loses them), and fsyncs `-wal` too,
+//! beside them on a thread of its own, when a commit without a record needs it (seals on their
+//! own) and at least every second or 64 MiB of records (see `walsync.rs`; what open does about
+//! rows whose bytes a power cut lost is in `unsynced.rs`, about records whose rows it lost in
+//! `journal.rs`). Checkpoints (automatic, every ~1000 WAL pages, and when the last
 //! connection closes) copy WAL pages into the main file and fsync both in either mode; the WAL is
 //! then reset and kept at most 64 MiB (`journal_size_limit`). Rows are never changed outside
 //! such a transaction, so every crash point lands on a committed state.
@@ -115,7 +119,12 @@
 //!   a committed transaction. With [`Durability::Full`] (`synchronous=FULL`) the WAL was fsynced
 //!   before `COMMIT` returned, so the batches survive a process crash *and* a power cut; after
 //!   [`Spool::defer_wal_sync`] that holds once a [`WalSync::sync`] begun after the call has
-//!   returned `Ok`, and until then readers do not list the chunks sealed since. With
+//!   returned `Ok`, and until then readers do not list the chunks sealed since. Such a sync may
+//!   leave the commit's rows in the WAL only, not durable: a power cut then loses them, and the
+//!   next [`Spool::open`] adds them back, with the same ids, sequence numbers and bytes, from
+//!   the commit record in the payload segment, which the sync did make durable (counted in
+//!   [`OpenReport::replayed_records`]). Acks and evictions are not in the records: one that a
+//!   power cut rolls back is undone (the chunk is offered again, or kept). With
 //!   [`Durability::Normal`] (`synchronous=NORMAL`) they survive a process crash; after a power
 //!   cut or OS crash the last transactions (those since the last WAL sync/checkpoint) may be
 //!   rolled back, but the database stays consistent.
@@ -193,6 +202,7 @@
 //! * `error.rs`: [`SpoolError`].
 //! * `schema.rs`: DDL, pragmas, `user_version` migrations (versions 1 to 2 to 3 to 4).
 //! * `rowcrc.rs`: the row checksums of version 3 (and the location columns of version 4).
+//! * `journal.rs`: the commit records in the payload segments, and their replay at open.
 //! * `segment.rs`: payload segment files: the writer's active segment, deletion, the sweep at
 //!   open, reading.
 //! * `recovery.rs`: opening a file, quick check, quarantine of a bad file.
@@ -221,6 +231,7 @@ pub(crate) use crash_point;
 mod check;
 mod crc;
 mod error;
+mod journal;
 mod reader;
 mod recovery;
 mod reserve;
@@ -268,8 +279,9 @@ impl fmt::Display for SpoolId {
 /// How hard `COMMIT` works before it returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Durability {
-    /// `synchronous=FULL`: the WAL is fsynced on every commit (by `COMMIT` itself, or by a
-    /// [`WalSync`] after [`Spool::defer_wal_sync`]); survives power cuts.
+    /// `synchronous=FULL`: every commit is durable before anyone acts on it (the WAL fsynced by
+    /// `COMMIT` itself, or the commit made durable by a [`WalSync`] after
+    /// [`Spool::defer_wal_sync`]); survives power cuts.
     #[default]
     Full,
     /// `synchronous=NORMAL`: survives process crashes; a power cut may roll back the last commits.
@@ -432,6 +444,9 @@ pub struct OpenReport {
     /// Records whose payload bytes a power cut lost before their deferred sync, dropped at
     /// open (see [`Spool::defer_wal_sync`]). No producer was answered for them.
     pub unsynced_records_dropped: u64,
+    /// Records whose index rows a power cut lost before the WAL's sync, added back at open from
+    /// the commit records in the payload segments (see [`Spool::defer_wal_sync`]).
+    pub replayed_records: u64,
 }
 
 /// Result of [`Spool::ack`].

@@ -30,6 +30,8 @@ pub(crate) struct Opened {
     pub id: SpoolId,
     pub state: State,
     pub created: bool,
+    /// The commits added back from the payload segments' commit records.
+    pub replayed: crate::journal::Replayed,
     /// What the check of the batches above the synced-segments mark dropped.
     pub unsynced: crate::unsynced::Dropped,
 }
@@ -141,9 +143,12 @@ fn try_open(opts: &SpoolOptions) -> Result<Attempt, SpoolError> {
     let Ok(bytes) = <[u8; 16]>::try_from(raw.as_slice()) else {
         return Ok(Attempt::Bad(format!("spool id has {} bytes, expected 16", raw.len())));
     };
+    // A new file's segments belong to a database that is gone: nothing to replay into it.
+    let replayed =
+        if created { crate::journal::Replayed::default() } else { crate::journal::replay(&mut conn, &opts.path)? };
     let unsynced = crate::unsynced::drop_lost_tail(&mut conn, &opts.path)?;
     let state = State::load(&conn)?;
-    Ok(Attempt::Ready(Box::new(Opened { conn, id: SpoolId(bytes), state, created, unsynced })))
+    Ok(Attempt::Ready(Box::new(Opened { conn, id: SpoolId(bytes), state, created, replayed, unsynced })))
 }
 
 /// `quick_check` does not compare index entries with their rows. The full check of each table

@@ -3,7 +3,8 @@
 //! `seg_len`).
 //!
 //! A segment is `<path>-seg-<id>` (ten digits), in the database's directory. The writer appends
-//! a commit's bytes to the *active* segment at its committed end, `fdatasync`s it, and only then
+//! a commit's bytes, framed as its commit record (`journal.rs`: a prefix, the batches, a
+//! trailer listing the commit's rows), to the *active* segment at its committed end, `fdatasync`s it, and only then
 //! commits the index rows that point at them; so a committed row never points at bytes that
 //! were not durable, whichever the durability of the index commit. A commit that fails leaves
 //! its bytes past the committed end, where the next commit overwrites them and the next open
@@ -12,14 +13,16 @@
 //!
 //! With deferred syncs ([`SegmentWriter::defer_syncs`], from
 //! [`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync)) the write is not synced: it is
-//! registered, and the [`WalSync`](crate::WalSync) syncs it beside the WAL, before anyone is
-//! answered. A committed row may then point at bytes a power cut loses; open finds and drops
-//! such rows ([`crate::unsynced`]).
+//! registered, and the [`WalSync`](crate::WalSync) syncs it, before anyone is answered. A
+//! committed row may then point at bytes a power cut loses; open finds and drops such rows
+//! ([`crate::unsynced`]). And the rows of a commit whose bytes were synced may be lost with the
+//! WAL; open adds them back from the commit record (`journal.rs`).
 //!
 //! A segment is deleted once no row points into it and it is not the active one, after the
 //! commit that deleted its last rows. A crash in between leaves a file that no row references:
 //! [`SegmentWriter::open`] deletes it, and cuts each referenced segment back to the end of its
-//! last row (the bytes of a commit that did not finish).
+//! last row, or of the newest one's last commit record (the bytes of a commit that did not
+//! finish).
 //!
 //! A deleted segment is *recycled* rather than unlinked when it can be: renamed to
 //! `<path>-seg-spare-<n>` (at most [`SPARES`] of them), and renamed again to the next new
@@ -203,6 +206,9 @@ pub(crate) struct SegmentWriter {
     /// returns, so the WAL is fsynced before segments are deleted, lest a power cut bring back
     /// rows that point into them.
     sync_wal_before_delete: bool,
+    /// Set when a failed commit's record could not be voided: appends are refused from then
+    /// on (the reason).
+    broken: Option<String>,
     /// Unit tests: every write fails as on a full file system.
     #[cfg(test)]
     pub(crate) simulate_full: bool,
@@ -210,7 +216,10 @@ pub(crate) struct SegmentWriter {
 
 impl SegmentWriter {
     /// Deletes segment files no row references (`used`, from the index), cuts referenced ones
-    /// back to the end of their last row, and continues the newest one if it has room.
+    /// back to the end of their last row, and continues the newest one if it has room and its
+    /// commit records reach its last row: `tail`, from [`crate::journal::replay`], is where they
+    /// end, and where the next record goes (a segment whose records stop short of its rows is
+    /// not continued, so that every later record can be read back from offset 0).
     ///
     /// For a spool file that was just `created`, segment files are not deleted but moved aside
     /// as `<path>.orphan-<unix-seconds>-seg-<id>`: they belong to a database that is gone, and
@@ -221,6 +230,7 @@ impl SegmentWriter {
         used: &BTreeMap<i64, SegmentUse>,
         created: bool,
         durability: Durability,
+        tail: Option<(i64, u64)>,
     ) -> Result<SegmentWriter, SpoolError> {
         let files = list(db)?;
         let mut next_id = used.keys().max().copied().unwrap_or(0);
@@ -287,18 +297,20 @@ impl SegmentWriter {
                 // Not continued either: new bytes must land exactly at `end`.
                 continue;
             }
-            let continued = Some(*id) == last && u.end < target;
-            if len == u.end && !continued {
+            // The records' end, when they reach past the last row (the last record's trailer).
+            let end = tail.filter(|(t, e)| t == id && *e >= u.end && *e <= len).map_or(u.end, |(_, e)| e);
+            let continued = Some(*id) == last && end < target && tail.is_some_and(|(t, _)| t == *id);
+            if len == end && !continued {
                 continue;
             }
-            let f = OpenOptions::new().write(true).open(file).map_err(|e| io_error(file, e))?;
-            if len > u.end {
+            let f = OpenOptions::new().read(true).write(true).open(file).map_err(|e| io_error(file, e))?;
+            if len > end {
                 // The bytes of a commit that did not finish.
-                f.set_len(u.end).map_err(|e| io_error(file, e))?;
+                f.set_len(end).map_err(|e| io_error(file, e))?;
                 f.sync_data().map_err(|e| io_error(file, e))?;
             }
             if continued {
-                active = Some(Active { id: *id, file: Arc::new(f), end: u.end });
+                active = Some(Active { id: *id, file: Arc::new(f), end });
             }
         }
         let w = SegmentWriter {
@@ -313,6 +325,7 @@ impl SegmentWriter {
             retired: BTreeSet::new(),
             spares,
             sync_wal_before_delete: durability == Durability::Normal,
+            broken: None,
             #[cfg(test)]
             simulate_full: false,
         };
@@ -362,6 +375,9 @@ impl SegmentWriter {
             return Err(SpoolError::Inconsistent("segment write without an active segment".into()));
         };
         let p = path(&self.db, a.id);
+        if let Some(reason) = &self.broken {
+            return Err(SpoolError::Io { path: p, source: io::Error::other(reason.clone()) });
+        }
         self.pending = parts.iter().map(|d| crate::len_u64(d)).sum();
         self.pending_durable = false;
         #[cfg(test)]
@@ -382,7 +398,7 @@ impl SegmentWriter {
             self.pending_durable = true;
             self.writes += 1;
             if let Some(syncs) = deferred {
-                syncs.register(a.id, &a.file, self.writes);
+                syncs.register(a.id, &a.file, self.writes, self.pending);
             }
             return Ok(());
         };
@@ -436,6 +452,23 @@ impl SegmentWriter {
         let pending = std::mem::take(&mut self.pending);
         let Some(a) = &mut self.active else { return };
         if std::mem::take(&mut self.pending_durable) {
+            // Its commit record must not bring the commit back at the next open if the rows
+            // are not in the WAL: the next commit reuses its batch ids. Synced (or registered)
+            // like a write, so it is durable before the next commit is.
+            let voided = crate::journal::void(&a.file, a.end).and_then(|()| match &self.deferred {
+                Some(syncs) => {
+                    self.writes += 1;
+                    syncs.register(a.id, &a.file, self.writes, 0);
+                    Ok(())
+                }
+                None => a.file.sync_data(),
+            });
+            if let Err(e) = voided {
+                // Replay could bring the failed commit back and take the next one, which reuses
+                // its ids, for one already in the index: no more appends until a restart.
+                tracing::error!(segment = a.id, error = %e, "could not void a failed commit's record; refusing appends until restart");
+                self.broken = Some(format!("voiding the record of a failed commit at offset {} failed: {e}", a.end));
+            }
             a.end += pending;
         } else if let Err(e) = a.file.set_len(a.end) {
             tracing::debug!(segment = a.id, error = %e, "could not cut back a failed commit's bytes");

@@ -10,6 +10,7 @@ use std::collections::{BTreeSet, VecDeque};
 use rusqlite::{OptionalExtension, Transaction, TransactionBehavior};
 
 use crate::error::ctx;
+use crate::journal;
 use crate::reader::SpoolReader;
 use crate::recovery;
 use crate::reserve::Reserve;
@@ -65,6 +66,7 @@ impl Spool {
             open_batches: opened.state.open_batches(),
             sealed_chunks: opened.state.sealed_chunks(),
             unsynced_records_dropped: opened.unsynced.records,
+            replayed_records: opened.replayed.records,
         };
         tracing::info!(
             path = %opts.path.display(),
@@ -73,15 +75,20 @@ impl Spool {
             open_batches = report.open_batches,
             sealed_chunks = report.sealed_chunks,
             unsynced_records_dropped = report.unsynced_records_dropped,
+            replayed_records = report.replayed_records,
             "spool opened"
         );
         let reserve = Reserve::open(recovery::with_suffix(&opts.path, "-reserve"), opts.disk_reserve_bytes);
+        // Where the commit records end in the newest segment; after a lost tail was dropped,
+        // records of dropped commits may lie before that end: a new segment is started instead.
+        let tail = opened.replayed.tail.filter(|_| opened.unsynced == crate::unsynced::Dropped::default());
         let segments = SegmentWriter::open(
             &opts.path,
             opts.segment_target_bytes,
             &opened.state.segments,
             opened.created,
             opts.durability,
+            tail,
         )?;
         let spool = Spool {
             conn: opened.conn,
@@ -234,6 +241,14 @@ impl Spool {
             }
         };
         self.segments.committed();
+        if let Some(syncs) = &self.syncs
+            && st.next_batch_id == self.state.next_batch_id
+            && !done.2.is_empty()
+        {
+            // Seals in a commit without appends, so without a commit record: durable only with
+            // the WAL (after `COMMIT`, so that a sync already running does not take the need).
+            syncs.need_wal();
+        }
         if self.syncs.is_some() && st.next_batch_id > self.state.next_batch_id {
             self.unsynced.push_back((self.segments.last_write(), st.next_batch_id.saturating_sub(1)));
         }
@@ -257,6 +272,8 @@ impl Spool {
     ) -> Result<(State, (Vec<AppendOutcome>, AckReport, Vec<ChunkMeta>)), SpoolError> {
         let linger_ms = u64::try_from(self.opts.linger.as_millis()).unwrap_or(u64::MAX);
         let mut st = self.state.clone();
+        let first_new_stream = st.next_stream_id;
+        let mut chunk_rows = Vec::new();
         let segments = &mut self.segments;
         let tx = begin(&mut self.conn)?;
         let mut touched = BTreeSet::new();
@@ -290,7 +307,7 @@ impl Spool {
                 if stream.open_records + u64::from(batch.records) > u64::from(u32::MAX) {
                     // Keeps a chunk's record count within ChunkMeta::records (u32).
                     pending.flush(&tx, &mut st, now_ms)?;
-                    sealed.extend(seal_stream(&tx, &mut st, &batch.stream, now_ms)?);
+                    sealed.extend(seal_stream(&tx, &mut st, &batch.stream, now_ms, &mut chunk_rows)?);
                 }
                 let stream = stream_entry(&tx, &mut st, &batch.stream)?;
                 stream.open_records += u64::from(batch.records);
@@ -300,14 +317,14 @@ impl Spool {
                 pending.push(batch);
                 if full {
                     pending.flush(&tx, &mut st, now_ms)?;
-                    sealed.extend(seal_stream(&tx, &mut st, &batch.stream, now_ms)?);
+                    sealed.extend(seal_stream(&tx, &mut st, &batch.stream, now_ms, &mut chunk_rows)?);
                 }
             }
             outcomes.push(AppendOutcome::Accepted);
         }
         pending.flush(&tx, &mut st, now_ms)?;
         for name in seal_names(&st, seal, linger_ms, now_ms) {
-            sealed.extend(seal_stream(&tx, &mut st, &name, now_ms)?);
+            sealed.extend(seal_stream(&tx, &mut st, &name, now_ms, &mut chunk_rows)?);
         }
         if dropped.chunks > 0 {
             for (key, n) in [(META_DROPPED_CHUNKS, dropped.chunks), (META_DROPPED_RECORDS, dropped.records)] {
@@ -344,7 +361,25 @@ impl Spool {
             }
         }
         if pending.len > 0 {
-            segments.write(&pending.parts)?;
+            // The commit record around the payload (`journal.rs`): the rows this commit adds.
+            let record = journal::Record {
+                streams: st
+                    .names
+                    .iter()
+                    .filter(|(id, _)| **id >= first_new_stream)
+                    .map(|(id, name)| (*id, name.clone()))
+                    .collect(),
+                batches: std::mem::take(&mut pending.rows),
+                chunks: chunk_rows,
+            };
+            let target = pending.target.map_or(0, |(segment, _)| segment);
+            let prefix = journal::prefix(target, pending.len, journal::trailer_len(&record));
+            let trailer = journal::trailer(&prefix, &record);
+            let mut parts = Vec::with_capacity(pending.parts.len() + 2);
+            parts.push(&prefix[..]);
+            parts.extend_from_slice(&pending.parts);
+            parts.push(&trailer);
+            segments.write(&parts)?;
         }
         if !reqs.is_empty() {
             crate::crash_point!("spool::append::before_commit");
@@ -649,6 +684,8 @@ struct PendingRow<'a> {
     parts: Vec<&'a [u8]>,
     /// Bytes in `parts`.
     len: u64,
+    /// The rows inserted, for the commit record.
+    rows: Vec<BatchRow>,
     /// Where the current row starts, counted from the first part.
     row_start: u64,
     records: u64,
@@ -656,8 +693,19 @@ struct PendingRow<'a> {
 }
 
 impl<'a> PendingRow<'a> {
+    /// `target` is where the commit's record starts: its payload follows the record's prefix.
     fn new(target: Option<(i64, u64)>) -> Self {
-        PendingRow { stream: None, target, parts: Vec::new(), len: 0, row_start: 0, records: 0, crc: 0 }
+        let target = target.map(|(segment, offset)| (segment, offset + journal::PREFIX));
+        PendingRow {
+            stream: None,
+            target,
+            parts: Vec::new(),
+            len: 0,
+            rows: Vec::new(),
+            row_start: 0,
+            records: 0,
+            crc: 0,
+        }
     }
 
     fn push(&mut self, batch: &'a Batch) {
@@ -709,6 +757,7 @@ impl<'a> PendingRow<'a> {
         .map_err(ctx("inserting a batch"))?;
         stream.open_batches += 1;
         st.next_batch_id = batch_id.saturating_add(1);
+        self.rows.push(row);
         let used = st.segments.entry(segment).or_default();
         used.add_row(batch_id);
         used.end = used.end.max(base + self.len);
@@ -953,7 +1002,13 @@ fn stream_by_id(st: &mut State, id: i64) -> Result<&mut StreamState, SpoolError>
 /// Seals the open batches of stream `name` into one chunk with the stream's next seq. Returns
 /// the chunk, or `None` if the stream had no open batches. The chunk's sizes come from the rows
 /// themselves.
-fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) -> Result<Option<ChunkMeta>, SpoolError> {
+fn seal_stream(
+    tx: &Transaction<'_>,
+    st: &mut State,
+    name: &str,
+    now_ms: u64,
+    rows: &mut Vec<ChunkRow>,
+) -> Result<Option<ChunkMeta>, SpoolError> {
     let chunk_id = st.next_chunk_id;
     let Some(stream) = st.streams.get_mut(name) else {
         return Ok(None);
@@ -1005,6 +1060,7 @@ fn seal_stream(tx: &Transaction<'_>, st: &mut State, name: &str, now_ms: u64) ->
         ))
     })
     .map_err(ctx("inserting a chunk"))?;
+    rows.push(row);
     crate::crash_point!("spool::seal::chunk_row_written");
     // The batches themselves are not touched: the chunk row names their range, and moving
     // `sealed_through` past it closes the stream's open set.
@@ -1628,12 +1684,13 @@ mod tests {
 
     /// Under deferred syncs: "first" appended and synced, then "second" and "third" (sealed
     /// into one chunk with "first") committed without a sync of their segment bytes. Returns
-    /// the spool, closed, and the one segment's path.
-    fn deferred_tail(opts: &SpoolOptions) -> std::path::PathBuf {
+    /// the spool, closed, and the one segment's path and its length at the sync.
+    fn deferred_tail(opts: &SpoolOptions) -> (std::path::PathBuf, u64) {
         let (mut spool, _) = open(opts);
         let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
         spool.append(&[req(vec![batch("a", b"first")])], 1).expect("append");
         sync.sync(None).expect("sync");
+        let synced = std::fs::metadata(crate::segment::path(&opts.path, segment_files(opts)[0])).expect("len").len();
         // This commit records that "first" is synced; nothing syncs it or the next one.
         spool.append(&[req(vec![batch("a", b"second")])], 2).expect("append");
         spool.commit(&[req(vec![batch("a", b"third")])], &[], SealWhat::All, 3).expect("commit");
@@ -1648,15 +1705,26 @@ mod tests {
         drop((spool, sync));
         let segs = segment_files(opts);
         assert_eq!(segs.len(), 1);
-        crate::segment::path(&opts.path, segs[0])
+        (crate::segment::path(&opts.path, segs[0]), synced)
+    }
+
+    /// The segment file and offset of the bytes of the `n`th batch row (by id, from 0).
+    fn batch_bytes_at(opts: &SpoolOptions, n: i64) -> (std::path::PathBuf, u64) {
+        let conn = rusqlite::Connection::open(&opts.path).expect("open");
+        let (seg, off): (i64, i64) = conn
+            .query_row("SELECT segment, seg_offset FROM batches ORDER BY id LIMIT 1 OFFSET ?1", [n], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .expect("batch");
+        (crate::segment::path(&opts.path, seg), u64::try_from(off).expect("offset"))
     }
 
     #[test]
     fn a_power_cut_that_lost_unsynced_segment_bytes_drops_their_rows_and_reopens_the_chunk() {
         let (_dir, opts) = setup();
-        let seg = deferred_tail(&opts);
+        let (seg, synced) = deferred_tail(&opts);
         // What a power cut leaves: the WAL's commits, the segment only as far as its last sync.
-        std::fs::OpenOptions::new().write(true).open(&seg).expect("segment").set_len(5).expect("cut");
+        std::fs::OpenOptions::new().write(true).open(&seg).expect("segment").set_len(synced).expect("cut");
         // `spool check` before the agent starts again: a lost tail, not damage.
         let checked = crate::check(&opts.path).expect("check");
         let tail = checked.lost_tail.clone().expect("a lost tail");
@@ -1698,11 +1766,10 @@ mod tests {
         spool.append(&[req(vec![batch("a", b"a2")])], 2).expect("append");
         spool.commit(&[req(vec![batch("b", b"b2")])], &[], SealWhat::All, 3).expect("commit");
         drop((spool, sync));
-        let segs = segment_files(&opts);
-        let seg = crate::segment::path(&opts.path, segs[0]);
+        let (seg, a2) = batch_bytes_at(&opts, 2);
         // "a2" lost, "b2" (written after it) on disk: b2's commit was not answered either.
         let f = std::fs::OpenOptions::new().write(true).open(&seg).expect("segment");
-        std::os::unix::fs::FileExt::write_all_at(&f, b"XX", 4).expect("damage a2");
+        std::os::unix::fs::FileExt::write_all_at(&f, b"XX", a2).expect("damage a2");
         let (mut spool, report) = open(&opts);
         assert_eq!(report.unsynced_records_dropped, 2);
         assert_eq!((report.open_batches, report.sealed_chunks), (2, 0));
@@ -1711,6 +1778,161 @@ mod tests {
             all_sealed(&spool).iter().map(|c| (c.stream.clone(), c.seq, read(&spool, c).expect("read"))).collect();
         payloads.sort();
         assert_eq!(payloads, vec![("a".into(), 1, b"a1".to_vec()), ("b".into(), 1, b"b1".to_vec())]);
+    }
+
+    /// The index (database and WAL) as it is now: what a power cut leaves of it when the
+    /// WAL's last sync was now.
+    fn index_image(opts: &SpoolOptions) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+        ["", "-wal"]
+            .iter()
+            .map(|suffix| {
+                let p = recovery::with_suffix(&opts.path, suffix);
+                let bytes = std::fs::read(&p).expect("index file");
+                (p, bytes)
+            })
+            .collect()
+    }
+
+    fn restore(opts: &SpoolOptions, image: &[(std::path::PathBuf, Vec<u8>)]) {
+        for (p, bytes) in image {
+            std::fs::write(p, bytes).expect("restore");
+        }
+        let _gone = std::fs::remove_file(recovery::with_suffix(&opts.path, "-shm"));
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn chunks_and_payloads(spool: &Spool) -> Vec<(crate::ChunkMeta, Vec<u8>)> {
+        all_sealed(spool).into_iter().map(|c| (c.clone(), read(spool, &c).expect("read"))).collect()
+    }
+
+    #[test]
+    fn commits_the_wal_lost_in_a_power_cut_come_back_from_their_commit_records() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
+        spool.append(&[req(vec![batch("a", b"first")])], 1).expect("append");
+        sync.sync(None).expect("sync");
+        let image = index_image(&opts);
+        spool.append(&[req(vec![batch("a", b"second"), batch("b", b"a new stream")])], 2).expect("append");
+        spool.commit(&[req(vec![batch("a", b"third")])], &[], SealWhat::All, 3).expect("commit");
+        sync.sync(spool.newest_chunk()).expect("sync");
+        let before = chunks_and_payloads(&spool);
+        assert_eq!(before.len(), 2);
+        drop((spool, sync));
+        // The WAL's last commits are lost; the segment's bytes, synced, are not.
+        restore(&opts, &image);
+        let (mut spool, report) = open(&opts);
+        assert_eq!(report.replayed_records, 3);
+        assert_eq!(chunks_and_payloads(&spool), before, "the same chunks: ids, sequence numbers, times, bytes");
+        assert_eq!(report.open_batches, 0);
+        assert!(!crate::check(&opts.path).expect("check").has_damage());
+
+        // The writer goes on after the replayed records: the next loss is replayed as well.
+        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
+        let image = index_image(&opts);
+        spool.append(&[req(vec![batch("b", b"fourth")])], 4).expect("append");
+        sync.sync(None).expect("sync");
+        drop((spool, sync));
+        restore(&opts, &image);
+        let (mut spool, report) = open(&opts);
+        assert_eq!((report.replayed_records, report.open_batches), (1, 1));
+        spool.seal_all(5).expect("seal");
+        let b: Vec<_> = chunks_and_payloads(&spool).into_iter().filter(|(c, _)| c.stream == "b").collect();
+        assert_eq!(
+            b.iter().map(|(c, p)| (c.seq, p.as_slice())).collect::<Vec<_>>(),
+            [(1, &b"a new stream"[..]), (2, b"fourth")]
+        );
+        assert_eq!(segment_files(&opts).len(), 1, "one segment throughout");
+    }
+
+    #[test]
+    fn under_normal_durability_commits_the_wal_lost_come_back_from_their_records_too() {
+        let (_dir, mut opts) = setup();
+        opts.durability = Durability::Normal;
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"first")])], 1).expect("append");
+        let image = index_image(&opts);
+        spool.commit(&[req(vec![batch("a", b"second")])], &[], SealWhat::All, 2).expect("commit");
+        let before = chunks_and_payloads(&spool);
+        drop(spool);
+        restore(&opts, &image);
+        let (spool, report) = open(&opts);
+        assert_eq!(report.replayed_records, 1);
+        assert_eq!(chunks_and_payloads(&spool), before);
+    }
+
+    #[test]
+    fn a_commit_record_after_a_lost_seal_is_not_replayed() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
+        spool.append(&[req(vec![batch("a", b"a1")])], 1).expect("append");
+        sync.sync(None).expect("sync");
+        let image = index_image(&opts);
+        // A seal on its own has no commit record; the next commit's record seals chunk 2.
+        assert_eq!(spool.seal_all(2).expect("seal"), 1);
+        spool.commit(&[req(vec![batch("a", b"a2")])], &[], SealWhat::All, 3).expect("commit");
+        drop((spool, sync));
+        // Both lost from the WAL (their sync had not ended: neither was answered or sent).
+        restore(&opts, &image);
+        let (mut spool, report) = open(&opts);
+        assert_eq!((report.replayed_records, report.open_batches, report.sealed_chunks), (0, 1, 0));
+        spool.append(&[req(vec![batch("a", b"a3")])], 4).expect("append");
+        spool.seal_all(5).expect("seal");
+        let chunks = chunks_and_payloads(&spool);
+        assert_eq!(chunks.len(), 1);
+        assert_eq!((chunks[0].0.seq, chunks[0].1.as_slice()), (1, &b"a1a3"[..]));
+        assert!(!crate::check(&opts.path).expect("check").has_damage());
+    }
+
+    #[test]
+    fn after_a_lost_tail_was_dropped_the_commits_in_the_next_segment_are_replayed_past_the_stale_records() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
+        spool.append(&[req(vec![batch("a", b"a1")])], 1).expect("append");
+        sync.sync(None).expect("sync");
+        spool.append(&[req(vec![batch("a", b"a2")])], 2).expect("append");
+        spool.append(&[req(vec![batch("a", b"b2")])], 3).expect("append");
+        drop((spool, sync));
+        // "a2" lost in a power cut; "b2", written after it, survived but was never answered.
+        let (seg, a2) = batch_bytes_at(&opts, 1);
+        let f = std::fs::OpenOptions::new().write(true).open(&seg).expect("segment");
+        std::os::unix::fs::FileExt::write_all_at(&f, b"XX", a2).expect("damage a2");
+        let (mut spool, report) = open(&opts);
+        assert_eq!(report.unsynced_records_dropped, 2);
+        // The next commit reuses a2's batch id, in a new segment; then the WAL loses it.
+        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
+        let image = index_image(&opts);
+        spool.append(&[req(vec![batch("a", b"a3")])], 4).expect("append");
+        sync.sync(None).expect("sync");
+        assert_eq!(segment_files(&opts), vec![1, 2]);
+        drop((spool, sync));
+        restore(&opts, &image);
+        let (mut spool, report) = open(&opts);
+        assert_eq!((report.replayed_records, report.open_batches), (1, 2), "a3 back, not b2");
+        spool.seal_all(5).expect("seal");
+        let chunks = chunks_and_payloads(&spool);
+        assert_eq!(chunks.iter().map(|(c, p)| (c.seq, p.as_slice())).collect::<Vec<_>>(), [(1, &b"a1a3"[..])]);
+    }
+
+    #[test]
+    fn a_segment_whose_records_stop_short_of_its_rows_is_not_continued() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"one")])], 1).expect("append");
+        drop(spool);
+        // As a segment written before commit records (or damaged there) reads.
+        let (seg, _) = batch_bytes_at(&opts, 0);
+        let f = std::fs::OpenOptions::new().write(true).open(&seg).expect("segment");
+        std::os::unix::fs::FileExt::write_all_at(&f, b"XXXX", 0).expect("damage the record's prefix");
+        let (mut spool, report) = open(&opts);
+        assert_eq!((report.replayed_records, report.open_batches), (0, 1));
+        spool.append(&[req(vec![batch("a", b"two")])], 2).expect("append");
+        assert_eq!(segment_files(&opts).len(), 2, "the next record starts a new segment");
+        spool.seal_all(3).expect("seal");
+        let chunks = chunks_and_payloads(&spool);
+        assert_eq!(chunks[0].1, b"onetwo");
     }
 
     #[test]
@@ -1741,9 +1963,9 @@ mod tests {
         assert_eq!(mark(&spool), count(&spool, "SELECT max(id) FROM batches"));
         drop((spool, sync));
         // A byte of "second" damaged while the agent was stopped.
-        let seg = crate::segment::path(&opts.path, segment_files(&opts)[0]);
+        let (seg, second) = batch_bytes_at(&opts, 1);
         let f = std::fs::OpenOptions::new().write(true).open(&seg).expect("segment");
-        std::os::unix::fs::FileExt::write_all_at(&f, b"X", 6).expect("damage");
+        std::os::unix::fs::FileExt::write_all_at(&f, b"X", second + 1).expect("damage");
         let (spool, report) = open(&opts);
         assert_eq!(report.unsynced_records_dropped, 0, "nothing is taken for a lost write");
         let chunks = all_sealed(&spool);
@@ -1826,13 +2048,15 @@ mod tests {
     #[test]
     fn segments_roll_over_and_are_deleted_once_their_chunks_are_acked() {
         let (_dir, mut opts) = setup();
-        opts.segment_target_bytes = 1_000;
+        // Each 300-byte commit is a record of 404 to 476 bytes (32-byte prefix; a 72-byte
+        // trailer per batch row and per chunk sealed, 13 more for a new stream).
+        opts.segment_target_bytes = 1_500;
         opts.chunk_target_bytes = 600;
         let (mut spool, _) = open(&opts);
         for i in 0..10u8 {
             spool.append(&[req(vec![batch("a", &[i; 300])])], u64::from(i)).expect("append");
         }
-        // 300-byte commits into 1,000-byte segments: four commits each (the fourth crosses).
+        // Four commits per segment (the fourth crosses its target).
         assert_eq!(segment_files(&opts), vec![1, 2, 3]);
         let chunks = all_sealed(&spool);
         assert_eq!(chunks.len(), 5);
@@ -1867,7 +2091,8 @@ mod tests {
         spool.ack(&[last.id]).expect("ack");
         spool.append(&[req(vec![batch("a", &[8; 10])])], 22).expect("append");
         assert_eq!(segment_files(&opts), vec![4]);
-        assert_eq!(spool.segments.active_end(), Some((4, 20)));
+        // Two records of a 10-byte batch: prefix, payload and a 72-byte trailer each.
+        assert_eq!(spool.segments.active_end(), Some((4, 2 * (journal::PREFIX + 10 + 72))));
         spool.seal_all(23).expect("seal");
         let last = all_sealed(&spool).remove(0);
         assert_eq!(reader.read(&last).expect("read"), vec![8; 10]);
@@ -1915,20 +2140,20 @@ mod tests {
         // A commit that wrote its bytes and died before the index commit, and a segment created
         // for a commit that never happened.
         let seg1 = crate::segment::path(&opts.path, 1);
+        assert_eq!(journal::payloads(&seg1, 1), b"kept");
         let mut bytes = std::fs::read(&seg1).expect("segment 1");
-        assert_eq!(bytes, b"kept");
         bytes.extend_from_slice(b"torn tail");
         std::fs::write(&seg1, &bytes).expect("tail");
         std::fs::write(crate::segment::path(&opts.path, 9), b"never committed").expect("stray segment");
         let (mut spool, report) = open(&opts);
         assert!(report.quarantined.is_none());
-        assert_eq!(std::fs::read(&seg1).expect("segment 1"), b"kept");
+        assert_eq!(journal::payloads(&seg1, 1), b"kept", "the torn tail is cut");
         assert_eq!(segment_files(&opts), vec![1]);
         // New bytes continue where the committed ones end.
         spool.append(&[req(vec![batch("a", b"+more")])], 2).expect("append");
         spool.seal_all(3).expect("seal");
         assert_eq!(read(&spool, &all_sealed(&spool)[0]).expect("read"), b"kept+more");
-        assert_eq!(std::fs::read(&seg1).expect("segment 1"), b"kept+more");
+        assert_eq!(journal::payloads(&seg1, 1), b"kept+more");
     }
 
     #[test]
@@ -1944,13 +2169,13 @@ mod tests {
         let err = spool.append(&[req(vec![batch("a", b"lost")])], 2).expect_err("disk full");
         assert!(matches!(err, SpoolError::DiskFull), "{err:?}");
         assert_eq!(segment_files(&opts), vec![1, 2]);
-        assert_eq!(std::fs::read(crate::segment::path(&opts.path, 1)).expect("segment"), b"one");
+        assert_eq!(journal::payloads(&crate::segment::path(&opts.path, 1), 1), b"one");
         spool.simulate_full_segments(false);
         spool.append(&[req(vec![batch("a", b"two")])], 3).expect("append");
         spool.seal_all(4).expect("seal");
         let chunk = all_sealed(&spool).remove(0);
         assert_eq!(read(&spool, &chunk).expect("read"), b"onetwo");
-        assert_eq!(std::fs::read(crate::segment::path(&opts.path, 2)).expect("segment"), b"two");
+        assert_eq!(journal::payloads(&crate::segment::path(&opts.path, 2), 2), b"two");
         spool.ack(&[chunk.id]).expect("ack");
         assert_eq!(segment_files(&opts), vec![2], "the retired segment went with its last chunk");
     }
@@ -2001,7 +2226,7 @@ mod tests {
             .filter(|n| n.contains(".orphan-"))
             .collect();
         assert_eq!(kept.len(), 1, "{kept:?}");
-        assert_eq!(std::fs::read(dir.path().join(&kept[0])).expect("orphan"), b"orphaned bytes");
+        assert_eq!(journal::payloads(&dir.path().join(&kept[0]), 1), b"orphaned bytes");
     }
 
     #[test]

@@ -1,11 +1,15 @@
 //! The syncs, taken off the writer's path: under [`Durability::Full`](crate::Durability::Full)
 //! the writer may run `synchronous=NORMAL`, write each commit's payload bytes without syncing
-//! them, and hand each commit to a [`WalSync`] on another thread, which `fdatasync`s `-wal`
-//! while a thread of its own, `edge-spool-seg`, `fdatasync`s the payload segments written
-//! since the last sync. A commit is durable once both are, so it waits for the slower of its
-//! two syncs instead of their sum, and the writer for neither (see
-//! [`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync)). On a gateway's flash, where a
-//! sync takes milliseconds, that is what a producer waits for.
+//! them, and hand each commit to a [`WalSync`] on another thread, which makes it durable (see
+//! [`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync)). A commit that appends is durable
+//! once its segment bytes are: they hold its commit record, from which open adds its rows back
+//! if the WAL lost them (`journal.rs`). So most rounds are one `fdatasync` of the segments
+//! written since the last. The WAL is synced too, while a thread of its own, `edge-spool-seg`,
+//! syncs the segments beside it, when a commit without a record made rows that must be durable
+//! (seals on their own), and at least every [`WAL_AT_LEAST_EVERY`] or
+//! [`WAL_AT_LEAST_PER_BYTES`] of records, which bounds what open may have to replay. On a
+//! gateway's flash, where a sync takes milliseconds and the card serves one at a time, that is
+//! what a producer waits for.
 //!
 //! Under `NORMAL` a commit is visible to every connection as soon as `COMMIT` returns, before
 //! it is durable. A chunk read and sent in that window could be stored by the server and then
@@ -79,6 +83,12 @@ struct SyncsState {
     synced: u64,
     /// A sync has taken `files` and not ended yet.
     running: bool,
+    /// A commit since the last sync of the WAL has rows that no commit record holds (seals on
+    /// their own): the next sync must sync the WAL too.
+    wal_needed: bool,
+    /// Payload bytes registered since the WAL's last sync: what a power cut could leave for
+    /// open to replay from the commit records.
+    since_wal: u64,
     /// The first sync that failed, with the segment it failed on: nothing after it is durable
     /// (see [`WalSync`]'s `failed`).
     failed: Option<(PathBuf, String)>,
@@ -89,13 +99,34 @@ impl SegmentSyncs {
         self.0.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Write number `write` put bytes into segment `id` (`file`), not synced.
-    pub(crate) fn register(&self, id: i64, file: &Arc<File>, write: u64) {
+    /// Write number `write` put `bytes` bytes into segment `id` (`file`), not synced.
+    pub(crate) fn register(&self, id: i64, file: &Arc<File>, write: u64, bytes: u64) {
         let mut st = self.lock();
+        st.since_wal = st.since_wal.saturating_add(bytes);
         if !st.files.iter().any(|(i, _)| *i == id) {
             st.files.push((id, Arc::clone(file)));
         }
         st.registered = st.registered.max(write);
+    }
+
+    /// A commit without a commit record made rows that must be durable: the next
+    /// [`WalSync::sync`] syncs the WAL.
+    pub(crate) fn need_wal(&self) {
+        self.lock().wal_needed = true;
+    }
+
+    /// Whether the next sync must sync the WAL too: a commit needs it, or the commit records
+    /// since its last sync hold `limit` bytes or more.
+    fn wal_due(&self, limit: u64) -> bool {
+        let st = self.lock();
+        st.wal_needed || st.since_wal >= limit
+    }
+
+    /// The WAL's sync is starting: what was due is covered by it.
+    fn wal_syncing(&self) {
+        let mut st = self.lock();
+        st.wal_needed = false;
+        st.since_wal = 0;
     }
 
     /// The number of the newest write whose bytes are durable.
@@ -145,6 +176,12 @@ impl SegmentSyncs {
     }
 }
 
+/// With deferred segment syncs, the WAL is synced at least this often...
+pub(crate) const WAL_AT_LEAST_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+/// ... and whenever the commit records written since its last sync hold this many bytes: after
+/// a power cut, open replays at most about this much.
+pub(crate) const WAL_AT_LEAST_PER_BYTES: u64 = 64 << 20;
+
 /// Makes the writer's commits durable after the fact; made by
 /// [`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync). `Send`: it is meant for a thread of
 /// its own.
@@ -159,6 +196,9 @@ pub struct WalSync {
     visible: Visible,
     /// Set when the writer's segment syncs are deferred too.
     segments: Option<Segments>,
+    /// When the WAL was last synced: with segments, a sync that needs only theirs still syncs
+    /// the WAL after [`WAL_AT_LEAST_EVERY`], to keep what open may replay short.
+    wal_synced_at: std::time::Instant,
     /// The first sync that failed. Linux may drop the dirty pages of a failed write-back and
     /// report the error once: a later successful `fdatasync` would prove nothing, so a failure
     /// stays a failure for the life of this value.
@@ -192,7 +232,14 @@ impl WalSync {
     /// Opens the WAL file `wal`.
     pub(crate) fn open(wal: PathBuf, visible: Visible) -> Result<Self, SpoolError> {
         match File::open(&wal) {
-            Ok(file) => Ok(WalSync { wal, file, visible, segments: None, failed: None }),
+            Ok(file) => Ok(WalSync {
+                wal,
+                file,
+                visible,
+                segments: None,
+                wal_synced_at: std::time::Instant::now(),
+                failed: None,
+            }),
             Err(source) => Err(SpoolError::Io { path: wal, source }),
         }
     }
@@ -232,10 +279,32 @@ impl WalSync {
             let detail = format!("an earlier fsync of the WAL failed ({first}); nothing since is durable");
             return Err(SpoolError::Io { path: self.wal.clone(), source: std::io::Error::other(detail) });
         }
+        // One sync per commit: a commit that appends is durable once its segment bytes are,
+        // since its commit record there brings back its rows if the WAL loses them
+        // (`journal.rs`). The WAL is synced too when a commit without a record needs it (a seal
+        // on its own) and now and then, to keep the replay short.
+        let wal_due = self.segments.as_ref().is_none_or(|s| s.syncs.wal_due(WAL_AT_LEAST_PER_BYTES))
+            || self.wal_synced_at.elapsed() >= WAL_AT_LEAST_EVERY;
+        if let Some(s) = self.segments.as_ref().filter(|_| !wal_due) {
+            if let Some(target) = s.syncs.unsynced_through()
+                && let Err(e) = s.syncs.sync_through(&s.db, target)
+            {
+                self.failed = Some(e.to_string());
+                return Err(e);
+            }
+            if let Some(c) = sealed_through {
+                self.visible.raise(c.0);
+            }
+            return Ok(());
+        }
         // The segments' sync beside the WAL's, so a commit waits for the slower of the two, not
         // for both in turn. The WAL's may then make rows durable before their bytes: open finds
         // such rows after a power cut (`unsynced.rs`), and nobody was answered for them.
         // Commits that wrote no payload bytes since the last sync (seals, acks) wake no thread.
+        self.wal_synced_at = std::time::Instant::now();
+        if let Some(s) = &self.segments {
+            s.syncs.wal_syncing();
+        }
         let target = self.segments.as_mut().and_then(|s| {
             let target = s.syncs.unsynced_through()?;
             if s.helper.as_ref().is_some_and(|h| h.send(target).is_err()) {
@@ -305,19 +374,19 @@ mod tests {
             .expect("thread");
         sync.sync(None).expect("nothing registered");
         assert_eq!(syncs.synced_write(), 0);
-        syncs.register(7, &seg, 1);
-        syncs.register(7, &seg, 2);
+        syncs.register(7, &seg, 1, 1);
+        syncs.register(7, &seg, 2, 1);
         sync.sync(None).expect("sync");
         assert_eq!(syncs.synced_write(), 2, "covers every write registered before it began");
         assert!(syncs.lock().files.is_empty(), "and takes the files");
 
         // A segment that cannot be synced (a pipe: EINVAL), as a failing disk would fail it.
         let (pipe, _writer) = std::io::pipe().expect("pipe");
-        syncs.register(8, &Arc::new(File::from(std::os::fd::OwnedFd::from(pipe))), 3);
+        syncs.register(8, &Arc::new(File::from(std::os::fd::OwnedFd::from(pipe))), 3, 1);
         let err = sync.sync(None).expect_err("a pipe cannot be synced");
         assert!(err.to_string().contains(&crate::segment::path(&db, 8).display().to_string()), "{err}");
         assert_eq!(syncs.synced_write(), 2);
-        syncs.register(7, &seg, 4);
+        syncs.register(7, &seg, 4, 1);
         assert!(sync.sync(None).is_err(), "stays failed");
         assert_eq!(syncs.synced_write(), 2);
     }
@@ -330,7 +399,7 @@ mod tests {
         // The writer has taken write 1's files and is syncing them; a file left registered
         // that cannot be synced (a pipe) shows whether the waiting side syncs on its own.
         let (pipe, _writer) = std::io::pipe().expect("pipe");
-        syncs.register(8, &Arc::new(File::from(std::os::fd::OwnedFd::from(pipe))), 1);
+        syncs.register(8, &Arc::new(File::from(std::os::fd::OwnedFd::from(pipe))), 1, 1);
         syncs.lock().running = true;
         let waiter = {
             let syncs = syncs.clone();
@@ -346,7 +415,7 @@ mod tests {
         waiter.join().expect("no panic").expect("the writer's sync covered write 1");
         assert_eq!(syncs.synced_write(), 1);
         // Write 2 is the waiting side's to sync: it fails on the pipe, and names it.
-        syncs.register(8, &Arc::new(File::open(dir.path()).expect("dir")), 2);
+        syncs.register(8, &Arc::new(File::open(dir.path()).expect("dir")), 2, 1);
         let err = syncs.sync_through(&db, 2).expect_err("the pipe cannot be synced");
         assert!(err.to_string().contains(&crate::segment::path(&db, 8).display().to_string()), "{err}");
         assert!(syncs.sync_through(&db, 2).is_err(), "stays failed");

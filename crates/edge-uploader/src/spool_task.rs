@@ -10,10 +10,11 @@
 //! Under `durability = "full"` no fsync is on that thread: the spool runs
 //! `synchronous=NORMAL` and writes each commit's payload bytes without syncing them, and a
 //! second thread, `edge-spool-sync`, makes every commit queued when it starts durable
-//! ([`edge_spool::WalSync`]): it `fdatasync`s the WAL while a third, `edge-spool-seg`,
-//! `fdatasync`s the payload segments, while the writer builds the next transaction. So a
-//! commit waits for the slower of its two syncs, not for both in turn (on a gateway's flash a
-//! sync takes milliseconds). Only after both syncs is a commit *settled*: producers get their answers,
+//! ([`edge_spool::WalSync`]) while the writer builds the next transaction: one `fdatasync` of
+//! the payload segments, which hold each commit's record, and the WAL's too (beside it, on a
+//! third thread, `edge-spool-seg`) when a seal on its own needs it and about once a second (on
+//! a gateway's flash a sync takes milliseconds). Only after that sync round is a commit
+//! *settled*: producers get their answers,
 //! `seal_all` callers return, the chunks it sealed become visible to the spool's readers and
 //! are handed to the uploader, and the uploader is woken. A failed sync answers every
 //! outstanding request with an error and ends the process (status 74): nothing committed since
@@ -424,7 +425,7 @@ impl Settler {
     }
 }
 
-/// The `edge-spool-sync` thread: syncs the WAL for the commits queued, then settles them.
+/// The `edge-spool-sync` thread: makes the commits queued durable, then settles them.
 struct Syncer {
     tx: mpsc::Sender<Settle>,
     join: JoinHandle<()>,
