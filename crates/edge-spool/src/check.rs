@@ -9,7 +9,10 @@
 //!
 //! After a power cut the last commits' batches may point at bytes that were lost before their
 //! sync (see `unsynced.rs`): they are reported as a [`LostTail`], what the agent drops at its
-//! next open, and neither they nor the chunks sealed over them count as damage.
+//! next open, and neither they nor the chunks sealed over them count as damage. The commits
+//! whose bytes were synced and whose index rows the WAL lost are in their commit records
+//! (`journal.rs`): they are reported as [`Replayable`], what the agent adds back at its next
+//! open (next to a running agent, a commit in progress can show there too).
 //!
 //! Salvage: each batch has its own checksum, so the good batches of a damaged chunk are known
 //! intact and are reported (`salvageable_records` / `salvageable_bytes`). Re-sealing them into
@@ -64,6 +67,19 @@ pub struct LostTail {
     pub records: u64,
 }
 
+/// The last commits whose index rows a power cut lost before the WAL's sync, while their
+/// payload bytes and commit records were synced: the agent adds them back, with the same ids
+/// and sequence numbers, when it next opens the spool. Not damage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Replayable {
+    /// Commits.
+    pub commits: u64,
+    /// Records in them.
+    pub records: u64,
+    /// Chunks they sealed.
+    pub chunks: u64,
+}
+
 /// Damage found in one open (not yet sealed) batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DamagedBatch {
@@ -107,6 +123,8 @@ pub struct CheckReport {
     /// Batches of the last commits that a power cut took the bytes of, if any: not counted
     /// as damage, nor are the chunks sealed over them.
     pub lost_tail: Option<LostTail>,
+    /// Commits the segments' commit records hold beyond the index, if any.
+    pub replayable: Option<Replayable>,
 }
 
 impl CheckReport {
@@ -163,6 +181,14 @@ pub fn check(path: &Path) -> Result<CheckReport, SpoolError> {
     if version >= 4 {
         match lost_tail(&conn, path) {
             Ok(tail) => report.lost_tail = tail,
+            Err(e) => report.read_error = Some(error_text(&e)),
+        }
+        match crate::journal::plan(&conn, path) {
+            Ok(plan) if plan.counts.commits > 0 => {
+                let c = plan.counts;
+                report.replayable = Some(Replayable { commits: c.commits, records: c.records, chunks: c.chunks });
+            }
+            Ok(_) => {}
             Err(e) => report.read_error = Some(error_text(&e)),
         }
     }

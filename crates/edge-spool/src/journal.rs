@@ -256,16 +256,24 @@ struct Next {
     streams: BTreeMap<i64, (String, i64, i64)>,
 }
 
-/// Adds the commits whose records are in the segments but whose rows are not in the index
-/// (see the module's text).
-pub(crate) fn replay(conn: &mut Connection, db: &Path) -> Result<Replayed, SpoolError> {
+/// What [`replay`] would add: the records, in order, and the name of every stream by id.
+pub(crate) struct Plan {
+    pub records: Vec<Record>,
+    names: BTreeMap<i64, String>,
+    pub counts: Replayed,
+}
+
+/// Finds the commits whose records are in the segments but whose rows are not in the index
+/// (see the module's text). Reads only (`spool check` runs it too).
+pub(crate) fn plan(conn: &Connection, db: &Path) -> Result<Plan, SpoolError> {
+    let mut plan = Plan { records: Vec::new(), names: BTreeMap::new(), counts: Replayed::default() };
     let newest_used: Option<i64> = conn
         .query_row("SELECT max(segment) FROM batches", [], |r| r.get(0))
         .map_err(ctx("finding the newest payload segment"))?;
     let files: Vec<(i64, std::path::PathBuf)> =
         segment::list(db)?.into_iter().filter(|(id, _)| newest_used.is_none_or(|n| *id >= n)).collect();
     if files.is_empty() {
-        return Ok(Replayed::default());
+        return Ok(plan);
     }
     let state = crate::state::State::load(conn)?;
     let mut next = Next {
@@ -277,11 +285,8 @@ pub(crate) fn replay(conn: &mut Connection, db: &Path) -> Result<Replayed, Spool
             .map(|(name, s)| (s.id, (name.clone(), i64::try_from(s.next_seq).unwrap_or(i64::MAX), s.sealed_through)))
             .collect(),
     };
-    let mut out = Replayed::default();
-    let tx = conn
-        .transaction_with_behavior(TransactionBehavior::Immediate)
-        .map_err(ctx("beginning the replay transaction"))?;
     let mut buf = Vec::new();
+    let out = &mut plan.counts;
     'files: for (id, p) in files {
         let f = File::open(&p).map_err(|e| segment::io_error(&p, e))?;
         let len = f.metadata().map_err(|e| segment::io_error(&p, e))?.len();
@@ -300,16 +305,32 @@ pub(crate) fn replay(conn: &mut Connection, db: &Path) -> Result<Replayed, Spool
                 // tail (`unsynced.rs`), the writer starts a new segment and reuses the ids.
                 continue 'files;
             }
-            apply(&tx, &record, &mut next)?;
+            advance(&record, &mut next);
             out.commits += 1;
             out.batches += record.batches.len() as u64;
             out.records += record.batches.iter().map(|b| u64::try_from(b.records).unwrap_or(0)).sum::<u64>();
             out.chunks += record.chunks.len() as u64;
             out.tail = Some((id, at));
+            plan.records.push(record);
         }
     }
-    if out.commits == 0 {
+    plan.names = next.streams.into_iter().map(|(id, (name, _, _))| (id, name)).collect();
+    Ok(plan)
+}
+
+/// Adds the commits whose records are in the segments but whose rows are not in the index
+/// (see the module's text), in one transaction, made durable before it returns.
+pub(crate) fn replay(conn: &mut Connection, db: &Path) -> Result<Replayed, SpoolError> {
+    let plan = plan(conn, db)?;
+    let out = plan.counts;
+    if plan.records.is_empty() {
         return Ok(out);
+    }
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(ctx("beginning the replay transaction"))?;
+    for record in &plan.records {
+        insert(&tx, record, &plan.names)?;
     }
     tx.commit().map_err(ctx("committing the replay transaction"))?;
     // Durable before the writer cuts or reuses anything past the rows (under either
@@ -371,14 +392,30 @@ fn intact(f: &File, record: &Record, buf: &mut Vec<u8>) -> io::Result<bool> {
     Ok(true)
 }
 
-fn apply(tx: &rusqlite::Transaction<'_>, record: &Record, next: &mut Next) -> Result<(), SpoolError> {
+/// Moves `next` past `record`.
+fn advance(record: &Record, next: &mut Next) {
+    for (id, name) in &record.streams {
+        next.streams.insert(*id, (name.clone(), 1, 0));
+    }
+    if let Some(b) = record.batches.last() {
+        next.batch = b.id + 1;
+    }
+    for c in &record.chunks {
+        if let Some((_, seq, sealed_through)) = next.streams.get_mut(&c.stream_id) {
+            (*seq, *sealed_through) = (c.seq + 1, c.last_batch);
+        }
+        next.chunk = c.id + 1;
+    }
+}
+
+/// Inserts `record`'s rows; `names` holds every stream's name by id.
+fn insert(tx: &rusqlite::Transaction<'_>, record: &Record, names: &BTreeMap<i64, String>) -> Result<(), SpoolError> {
     for (id, name) in &record.streams {
         tx.execute(
             "INSERT INTO streams (id, name, next_seq, sealed_through, row_crc) VALUES (?1, ?2, 1, 0, ?3)",
             (id, name, rowcrc::stream(*id, name, 1, 0)),
         )
         .map_err(ctx("replaying a stream row"))?;
-        next.streams.insert(*id, (name.clone(), 1, 0));
     }
     for b in &record.batches {
         let Some(seg) = b.seg else { continue };
@@ -388,7 +425,6 @@ fn apply(tx: &rusqlite::Transaction<'_>, record: &Record, next: &mut Next) -> Re
             (b.id, b.stream_id, b.records, b.crc32c, b.commit_ms, b.crc(), seg.segment, seg.offset, seg.len),
         )
         .map_err(ctx("replaying a batch row"))?;
-        next.batch = b.id + 1;
     }
     for c in &record.chunks {
         tx.execute(
@@ -397,16 +433,15 @@ fn apply(tx: &rusqlite::Transaction<'_>, record: &Record, next: &mut Next) -> Re
             (c.id, c.stream_id, c.seq, c.records, c.bytes, c.first_ms, c.sealed_ms, c.first_batch, c.last_batch, c.crc()),
         )
         .map_err(ctx("replaying a chunk row"))?;
-        let Some((name, seq, sealed_through)) = next.streams.get_mut(&c.stream_id) else {
+        let Some(name) = names.get(&c.stream_id) else {
             return Err(SpoolError::Inconsistent(format!("replayed chunk {} of unknown stream {}", c.id, c.stream_id)));
         };
-        (*seq, *sealed_through) = (c.seq + 1, c.last_batch);
+        let (seq, sealed_through) = (c.seq + 1, c.last_batch);
         tx.execute(
             "UPDATE streams SET next_seq = ?1, sealed_through = ?2, row_crc = ?3 WHERE id = ?4",
-            (*seq, *sealed_through, rowcrc::stream(c.stream_id, name, *seq, *sealed_through), c.stream_id),
+            (seq, sealed_through, rowcrc::stream(c.stream_id, name, seq, sealed_through), c.stream_id),
         )
         .map_err(ctx("replaying a seal"))?;
-        next.chunk = c.id + 1;
     }
     Ok(())
 }

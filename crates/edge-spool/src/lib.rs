@@ -247,7 +247,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use check::{CheckReport, DamagedBatch, DamagedChunk, LostTail, check};
+pub use check::{CheckReport, DamagedBatch, DamagedChunk, LostTail, Replayable, check};
 pub use error::SpoolError;
 pub use reader::SpoolReader;
 pub use segment::disk_usage;

@@ -1821,8 +1821,16 @@ mod tests {
         drop((spool, sync));
         // The WAL's last commits are lost; the segment's bytes, synced, are not.
         restore(&opts, &image);
+        let checked = crate::check(&opts.path).expect("check");
+        assert_eq!(
+            checked.replayable,
+            Some(crate::Replayable { commits: 2, records: 3, chunks: 2 }),
+            "`spool check` before the agent starts again: what open adds back, not damage"
+        );
+        assert!(!checked.has_damage(), "{checked:?}");
         let (mut spool, report) = open(&opts);
         assert_eq!(report.replayed_records, 3);
+        assert_eq!(crate::check(&opts.path).expect("check").replayable, None);
         assert_eq!(chunks_and_payloads(&spool), before, "the same chunks: ids, sequence numbers, times, bytes");
         assert_eq!(report.open_batches, 0);
         assert!(!crate::check(&opts.path).expect("check").has_damage());

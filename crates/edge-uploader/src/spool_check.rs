@@ -99,6 +99,9 @@ pub fn to_json(path: &Path, r: &CheckReport) -> serde_json::Value {
         "lost_tail": r.lost_tail.as_ref().map(|t| json!({
             "first_batch": t.first_batch, "batches": t.batches, "records": t.records,
         })),
+        "replayable": r.replayable.map(|t| json!({
+            "commits": t.commits, "records": t.records, "chunks": t.chunks,
+        })),
     })
 }
 
@@ -157,6 +160,14 @@ pub fn render(path: &Path, r: &CheckReport) -> String {
             t.records, t.batches, t.first_batch
         );
     }
+    if let Some(t) = &r.replayable {
+        let _ = writeln!(
+            out,
+            "in the payload segments' commit records, not in the index: {} records of {} commit(s), {} chunk(s) sealed \
+             (a power cut took their rows before the WAL's sync; the agent adds them back when it starts)",
+            t.records, t.commits, t.chunks
+        );
+    }
     let _ = writeln!(
         out,
         "{}",
@@ -188,5 +199,19 @@ mod tests {
         assert_eq!(doc["clean"], true);
         assert_eq!(doc["lost_tail"]["records"], 40);
         assert_eq!(doc["damaged_records"], 0);
+    }
+
+    #[test]
+    fn commits_in_the_records_but_not_the_index_are_reported_as_what_the_agent_adds_back() {
+        let report = CheckReport {
+            replayable: Some(edge_spool::Replayable { commits: 3, records: 120, chunks: 1 }),
+            ..CheckReport::default()
+        };
+        let path = Path::new("/var/lib/edge-uploader/spool.db");
+        let text = render(path, &report);
+        assert!(text.contains("not in the index: 120 records of 3 commit(s), 1 chunk(s) sealed"), "{text}");
+        assert!(text.trim_end().ends_with("clean"), "{text}");
+        let doc = to_json(path, &report);
+        assert_eq!((doc["clean"].clone(), doc["replayable"]["records"].clone()), (json!(true), json!(120)));
     }
 }
