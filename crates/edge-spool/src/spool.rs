@@ -552,7 +552,8 @@ impl Spool {
         let mut sync = WalSync::open(recovery::with_suffix(&self.opts.path, "-wal"), self.visible.clone())?
             .with_segments(self.opts.path.clone(), syncs.clone())?;
         // Commits before this call were synced by `FULL`, or made under `Normal` by an earlier
-        // run: sync once, then every chunk in the file is durable.
+        // run: sync once, the WAL included, then every chunk in the file is durable.
+        syncs.need_wal();
         sync.sync(None)?;
         self.conn.pragma_update(None, "synchronous", "NORMAL").map_err(ctx("setting synchronous"))?;
         self.segments.sync_wal_before_delete(true);

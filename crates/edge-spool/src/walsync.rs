@@ -199,6 +199,8 @@ pub struct WalSync {
     /// When the WAL was last synced: with segments, a sync that needs only theirs still syncs
     /// the WAL after [`WAL_AT_LEAST_EVERY`], to keep what open may replay short.
     wal_synced_at: std::time::Instant,
+    /// [`WAL_AT_LEAST_EVERY`] (tests change it).
+    wal_every: std::time::Duration,
     /// The first sync that failed. Linux may drop the dirty pages of a failed write-back and
     /// report the error once: a later successful `fdatasync` would prove nothing, so a failure
     /// stays a failure for the life of this value.
@@ -238,6 +240,7 @@ impl WalSync {
                 visible,
                 segments: None,
                 wal_synced_at: std::time::Instant::now(),
+                wal_every: WAL_AT_LEAST_EVERY,
                 failed: None,
             }),
             Err(source) => Err(SpoolError::Io { path: wal, source }),
@@ -284,7 +287,7 @@ impl WalSync {
         // (`journal.rs`). The WAL is synced too when a commit without a record needs it (a seal
         // on its own) and now and then, to keep the replay short.
         let wal_due = self.segments.as_ref().is_none_or(|s| s.syncs.wal_due(WAL_AT_LEAST_PER_BYTES))
-            || self.wal_synced_at.elapsed() >= WAL_AT_LEAST_EVERY;
+            || self.wal_synced_at.elapsed() >= self.wal_every;
         if let Some(s) = self.segments.as_ref().filter(|_| !wal_due) {
             if let Some(target) = s.syncs.unsynced_through()
                 && let Err(e) = s.syncs.sync_through(&s.db, target)
@@ -419,6 +422,39 @@ mod tests {
         let err = syncs.sync_through(&db, 2).expect_err("the pipe cannot be synced");
         assert!(err.to_string().contains(&crate::segment::path(&db, 8).display().to_string()), "{err}");
         assert!(syncs.sync_through(&db, 2).is_err(), "stays failed");
+    }
+
+    #[test]
+    fn a_round_syncs_the_wal_only_when_a_commit_without_a_record_or_the_records_since_need_it() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let db = dir.path().join("spool.db");
+        let wal = dir.path().join("spool.db-wal");
+        std::fs::write(&wal, b"frames").expect("write");
+        let seg = Arc::new(File::create(crate::segment::path(&db, 7)).expect("segment"));
+        let syncs = SegmentSyncs::default();
+        let visible = Visible::default();
+        visible.set(0);
+        let mut sync =
+            WalSync::open(wal, visible.clone()).expect("open").with_segments(db, syncs.clone()).expect("thread");
+        sync.wal_every = std::time::Duration::from_secs(3600);
+        // A WAL that cannot be synced (a pipe) shows whether a round syncs it.
+        let (pipe, _writer) = std::io::pipe().expect("pipe");
+        sync.file = File::from(std::os::fd::OwnedFd::from(pipe));
+        syncs.register(7, &seg, 1, 10);
+        sync.sync(Some(ChunkId(3))).expect("a round with commit records syncs the segments only");
+        assert_eq!((syncs.synced_write(), visible.get()), (1, 3));
+        syncs.register(7, &seg, 2, WAL_AT_LEAST_PER_BYTES);
+        assert!(sync.sync(None).is_err(), "64 MiB of records since the WAL's last sync: it is synced too");
+
+        let (pipe, _writer) = std::io::pipe().expect("pipe");
+        let mut sync = WalSync::open(dir.path().join("spool.db-wal"), Visible::default()).expect("open");
+        let syncs = SegmentSyncs::default();
+        sync = sync.with_segments(dir.path().join("spool.db"), syncs.clone()).expect("thread");
+        sync.wal_every = std::time::Duration::from_secs(3600);
+        sync.file = File::from(std::os::fd::OwnedFd::from(pipe));
+        sync.sync(None).expect("nothing to sync");
+        syncs.need_wal();
+        assert!(sync.sync(None).is_err(), "a seal on its own needs the WAL's sync");
     }
 
     #[test]
