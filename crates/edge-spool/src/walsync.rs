@@ -363,18 +363,35 @@ mod tests {
         assert_eq!(visible.get(), 5);
     }
 
-    #[test]
-    fn a_sync_covers_the_registered_segment_writes_and_a_failed_one_names_the_segment() {
-        let dir = tempfile::tempdir().expect("temp dir");
+    /// A [`WalSync`] with segments in `dir` (the spool `spool.db`, segment 7 created), the
+    /// watermark at 0.
+    fn with_segment(dir: &tempfile::TempDir) -> (PathBuf, Arc<File>, SegmentSyncs, WalSync, Visible) {
         let db = dir.path().join("spool.db");
         let wal = dir.path().join("spool.db-wal");
         std::fs::write(&wal, b"frames").expect("write");
         let seg = Arc::new(File::create(crate::segment::path(&db, 7)).expect("segment"));
         let syncs = SegmentSyncs::default();
-        let mut sync = WalSync::open(wal, Visible::default())
+        let visible = Visible::default();
+        visible.set(0);
+        let sync = WalSync::open(wal, visible.clone())
             .expect("open")
             .with_segments(db.clone(), syncs.clone())
             .expect("thread");
+        (db, seg, syncs, sync, visible)
+    }
+
+    /// Makes `sync`'s WAL a pipe, which cannot be synced: a round that syncs it fails. And
+    /// the WAL is not due by time during the test.
+    fn unsyncable_wal(sync: &mut WalSync) {
+        let (pipe, _writer) = std::io::pipe().expect("pipe");
+        sync.file = File::from(std::os::fd::OwnedFd::from(pipe));
+        sync.wal_every = std::time::Duration::from_secs(3600);
+    }
+
+    #[test]
+    fn a_sync_covers_the_registered_segment_writes_and_a_failed_one_names_the_segment() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (db, seg, syncs, mut sync, _) = with_segment(&dir);
         sync.sync(None).expect("nothing registered");
         assert_eq!(syncs.synced_write(), 0);
         syncs.register(7, &seg, 1, 1);
@@ -427,31 +444,17 @@ mod tests {
     #[test]
     fn a_round_syncs_the_wal_only_when_a_commit_without_a_record_or_the_records_since_need_it() {
         let dir = tempfile::tempdir().expect("temp dir");
-        let db = dir.path().join("spool.db");
-        let wal = dir.path().join("spool.db-wal");
-        std::fs::write(&wal, b"frames").expect("write");
-        let seg = Arc::new(File::create(crate::segment::path(&db, 7)).expect("segment"));
-        let syncs = SegmentSyncs::default();
-        let visible = Visible::default();
-        visible.set(0);
-        let mut sync =
-            WalSync::open(wal, visible.clone()).expect("open").with_segments(db, syncs.clone()).expect("thread");
-        sync.wal_every = std::time::Duration::from_secs(3600);
-        // A WAL that cannot be synced (a pipe) shows whether a round syncs it.
-        let (pipe, _writer) = std::io::pipe().expect("pipe");
-        sync.file = File::from(std::os::fd::OwnedFd::from(pipe));
+        let (_, seg, syncs, mut sync, visible) = with_segment(&dir);
+        unsyncable_wal(&mut sync);
         syncs.register(7, &seg, 1, 10);
         sync.sync(Some(ChunkId(3))).expect("a round with commit records syncs the segments only");
         assert_eq!((syncs.synced_write(), visible.get()), (1, 3));
         syncs.register(7, &seg, 2, WAL_AT_LEAST_PER_BYTES);
         assert!(sync.sync(None).is_err(), "64 MiB of records since the WAL's last sync: it is synced too");
 
-        let (pipe, _writer) = std::io::pipe().expect("pipe");
-        let mut sync = WalSync::open(dir.path().join("spool.db-wal"), Visible::default()).expect("open");
-        let syncs = SegmentSyncs::default();
-        sync = sync.with_segments(dir.path().join("spool.db"), syncs.clone()).expect("thread");
-        sync.wal_every = std::time::Duration::from_secs(3600);
-        sync.file = File::from(std::os::fd::OwnedFd::from(pipe));
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (_, _, syncs, mut sync, _) = with_segment(&dir);
+        unsyncable_wal(&mut sync);
         sync.sync(None).expect("nothing to sync");
         syncs.need_wal();
         assert!(sync.sync(None).is_err(), "a seal on its own needs the WAL's sync");
