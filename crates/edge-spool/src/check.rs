@@ -183,6 +183,12 @@ pub fn check(path: &Path) -> Result<CheckReport, SpoolError> {
             Ok(tail) => report.lost_tail = tail,
             Err(e) => report.read_error = Some(error_text(&e)),
         }
+    }
+    if let Err(e) = walk(&conn, path, version, &mut report) {
+        report.read_error = Some(error_text(&e));
+    }
+    // Replay needs the stream rows it builds on: damaged ones are reported above.
+    if version >= 4 && report.damaged_rows.is_empty() && report.read_error.is_none() {
         match crate::journal::plan(&conn, path) {
             Ok(plan) if plan.counts.commits > 0 => {
                 let c = plan.counts;
@@ -191,9 +197,6 @@ pub fn check(path: &Path) -> Result<CheckReport, SpoolError> {
             Ok(_) => {}
             Err(e) => report.read_error = Some(error_text(&e)),
         }
-    }
-    if let Err(e) = walk(&conn, path, version, &mut report) {
-        report.read_error = Some(error_text(&e));
     }
     Ok(report)
 }

@@ -298,8 +298,9 @@ impl SegmentWriter {
                 continue;
             }
             // The records' end, when they reach past the last row (the last record's trailer).
-            let end = tail.filter(|(t, e)| t == id && *e >= u.end && *e <= len).map_or(u.end, |(_, e)| e);
-            let continued = Some(*id) == last && end < target && tail.is_some_and(|(t, _)| t == *id);
+            let chained = tail.filter(|(t, e)| t == id && *e >= u.end && *e <= len);
+            let end = chained.map_or(u.end, |(_, e)| e);
+            let continued = Some(*id) == last && end < target && chained.is_some();
             if len == end && !continued {
                 continue;
             }

@@ -1926,6 +1926,26 @@ mod tests {
     }
 
     #[test]
+    fn a_segment_whose_records_break_off_before_its_last_row_is_not_continued() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"one")])], 1).expect("append");
+        spool.append(&[req(vec![batch("a", b"two")])], 2).expect("append");
+        drop(spool);
+        // The second record's prefix damaged: its rows are in the index, its record unreadable,
+        // so a record written after it could never be read back.
+        let (seg, two) = batch_bytes_at(&opts, 1);
+        let f = std::fs::OpenOptions::new().write(true).open(&seg).expect("segment");
+        std::os::unix::fs::FileExt::write_all_at(&f, b"X", two - journal::PREFIX).expect("damage the magic");
+        let (mut spool, report) = open(&opts);
+        assert_eq!((report.replayed_records, report.open_batches), (0, 2));
+        spool.append(&[req(vec![batch("a", b"three")])], 3).expect("append");
+        assert_eq!(segment_files(&opts).len(), 2, "the next record starts a new segment");
+        spool.seal_all(4).expect("seal");
+        assert_eq!(chunks_and_payloads(&spool)[0].1, b"onetwothree");
+    }
+
+    #[test]
     fn a_segment_whose_records_stop_short_of_its_rows_is_not_continued() {
         let (_dir, opts) = setup();
         let (mut spool, _) = open(&opts);
