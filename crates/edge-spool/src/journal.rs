@@ -123,7 +123,7 @@ pub(crate) fn void(file: &File, offset: u64) -> io::Result<()> {
     file.write_all_at(&VOID, offset)
 }
 
-/// One record read back: where it starts and ends, and its rows (`None`: voided).
+/// One record read back: where it ends, and its rows (`None`: voided).
 #[derive(Debug)]
 struct Found {
     end: u64,
