@@ -55,7 +55,8 @@
 //! * `batches(id INTEGER PRIMARY KEY, stream_id, records, crc32c, commit_ms, row_crc, segment,
 //!   seg_offset, seg_len, data BLOB)`: one row per stream per writer transaction, standing for
 //!   the producer batches that transaction appended to the stream back to back (cut where the
-//!   stream is sealed), in append order, **never updated**: inserted by `append`/`commit`,
+//!   stream is sealed), in append order, **never updated**: inserted by `append`/`commit`
+//!   (or, after a power cut took it from the WAL, by open from its commit record, as it was),
 //!   deleted with its chunk. Its bytes are `seg_len` bytes at `seg_offset` of segment file
 //!   `segment`, and `data` is empty; rows written before version 4 have the three columns NULL
 //!   and their bytes in `data`. `crc32c` is the CRC-32C of the bytes, computed at append and
