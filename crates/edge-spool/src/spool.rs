@@ -526,8 +526,11 @@ impl Spool {
     ///
     /// From this call on, the connection runs `synchronous=NORMAL`: a write returns once its
     /// transaction is in the WAL, **before it is durable**, and the returned [`WalSync`] makes
-    /// it durable. The caller must not act on a commit (answer a producer, send what it sealed)
-    /// before a [`WalSync::sync`] that started after the commit returned `Ok`. Readers from
+    /// it durable: for a commit that appends, by syncing the segment that holds its bytes and
+    /// its commit record (open adds its rows back from the record if the WAL lost them); for
+    /// seals made without appends, by syncing the WAL. The caller must not act on a commit
+    /// (answer a producer, send what it sealed) before a [`WalSync::sync`] that started after
+    /// the commit returned `Ok`. Readers from
     /// [`Spool::reader`] list chunks only up to the `sealed_through` of the last good sync, and
     /// payload segments are deleted only after a sync of the WAL of their own (else a power
     /// cut could bring back rows that point into a deleted file). Everything committed so far
