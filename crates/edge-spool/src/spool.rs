@@ -43,6 +43,9 @@ pub struct Spool {
     unsynced: VecDeque<(u64, i64)>,
     /// The newest batch id whose bytes are known to be durable (with deferred segment syncs).
     known_synced: i64,
+    /// Unit tests: the next writer transaction fails at `COMMIT`, after its segment write.
+    #[cfg(test)]
+    fail_next_commit: bool,
 }
 
 impl Spool {
@@ -101,6 +104,8 @@ impl Spool {
             syncs: None,
             unsynced: VecDeque::new(),
             known_synced: 0,
+            #[cfg(test)]
+            fail_next_commit: false,
         };
         Ok((spool, report))
     }
@@ -389,6 +394,10 @@ impl Spool {
         }
         if !sealed.is_empty() {
             crate::crash_point!("spool::seal::before_commit");
+        }
+        #[cfg(test)]
+        if std::mem::take(&mut self.fail_next_commit) {
+            return Err(SpoolError::Inconsistent("COMMIT failed (simulated)".into()));
         }
         tx.commit().map_err(ctx("committing a writer transaction"))?;
         if !reqs.is_empty() {
@@ -1871,6 +1880,28 @@ mod tests {
         let (spool, report) = open(&opts);
         assert_eq!(report.replayed_records, 1);
         assert_eq!(chunks_and_payloads(&spool), before);
+    }
+
+    #[test]
+    fn the_record_of_a_commit_that_failed_at_commit_is_voided_and_never_replayed() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
+        spool.append(&[req(vec![batch("a", b"a1")])], 1).expect("append");
+        sync.sync(None).expect("sync");
+        let image = index_image(&opts);
+        // Its bytes and record are written, its COMMIT fails: the producer is told so.
+        spool.fail_next_commit = true;
+        spool.append(&[req(vec![batch("a", b"failed")])], 2).expect_err("COMMIT fails");
+        // The next commit reuses the failed one's batch id; both are lost from the WAL.
+        spool.append(&[req(vec![batch("a", b"good")])], 3).expect("append");
+        sync.sync(None).expect("sync");
+        drop((spool, sync));
+        restore(&opts, &image);
+        let (mut spool, report) = open(&opts);
+        assert_eq!((report.replayed_records, report.open_batches), (1, 2));
+        spool.seal_all(4).expect("seal");
+        assert_eq!(chunks_and_payloads(&spool)[0].1, b"a1good", "the answered commit, not the failed one");
     }
 
     #[test]
