@@ -189,7 +189,7 @@ pub fn check(path: &Path) -> Result<CheckReport, SpoolError> {
     }
     // Replay needs the stream rows it builds on: damaged ones are reported above.
     if version >= 4 && report.damaged_rows.is_empty() && report.read_error.is_none() {
-        match crate::journal::plan(&conn, path) {
+        match crate::state::State::load(&conn).and_then(|state| crate::journal::plan(&state, path)) {
             Ok(plan) if plan.counts.commits > 0 => {
                 let c = plan.counts;
                 report.replayable = Some(Replayable { commits: c.commits, records: c.records, chunks: c.chunks });

@@ -55,6 +55,7 @@ use crate::SpoolError;
 use crate::error::ctx;
 use crate::rowcrc::{self, BatchRow, ChunkRow, SegRef};
 use crate::segment;
+use crate::state::State;
 
 /// Bytes of a record's prefix.
 pub(crate) const PREFIX: u64 = 32;
@@ -264,18 +265,15 @@ pub(crate) struct Plan {
 }
 
 /// Finds the commits whose records are in the segments but whose rows are not in the index
-/// (see the module's text). Reads only (`spool check` runs it too).
-pub(crate) fn plan(conn: &Connection, db: &Path) -> Result<Plan, SpoolError> {
+/// whose counters are `state` (see the module's text). Reads only (`spool check` runs it too).
+pub(crate) fn plan(state: &State, db: &Path) -> Result<Plan, SpoolError> {
     let mut plan = Plan { records: Vec::new(), names: BTreeMap::new(), counts: Replayed::default() };
-    let newest_used: Option<i64> = conn
-        .query_row("SELECT max(segment) FROM batches", [], |r| r.get(0))
-        .map_err(ctx("finding the newest payload segment"))?;
+    let newest_used = state.segments.keys().next_back();
     let files: Vec<(i64, std::path::PathBuf)> =
-        segment::list(db)?.into_iter().filter(|(id, _)| newest_used.is_none_or(|n| *id >= n)).collect();
+        segment::list(db)?.into_iter().filter(|(id, _)| newest_used.is_none_or(|n| id >= n)).collect();
     if files.is_empty() {
         return Ok(plan);
     }
-    let state = crate::state::State::load(conn)?;
     let mut next = Next {
         batch: state.next_batch_id,
         chunk: state.next_chunk_id,
@@ -319,9 +317,10 @@ pub(crate) fn plan(conn: &Connection, db: &Path) -> Result<Plan, SpoolError> {
 }
 
 /// Adds the commits whose records are in the segments but whose rows are not in the index
-/// (see the module's text), in one transaction, made durable before it returns.
-pub(crate) fn replay(conn: &mut Connection, db: &Path) -> Result<Replayed, SpoolError> {
-    let plan = plan(conn, db)?;
+/// whose counters are `state` (see the module's text), in one transaction, made durable
+/// before it returns.
+pub(crate) fn replay(conn: &mut Connection, state: &State, db: &Path) -> Result<Replayed, SpoolError> {
+    let plan = plan(state, db)?;
     let out = plan.counts;
     if plan.records.is_empty() {
         return Ok(out);

@@ -143,11 +143,17 @@ fn try_open(opts: &SpoolOptions) -> Result<Attempt, SpoolError> {
     let Ok(bytes) = <[u8; 16]>::try_from(raw.as_slice()) else {
         return Ok(Attempt::Bad(format!("spool id has {} bytes, expected 16", raw.len())));
     };
+    let mut state = State::load(&conn)?;
     // A new file's segments belong to a database that is gone: nothing to replay into it.
-    let replayed =
-        if created { crate::journal::Replayed::default() } else { crate::journal::replay(&mut conn, &opts.path)? };
+    let replayed = if created {
+        crate::journal::Replayed::default()
+    } else {
+        crate::journal::replay(&mut conn, &state, &opts.path)?
+    };
     let unsynced = crate::unsynced::drop_lost_tail(&mut conn, &opts.path)?;
-    let state = State::load(&conn)?;
+    if replayed.commits > 0 || unsynced != crate::unsynced::Dropped::default() {
+        state = State::load(&conn)?;
+    }
     Ok(Attempt::Ready(Box::new(Opened { conn, id: SpoolId(bytes), state, created, replayed, unsynced })))
 }
 

@@ -1813,6 +1813,18 @@ mod tests {
         let _gone = std::fs::remove_file(recovery::with_suffix(&opts.path, "-shm"));
     }
 
+    /// Under deferred syncs: `data` appended to stream "a" and synced, then the index's image
+    /// taken (see [`index_image`]).
+    #[allow(clippy::type_complexity)]
+    fn synced_then_image(opts: &SpoolOptions, data: &[u8]) -> (Spool, WalSync, Vec<(std::path::PathBuf, Vec<u8>)>) {
+        let (mut spool, _) = open(opts);
+        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
+        spool.append(&[req(vec![batch("a", data)])], 1).expect("append");
+        sync.sync(None).expect("sync");
+        let image = index_image(opts);
+        (spool, sync, image)
+    }
+
     #[allow(clippy::type_complexity)]
     fn chunks_and_payloads(spool: &Spool) -> Vec<(crate::ChunkMeta, Vec<u8>)> {
         all_sealed(spool).into_iter().map(|c| (c.clone(), read(spool, &c).expect("read"))).collect()
@@ -1821,11 +1833,7 @@ mod tests {
     #[test]
     fn commits_the_wal_lost_in_a_power_cut_come_back_from_their_commit_records() {
         let (_dir, opts) = setup();
-        let (mut spool, _) = open(&opts);
-        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
-        spool.append(&[req(vec![batch("a", b"first")])], 1).expect("append");
-        sync.sync(None).expect("sync");
-        let image = index_image(&opts);
+        let (mut spool, mut sync, image) = synced_then_image(&opts, b"first");
         spool.append(&[req(vec![batch("a", b"second"), batch("b", b"a new stream")])], 2).expect("append");
         spool.commit(&[req(vec![batch("a", b"third")])], &[], SealWhat::All, 3).expect("commit");
         sync.sync(spool.newest_chunk()).expect("sync");
@@ -1885,11 +1893,7 @@ mod tests {
     #[test]
     fn the_record_of_a_commit_that_failed_at_commit_is_voided_and_never_replayed() {
         let (_dir, opts) = setup();
-        let (mut spool, _) = open(&opts);
-        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
-        spool.append(&[req(vec![batch("a", b"a1")])], 1).expect("append");
-        sync.sync(None).expect("sync");
-        let image = index_image(&opts);
+        let (mut spool, mut sync, image) = synced_then_image(&opts, b"a1");
         // Its bytes and record are written, its COMMIT fails: the producer is told so.
         spool.fail_next_commit = true;
         spool.append(&[req(vec![batch("a", b"failed")])], 2).expect_err("COMMIT fails");
@@ -1907,11 +1911,7 @@ mod tests {
     #[test]
     fn a_commit_record_after_a_lost_seal_is_not_replayed() {
         let (_dir, opts) = setup();
-        let (mut spool, _) = open(&opts);
-        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
-        spool.append(&[req(vec![batch("a", b"a1")])], 1).expect("append");
-        sync.sync(None).expect("sync");
-        let image = index_image(&opts);
+        let (mut spool, sync, image) = synced_then_image(&opts, b"a1");
         // A seal on its own has no commit record; the next commit's record seals chunk 2.
         assert_eq!(spool.seal_all(2).expect("seal"), 1);
         spool.commit(&[req(vec![batch("a", b"a2")])], &[], SealWhat::All, 3).expect("commit");
