@@ -80,11 +80,16 @@ impl Default for RawTls {
 pub struct RawStore {
     pub data_dir: PathBuf,
     pub segment_max_bytes: ByteSize,
+    pub direct_writes: bool,
 }
 
 impl Default for RawStore {
     fn default() -> Self {
-        Self { data_dir: PathBuf::from("/var/lib/edge-ingest"), segment_max_bytes: ByteSize::mib(256) }
+        Self {
+            data_dir: PathBuf::from("/var/lib/edge-ingest"),
+            segment_max_bytes: ByteSize::mib(256),
+            direct_writes: true,
+        }
     }
 }
 
@@ -282,6 +287,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     });
     let mut store = crate::store::StoreOptions::new(raw.store.data_dir);
     store.segment_max_bytes = raw.store.segment_max_bytes.as_u64();
+    store.direct_writes = raw.store.direct_writes;
     Ok(Config {
         server: crate::server::ServerOptions {
             listen,
@@ -399,6 +405,15 @@ listen_addr = \"0.0.0.0:1\"\n",
         )
         .expect_err("unknown key");
         assert!(err.to_string().contains("listen_addr"), "{err}");
+    }
+
+    #[test]
+    fn direct_writes_can_be_turned_off_and_a_non_boolean_is_refused_with_its_name() {
+        let raw: RawConfig = toml::from_str("[store]\ndirect_writes = false\n").expect("parses");
+        assert!(!raw.store.direct_writes);
+        assert!(RawConfig::default().store.direct_writes, "on by default");
+        let err = toml::from_str::<RawConfig>("[store]\ndirect_writes = \"sometimes\"\n").expect_err("refused");
+        assert!(err.to_string().contains("direct_writes"), "{err}");
     }
 
     #[test]

@@ -2,11 +2,15 @@
 //!
 //! A [`Store`] appends every new chunk to a segment file, deduplicates by
 //! [`ChunkKey`] `(device, spool, stream, seq)` and says [`PersistOutcome::Stored`] only once the
-//! bytes are on stable storage. Chunks are written in group commits: one `write` and one
+//! bytes are on stable storage. Chunks are written in group commits: one write and one
 //! `fdatasync` for a whole batch, which [`StoreHandle`] fills from every connection at once.
-//! The committed pages then leave the page cache (`posix_fadvise(DONTNEED)`, all but the
-//! partial last one): nothing in the server reads them back, and their freed pages are what
-//! the next commits write into. The active segment's disk blocks are reserved up to 16 MiB
+//! The commit's whole 4 KiB blocks go past the page cache (`O_DIRECT`, from one reused aligned
+//! buffer; see `direct`), its partial last block through it, so the file always ends exactly
+//! where the last commit does. Where the file system refuses `O_DIRECT`, or with
+//! [`StoreOptions::direct_writes`] off, the whole commit goes through the page cache, whose
+//! committed pages are then dropped (`posix_fadvise(DONTNEED)`, all but the partial last one):
+//! nothing in the server reads them back, and their freed pages are what the next commits
+//! write into. The active segment's disk blocks are reserved up to 16 MiB
 //! ahead of its writes (`fallocate(FALLOC_FL_KEEP_SIZE)`, where the file system can), which
 //! leaves its length alone; what is reserved past its end is given back when it is rolled, or
 //! at open when it will not be appended to again.
@@ -64,7 +68,8 @@
 //!   `fdatasync`ed after the write, and if the commit created the segment the `segments`
 //!   directory was fsynced too: entry and directory entry are on stable storage. The key enters
 //!   the dedup index only after that, so `Duplicate` also means "durable".
-//! - A commit is one `write` and one `fdatasync` on one segment. A batch takes two commits only
+//! - A commit is one write (direct writes of its whole blocks and an ordinary one of its
+//!   partial last block, see `direct`) and one `fdatasync` on one segment. A batch takes two commits only
 //!   when it crosses a segment roll (each at most `segment_max_bytes`, except that a single chunk
 //!   larger than that gets a segment of its own).
 //! - A write or fsync error fails every chunk of that commit and of the rest of the batch
@@ -102,9 +107,11 @@
 //! - `index`: the in-memory dedup index.
 //! - `scan`: reading segments back, resync after damage, the commit chain.
 //! - `writer`: [`Store`] (open, recovery, group commit).
+//! - `direct`: a commit's bytes written past the page cache.
 //! - `handle`: [`StoreHandle`], the thread that owns the store and batches requests.
 //! - `export`: [`export`].
 
+mod direct;
 mod export;
 pub mod format;
 mod handle;
@@ -133,12 +140,16 @@ pub struct StoreOptions {
     pub data_dir: PathBuf,
     /// A new segment is started before an entry would take the current one past this size.
     pub segment_max_bytes: u64,
+    /// Write each commit's whole blocks with `O_DIRECT`, past the page cache (the default);
+    /// `false` writes everything through it. Where the file system refuses `O_DIRECT`, the
+    /// store writes through the page cache whatever this says.
+    pub direct_writes: bool,
 }
 
 impl StoreOptions {
     /// Options with the defaults for everything but the directory.
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
-        Self { data_dir: data_dir.into(), segment_max_bytes: DEFAULT_SEGMENT_MAX_BYTES }
+        Self { data_dir: data_dir.into(), segment_max_bytes: DEFAULT_SEGMENT_MAX_BYTES, direct_writes: true }
     }
 }
 
@@ -343,6 +354,9 @@ pub struct StoreStats {
     pub fsyncs: u64,
     /// fsync calls on the segments directory by persist.
     pub dir_fsyncs: u64,
+    /// Bytes persist wrote to segments with `O_DIRECT`, past the page cache (the start of a
+    /// commit's first block, written again, included).
+    pub direct_bytes: u64,
     /// `(device, spool, stream)` triples in the dedup index.
     pub streams: u64,
     /// Seq ranges in the dedup index (1 per gapless stream).

@@ -13,6 +13,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use super::direct::{self, DirectBuf};
 use super::format::{self, EntryFields, LOCK_FILE, MAX_NAME_LEN, SEGMENT_HEADER_LEN, SEGMENTS_DIR, SegmentHeader};
 use super::index::DedupIndex;
 use super::scan::{self, CommitResolver, EntryMeta, Reader, SegmentHead};
@@ -39,6 +40,11 @@ pub struct Store {
     last_good_commit: u64,
     index: DedupIndex,
     stats: StoreStats,
+    /// Whether segments are written with `O_DIRECT` ([`direct`]): from the options, and
+    /// turned off for good when the file system refuses it.
+    direct: bool,
+    /// The aligned buffer of the direct writes, made at the first one.
+    direct_buf: Option<DirectBuf>,
     pub(super) faults: Faults,
 }
 
@@ -48,6 +54,9 @@ struct ActiveSegment {
     number: u64,
     path: PathBuf,
     file: File,
+    /// The same file opened with `O_DIRECT`, when the store writes direct and the file system
+    /// lets it.
+    direct: Option<File>,
     salt: u64,
     /// Bytes written and fsynced (the file has exactly this length between commits).
     len: u64,
@@ -167,7 +176,7 @@ impl Store {
 
         let next_segment = segs.last().map_or(1, |s| s.number + 1);
         let segment_count = segs.len();
-        let active = segs.pop().and_then(|s| s.into_active(opts.segment_max_bytes));
+        let active = segs.pop().and_then(|s| s.into_active(opts.segment_max_bytes, opts.direct_writes));
 
         let mut report = rec.report;
         report.segments = u32::try_from(segment_count).unwrap_or(u32::MAX);
@@ -193,6 +202,7 @@ impl Store {
             index_ranges: rec.index.ranges(),
             ..StoreStats::default()
         };
+        let direct = opts.direct_writes;
         let store = Store {
             opts,
             segments_dir,
@@ -204,6 +214,8 @@ impl Store {
             last_good_commit: rec.max_indexed_commit,
             index: rec.index,
             stats,
+            direct,
+            direct_buf: None,
             faults: Faults::new(),
         };
         Ok((store, report))
@@ -380,14 +392,39 @@ impl Store {
         let total: u64 = slices.iter().map(|s| s.len() as u64).sum();
         reserve_ahead(seg, start_len + total, self.opts.segment_max_bytes);
 
-        let written = seg
+        let mut written = seg
             .file
             .seek(SeekFrom::Start(start_len))
             .and_then(|_| self.faults.before_write(&mut seg.file, &slices))
-            .and_then(|()| write_all_vectored(&mut seg.file, &mut slices));
-        if let Err(e) = written {
-            return Err(self.fail(commit, &e, "writing"));
+            .map(|()| false);
+        if written.is_ok()
+            && let Some(file) = &seg.direct
+        {
+            let buf = self.direct_buf.get_or_insert_with(|| DirectBuf::new(direct::CAPACITY));
+            match self.faults.before_direct().and_then(|()| buf.write(file, &seg.file, seg.number, start_len, &slices))
+            {
+                Ok(w) => {
+                    self.stats.direct_bytes += w.direct;
+                    written = Ok(true);
+                }
+                Err(e) if direct::is_refusal(&e) => {
+                    // Nothing of it can be trusted to be written: all of it again, below.
+                    tracing::warn!(path = %seg.path.display(), error = %e, "the file system refuses this store's O_DIRECT writes; writing through the page cache from now on");
+                    self.direct = false;
+                    self.direct_buf = None;
+                    seg.direct = None;
+                }
+                Err(e) => written = Err(e),
+            }
         }
+        let direct_written = match written {
+            Ok(true) => true,
+            Ok(false) => match write_all_vectored(&mut seg.file, &mut slices) {
+                Ok(()) => false,
+                Err(e) => return Err(self.fail(commit, &e, "writing")),
+            },
+            Err(e) => return Err(self.fail(commit, &e, "writing")),
+        };
         crate::crash_point!("ingest::commit::written");
         self.stats.fsyncs += 1;
         let synced = self.faults.before_sync().and_then(|()| seg.file.sync_data());
@@ -403,7 +440,9 @@ impl Store {
             }
             seg.created = false;
         }
-        drop_from_page_cache(&seg.file, start_len, total);
+        if !direct_written {
+            drop_from_page_cache(&seg.file, start_len, total);
+        }
 
         seg.len = start_len + total;
         self.last_good_commit = commit;
@@ -429,11 +468,12 @@ impl Store {
         let path = self.segments_dir.join(format::segment_file_name(number));
         self.faults.before_create()?;
         let file = OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
+        let direct = if self.direct { direct::open(&path) } else { None };
         self.stats.segments += 1;
         self.stats.active_segment = number;
         tracing::debug!(segment = number, "segment created");
         self.active =
-            Some(ActiveSegment { number, path, file, salt: random_salt(), len: 0, created: true, reserved: 0 });
+            Some(ActiveSegment { number, path, file, direct, salt: random_salt(), len: 0, created: true, reserved: 0 });
         Ok(())
     }
 
@@ -619,7 +659,7 @@ impl OpenSegment {
     }
 
     /// The last segment keeps being appended to if it is empty or has a valid header and room.
-    fn into_active(self, max: u64) -> Option<ActiveSegment> {
+    fn into_active(self, max: u64, direct_writes: bool) -> Option<ActiveSegment> {
         let salt = match (self.len, self.salt) {
             (0, _) => random_salt(),
             (_, Some(salt)) if self.len < max => salt,
@@ -631,10 +671,13 @@ impl OpenSegment {
                 return None;
             }
         };
+        let file = self.file?;
+        let direct = if direct_writes { direct::open(&self.path) } else { None };
         Some(ActiveSegment {
             number: self.number,
             path: self.path,
-            file: self.file?,
+            file,
+            direct,
             salt,
             len: self.len,
             created: false,
@@ -717,6 +760,10 @@ impl Faults {
         Ok(())
     }
     #[inline]
+    fn before_direct(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+    #[inline]
     fn before_sync(&mut self) -> io::Result<()> {
         Ok(())
     }
@@ -738,6 +785,8 @@ pub(super) struct Faults {
     pub create: Option<i32>,
     /// Write this many bytes of the next commit, then fail with this errno.
     pub write: Option<(usize, i32)>,
+    /// Fail the next direct write with this errno, before it writes anything.
+    pub direct: Option<i32>,
     /// Fail the next fdatasync with this errno (after the write went through).
     pub sync: Option<i32>,
     /// Fail the next directory fsync with this errno.
@@ -761,6 +810,9 @@ impl Faults {
         let all: Vec<u8> = slices.iter().flat_map(|s| s.iter().copied()).collect();
         file.write_all(&all[..n.min(all.len())])?;
         Err(io::Error::from_raw_os_error(errno))
+    }
+    fn before_direct(&mut self) -> io::Result<()> {
+        self.direct.take().map_or(Ok(()), |errno| Err(io::Error::from_raw_os_error(errno)))
     }
     fn before_sync(&mut self) -> io::Result<()> {
         self.sync.take().map_or(Ok(()), |errno| Err(io::Error::from_raw_os_error(errno)))
@@ -811,6 +863,123 @@ mod tests {
 
     fn segment_len(dir: &Path, number: u64) -> u64 {
         fs::metadata(dir.join(SEGMENTS_DIR).join(format::segment_file_name(number))).expect("segment exists").len()
+    }
+
+    /// Chunks whose payloads hold their own seq in every byte, of the given body lengths.
+    fn patterned(from: u64, lens: &[usize]) -> Vec<IncomingChunk> {
+        lens.iter().zip(from..).map(|(&len, seq)| chunk(seq, &vec![seq as u8; len])).collect()
+    }
+
+    /// Every chunk exported, as `(seq, its records concatenated)`, and the export's report.
+    fn exported(dir: &Path) -> (Vec<(u64, Vec<u8>)>, crate::store::ExportReport) {
+        let mut chunks = Vec::new();
+        let report = export(dir, &ExportFilter::default(), |c| {
+            chunks.push((c.key.seq, c.records.concat()));
+            Ok(())
+        })
+        .expect("export");
+        (chunks, report)
+    }
+
+    /// Whether the file system under `dir` takes `O_DIRECT` (the tests of the direct path say
+    /// so and skip where it does not).
+    fn direct_capable(dir: &Path) -> bool {
+        let probe = dir.join("direct-probe");
+        fs::write(&probe, b"").expect("probe file");
+        let ok = direct::open(&probe).is_some();
+        fs::remove_file(&probe).expect("remove probe");
+        if !ok {
+            eprintln!("skipped: the file system of {} refuses O_DIRECT", dir.display());
+        }
+        ok
+    }
+
+    #[test]
+    fn direct_commits_of_every_size_read_back_byte_for_byte_also_across_restarts() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        if !direct_capable(dir.path()) {
+            return;
+        }
+        let mut all = Vec::new();
+        let mut seq = 1;
+        // Each round reopens the store, so its first commit reads the partial last block back
+        // from the file; within a round the buffer carries it from commit to commit.
+        for round in [&[100, 5000, 40_000][..], &[3, 70_000], &[2_000_000, 10], &[4096 - 4 - 113]] {
+            let (mut store, _) = open(dir.path());
+            let before = store.stats().direct_bytes;
+            for &len in round {
+                let batch = patterned(seq, &[len, len / 3 + 1]);
+                seq += 2;
+                assert_eq!(store.persist(batch.clone()), vec![PersistOutcome::Stored; 2]);
+                all.extend(batch.into_iter().map(|c| (c.key.seq, c.payload[4..].to_vec())));
+            }
+            let stats = store.stats();
+            if round.iter().any(|&len| len > 8192) {
+                assert!(stats.direct_bytes > before, "whole blocks went direct in round {round:?}: {stats:?}");
+            }
+            let seg = store.active.as_ref().expect("active segment");
+            assert_eq!(segment_len(dir.path(), seg.number), seg.len, "the file ends where the last commit does");
+        }
+        let (_, report) = open(dir.path());
+        assert_eq!((report.truncated_bytes, report.corrupt_entries), (0, 0));
+        let (chunks, report) = exported(dir.path());
+        assert_eq!(chunks, all);
+        assert_eq!((report.corrupt, report.corrupt_bytes, report.tail_bytes), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_file_system_refusing_direct_writes_gets_them_through_the_page_cache_and_loses_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        if !direct_capable(dir.path()) {
+            return;
+        }
+        let (mut store, _) = open(dir.path());
+        assert_eq!(store.persist(patterned(1, &[20_000])), vec![PersistOutcome::Stored]);
+        let direct_before = store.stats().direct_bytes;
+        assert!(direct_before > 0);
+        store.faults.direct = Some(libc::EINVAL);
+        let batch = patterned(2, &[30_000, 7]);
+        assert_eq!(store.persist(batch), vec![PersistOutcome::Stored; 2], "the refusal is not a failure");
+        assert_eq!(store.persist(patterned(4, &[50_000])), vec![PersistOutcome::Stored]);
+        let stats = store.stats();
+        assert_eq!(stats.direct_bytes, direct_before, "no direct write after the refusal");
+        assert_eq!((stats.failed_commits, stats.segments), (0, 1));
+        drop(store);
+        let (chunks, _) = exported(dir.path());
+        assert_eq!(chunks.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+        assert!(chunks.iter().all(|(seq, p)| p.iter().all(|&b| b == *seq as u8)));
+    }
+
+    #[test]
+    fn a_failed_direct_write_fails_its_commit_and_the_next_one_lands_intact() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        if !direct_capable(dir.path()) {
+            return;
+        }
+        let (mut store, _) = open(dir.path());
+        assert_eq!(store.persist(patterned(1, &[10_000])), vec![PersistOutcome::Stored]);
+        let good_len = segment_len(dir.path(), 1);
+        store.faults.direct = Some(libc::ENOSPC);
+        assert_eq!(store.persist(patterned(2, &[10_000])), vec![PersistOutcome::Failed(StoreFailure::DiskFull)]);
+        assert_eq!(segment_len(dir.path(), 1), good_len);
+        assert_eq!(store.persist(patterned(2, &[10_000, 9_000])), vec![PersistOutcome::Stored; 2]);
+        assert!(store.stats().direct_bytes > 0);
+        drop(store);
+        let (_, report) = open(dir.path());
+        assert_eq!((report.chunks, report.truncated_bytes, report.corrupt_entries), (3, 0, 0));
+        let (chunks, _) = exported(dir.path());
+        assert_eq!(chunks.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![1, 2, 3]);
+        assert!(chunks.iter().all(|(seq, p)| p.iter().all(|&b| b == *seq as u8)));
+    }
+
+    #[test]
+    fn with_direct_writes_off_nothing_goes_direct() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let opts = StoreOptions { direct_writes: false, ..StoreOptions::new(dir.path()) };
+        let (mut store, _) = Store::open(opts).expect("open");
+        assert_eq!(store.persist(patterned(1, &[100_000])), vec![PersistOutcome::Stored]);
+        assert_eq!(store.stats().direct_bytes, 0);
+        assert!(store.active.as_ref().is_some_and(|s| s.direct.is_none()));
     }
 
     #[test]
