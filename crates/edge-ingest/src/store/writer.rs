@@ -1118,8 +1118,17 @@ mod tests {
 
     #[test]
     fn committed_bytes_leave_the_page_cache_but_the_partial_last_page_and_every_entry_stay_readable() {
+        // Through the page cache and dropped from it after the commit; then written direct,
+        // where they never enter it.
+        for direct_writes in [false, true] {
+            committed_bytes_leave_the_page_cache(direct_writes);
+        }
+    }
+
+    fn committed_bytes_leave_the_page_cache(direct_writes: bool) {
         let dir = disk_tempdir();
-        let (mut store, _) = open(dir.path());
+        let (mut store, _) =
+            Store::open(StoreOptions { direct_writes, ..StoreOptions::new(dir.path()) }).expect("open");
         let big = vec![0x5a; 256 << 10];
         let batch: Vec<IncomingChunk> = (1..=8).map(|seq| chunk(seq, &big)).collect();
         assert_eq!(store.persist(batch), vec![PersistOutcome::Stored; 8]);
@@ -1128,7 +1137,11 @@ mod tests {
         assert!(len > 2 << 20, "{len}");
         let cached = cached_bytes(&path);
         // The whole pages of the commit are gone; only its partial last page may remain.
-        assert!(cached <= 4096, "{cached} of the segment's {len} bytes still cached after the commit");
+        assert!(
+            cached <= 4096,
+            "{cached} of the segment's {len} bytes still cached after the commit (direct: {direct_writes})"
+        );
+        assert_eq!(store.stats().direct_bytes > 0, direct_writes && direct_capable(dir.path()));
         // The next commit appends into that last page: nothing before it may change.
         assert_eq!(store.persist(vec![chunk(9, &big)]), vec![PersistOutcome::Stored]);
         // It filled that page, which went with the rest of the second commit.
