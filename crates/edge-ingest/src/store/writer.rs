@@ -556,7 +556,8 @@ fn write_all_vectored(file: &mut File, mut slices: &mut [IoSlice<'_>]) -> io::Re
     Ok(())
 }
 
-/// Drops the pages of `len` bytes at `offset`, just made durable, from the page cache.
+/// Drops the pages of `len` bytes at `offset`, just made durable, from the page cache: after
+/// a commit written through it (direct writes, [`direct`], leave nothing there to drop).
 ///
 /// Nothing in the ingest reads them back soon: the dedup index is in memory, and export and
 /// the start-up scan read segments long after. Kept, they would only fill the page cache
