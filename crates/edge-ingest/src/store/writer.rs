@@ -408,7 +408,8 @@ impl Store {
                     written = Ok(true);
                 }
                 Err(e) if direct::is_refusal(&e) => {
-                    // Nothing of it can be trusted to be written: all of it again, below.
+                    // Part of the commit may be written already: all of it is written again
+                    // below, through the page cache, from its first byte.
                     tracing::warn!(path = %seg.path.display(), error = %e, "the file system refuses this store's O_DIRECT writes; writing through the page cache from now on");
                     self.direct = false;
                     self.direct_buf = None;
