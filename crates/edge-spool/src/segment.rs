@@ -212,6 +212,9 @@ pub(crate) struct SegmentWriter {
     /// Unit tests: every write fails as on a full file system.
     #[cfg(test)]
     pub(crate) simulate_full: bool,
+    /// Unit tests: the next void of a failed commit's record fails.
+    #[cfg(test)]
+    pub(crate) fail_next_void: bool,
 }
 
 impl SegmentWriter {
@@ -329,6 +332,8 @@ impl SegmentWriter {
             broken: None,
             #[cfg(test)]
             simulate_full: false,
+            #[cfg(test)]
+            fail_next_void: false,
         };
         Ok(w)
     }
@@ -456,7 +461,16 @@ impl SegmentWriter {
             // Its commit record must not bring the commit back at the next open if the rows
             // are not in the WAL: the next commit reuses its batch ids. Synced (or registered)
             // like a write, so it is durable before the next commit is.
-            let voided = crate::journal::void(&a.file, a.end).and_then(|()| match &self.deferred {
+            #[cfg(test)]
+            let simulated = std::mem::take(&mut self.fail_next_void);
+            #[cfg(not(test))]
+            let simulated = false;
+            let void = if simulated {
+                Err(io::Error::other("voiding failed (simulated)"))
+            } else {
+                crate::journal::void(&a.file, a.end)
+            };
+            let voided = void.and_then(|()| match &self.deferred {
                 Some(syncs) => {
                     self.writes += 1;
                     syncs.register(a.id, &a.file, self.writes, 0);

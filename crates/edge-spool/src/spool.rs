@@ -1909,6 +1909,30 @@ mod tests {
     }
 
     #[test]
+    fn when_a_failed_commits_record_cannot_be_voided_appends_are_refused_until_a_restart() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"a1")])], 1).expect("append");
+        spool.fail_next_commit = true;
+        spool.segments.fail_next_void = true;
+        spool.append(&[req(vec![batch("a", b"failed")])], 2).expect_err("COMMIT fails");
+        // The next commit would reuse the failed one's ids while its record can still be
+        // replayed: refused, with the reason.
+        let err = spool.append(&[req(vec![batch("a", b"refused")])], 3).expect_err("appends are refused");
+        let reason = std::error::Error::source(&err).map(ToString::to_string).unwrap_or_default();
+        assert!(reason.contains("voiding the record of a failed commit"), "{err}: {reason}");
+        assert_eq!(spool.stats().open_bytes, 2, "nothing of the refused append was kept");
+        drop(spool);
+        // After a restart the failed commit, whose outcome its producer could not know, is
+        // back from its intact record, and appends go on behind it.
+        let (mut spool, report) = open(&opts);
+        assert_eq!(report.replayed_records, 1);
+        spool.append(&[req(vec![batch("a", b"a3")])], 4).expect("append after the restart");
+        spool.seal_all(5).expect("seal");
+        assert_eq!(chunks_and_payloads(&spool)[0].1, b"a1faileda3");
+    }
+
+    #[test]
     fn a_commit_record_after_a_lost_seal_is_not_replayed() {
         let (_dir, opts) = setup();
         let (mut spool, sync, image) = synced_then_image(&opts, b"a1");
