@@ -201,11 +201,17 @@ fn spool_check_finds_every_injected_flip_and_truncation() -> anyhow::Result<()> 
         record_offsets(&pristine, SPOOL_SEED).is_empty(),
         "record bytes found in the database file: payload should be in segments"
     );
-    // (segment index, offset of a record header)
-    let offsets: Vec<(usize, usize)> = segments
+    // (segment index, offset of a record, its length)
+    let wl = &*workload;
+    let offsets: Vec<(usize, usize, usize)> = segments
         .iter()
         .enumerate()
-        .flat_map(|(i, (_, bytes))| record_offsets(bytes, SPOOL_SEED).into_iter().map(move |o| (i, o)))
+        .flat_map(|(i, (_, bytes))| {
+            record_offsets(bytes, SPOOL_SEED).into_iter().filter_map(move |o| {
+                let (stream, index) = wl.identify(&bytes[o..])?;
+                Some((i, o, wl.record(stream, index).len()))
+            })
+        })
         .collect();
     anyhow::ensure!(!offsets.is_empty(), "no record bytes found in the segment files");
     let mut rng = rand::rngs::StdRng::seed_from_u64(0xF1_1B5);
@@ -219,11 +225,12 @@ fn spool_check_finds_every_injected_flip_and_truncation() -> anyhow::Result<()> 
         let mut segs = segments.clone();
         let kind = match round % 4 {
             0 => {
-                // A bit inside a record's bytes. Every byte of a segment below its end belongs
-                // to a live batch (nothing is acked without an ingest).
-                let (i, start) = offsets[rng.random_range(0..offsets.len())];
+                // A bit inside one record's bytes (of a live batch: nothing is acked without an
+                // ingest), never past its end: what follows a commit's last record is its commit
+                // record's trailer, which holds no payload.
+                let (i, start, len) = offsets[rng.random_range(0..offsets.len())];
                 let seg = &mut segs[i].1;
-                let at = rng.random_range(start..(start + 64).min(seg.len()));
+                let at = rng.random_range(start..(start + len.min(64)).min(seg.len()));
                 seg[at] ^= 1 << rng.random_range(0..8);
                 "payload_bit_flip"
             }
