@@ -392,20 +392,19 @@ impl Store {
         let total: u64 = slices.iter().map(|s| s.len() as u64).sum();
         reserve_ahead(seg, start_len + total, self.opts.segment_max_bytes);
 
-        let mut written = seg
-            .file
-            .seek(SeekFrom::Start(start_len))
-            .and_then(|_| self.faults.before_write(&mut seg.file, &slices))
-            .map(|()| false);
-        if written.is_ok()
-            && let Some(file) = &seg.direct
-        {
+        let prepared =
+            seg.file.seek(SeekFrom::Start(start_len)).and_then(|_| self.faults.before_write(&mut seg.file, &slices));
+        if let Err(e) = prepared {
+            return Err(self.fail(commit, &e, "writing"));
+        }
+        let mut direct_written = false;
+        if let Some(file) = &seg.direct {
             let buf = self.direct_buf.get_or_insert_with(|| DirectBuf::new(direct::CAPACITY));
             match self.faults.before_direct().and_then(|()| buf.write(file, &seg.file, seg.number, start_len, &slices))
             {
                 Ok(w) => {
                     self.stats.direct_bytes += w.direct;
-                    written = Ok(true);
+                    direct_written = true;
                 }
                 Err(e) if direct::is_refusal(&e) => {
                     // Part of the commit may be written already: all of it is written again
@@ -415,17 +414,12 @@ impl Store {
                     self.direct_buf = None;
                     seg.direct = None;
                 }
-                Err(e) => written = Err(e),
+                Err(e) => return Err(self.fail(commit, &e, "writing")),
             }
         }
-        let direct_written = match written {
-            Ok(true) => true,
-            Ok(false) => match write_all_vectored(&mut seg.file, &mut slices) {
-                Ok(()) => false,
-                Err(e) => return Err(self.fail(commit, &e, "writing")),
-            },
-            Err(e) => return Err(self.fail(commit, &e, "writing")),
-        };
+        if !direct_written && let Err(e) = write_all_vectored(&mut seg.file, &mut slices) {
+            return Err(self.fail(commit, &e, "writing"));
+        }
         crate::crash_point!("ingest::commit::written");
         self.stats.fsyncs += 1;
         let synced = self.faults.before_sync().and_then(|()| seg.file.sync_data());
