@@ -116,7 +116,9 @@ pub struct CheckReport {
     /// Open batches with damage.
     pub damaged_open_batches: Vec<DamagedBatch>,
     /// Stream rows and `meta` values that fail their row checksums (schema version 3): damage
-    /// the agent refuses to run on (it moves the file aside at open).
+    /// the agent refuses to run on (it moves the file aside at open). Also a synced-segments
+    /// mark that fails its checksum and `meta` rows with a key the spool never writes, which
+    /// open removes (`unsynced.rs`).
     pub damaged_rows: Vec<String>,
     /// A read error that stopped the walk over the rows (SQLite-level damage), if any.
     pub read_error: Option<String>,
@@ -365,6 +367,8 @@ fn check_fixed_rows(conn: &Connection, report: &mut CheckReport) -> Result<i64, 
             0
         }
     };
+    // The synced-segments mark has a checksum of its own, and no other key is ever written.
+    report.damaged_rows.extend(crate::unsynced::read_mark(conn)?.damage);
     let mut stmt = conn
         .prepare("SELECT id, name, next_seq, sealed_through, row_crc FROM streams ORDER BY id")
         .map_err(ctx("reading streams"))?;

@@ -43,6 +43,12 @@ pub(crate) fn stream(id: i64, name: &str, next_seq: i64, sealed_through: i64) ->
     RowCrc::new("streams").int(id).bytes(name.as_bytes()).int(next_seq).int(sealed_through).finish()
 }
 
+/// The checksum inside the synced-segments mark's value (`unsynced.rs`): over the key and the
+/// batch id, so a mark cannot pass under another key or with another id.
+pub(crate) fn synced_mark(key: &str, mark: i64) -> u32 {
+    RowCrc::new("meta").bytes(key.as_bytes()).int(mark).0
+}
+
 /// The columns of a `chunks` row that `chunks.row_crc` covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ChunkRow {

@@ -256,9 +256,11 @@ pub(crate) const META_LEGACY_BATCHES: &str = "legacy_batches_through";
 pub(crate) const META_ROW_CRC: &str = "row_crc";
 /// With deferred segment syncs: the newest batch id whose payload bytes a completed sync
 /// covered when the last commit was built (see `unsynced.rs`). Absent otherwise. Not in the
-/// meta checksum: a damaged value only makes open check more batches, or fewer (then a lost
-/// batch is found when its chunk is read, and the chunk is quarantined).
+/// meta checksum (it moves with the commits): its value carries a checksum of its own.
 pub(crate) const META_SEGMENTS_SYNCED: &str = "segments_synced_through";
+/// Every key a `meta` row can have (schema version 3 on); any other is a damaged key.
+pub(crate) const META_KEYS: [&str; 6] =
+    [META_SPOOL_ID, META_DROPPED_CHUNKS, META_DROPPED_RECORDS, META_LEGACY_BATCHES, META_ROW_CRC, META_SEGMENTS_SYNCED];
 
 /// What [`migrate`] found.
 #[derive(Debug, PartialEq, Eq)]

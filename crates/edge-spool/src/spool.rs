@@ -360,7 +360,7 @@ impl Spool {
             }
             if st.segments_synced_through.is_some_and(|m| m < self.known_synced) {
                 tx.prepare_cached("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)")
-                    .and_then(|mut s| s.execute((META_SEGMENTS_SYNCED, self.known_synced)))
+                    .and_then(|mut s| s.execute((META_SEGMENTS_SYNCED, crate::unsynced::mark_value(self.known_synced))))
                     .map_err(ctx("recording how far the segments are synced"))?;
                 st.segments_synced_through = Some(self.known_synced);
             }
@@ -556,7 +556,10 @@ impl Spool {
         // by open): the mark starts at the newest batch, in a commit `FULL` makes durable.
         let mark = self.state.next_batch_id.saturating_sub(1);
         self.conn
-            .execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)", (META_SEGMENTS_SYNCED, mark))
+            .execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)",
+                (META_SEGMENTS_SYNCED, crate::unsynced::mark_value(mark)),
+            )
             .map_err(ctx("recording how far the segments are synced"))?;
         self.state.segments_synced_through = Some(mark);
         self.known_synced = mark;
@@ -593,7 +596,10 @@ impl Spool {
             return Ok(());
         }
         self.conn
-            .execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)", (META_SEGMENTS_SYNCED, newest))
+            .execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)",
+                (META_SEGMENTS_SYNCED, crate::unsynced::mark_value(newest)),
+            )
             .map_err(ctx("recording how far the segments are synced"))?;
         self.state.segments_synced_through = Some(newest);
         self.known_synced = newest;
@@ -1708,10 +1714,7 @@ mod tests {
         spool.append(&[req(vec![batch("a", b"second")])], 2).expect("append");
         spool.commit(&[req(vec![batch("a", b"third")])], &[], SealWhat::All, 3).expect("commit");
         assert_eq!(spool.stats().sealed_chunks, 1);
-        let mark: i64 = spool
-            .conn()
-            .query_row("SELECT value FROM meta WHERE key = ?1", [META_SEGMENTS_SYNCED], |r| r.get(0))
-            .expect("mark");
+        let mark = crate::unsynced::read_mark(spool.conn()).expect("mark").mark.expect("an intact mark");
         let first_batch: i64 =
             spool.conn().query_row("SELECT min(id) FROM batches", [], |r| r.get(0)).expect("first batch");
         assert_eq!(mark, first_batch, "the mark covers the synced batch only");
@@ -1767,6 +1770,72 @@ mod tests {
         let chunks = all_sealed(&spool);
         assert_eq!((chunks.len(), chunks[0].seq, chunks[0].records), (1, 1, 3));
         assert_eq!(read(&spool, &chunks[0]).expect("read"), b"firstsecondthird");
+    }
+
+    /// Damages the synced-segments mark's row (closed spool): one bit of its value, or of its key.
+    fn damage_mark(opts: &SpoolOptions, key: bool) {
+        let conn = rusqlite::Connection::open(&opts.path).expect("db");
+        if key {
+            conn.execute("UPDATE meta SET key = 'segments_synce$_through' WHERE key = ?1", [META_SEGMENTS_SYNCED])
+                .expect("damage the key");
+            return;
+        }
+        let mut v: Vec<u8> = conn
+            .query_row("SELECT value FROM meta WHERE key = ?1", [META_SEGMENTS_SYNCED], |r| r.get(0))
+            .expect("the mark");
+        v[0] ^= 1;
+        conn.execute("UPDATE meta SET value = ?2 WHERE key = ?1", (META_SEGMENTS_SYNCED, v)).expect("damage the value");
+    }
+
+    #[test]
+    fn a_damaged_mark_key_or_value_is_found_by_check_and_removed_at_open() {
+        for key in [false, true] {
+            let (_dir, opts) = setup();
+            deferred_tail(&opts);
+            damage_mark(&opts, key);
+            let checked = crate::check(&opts.path).expect("check");
+            assert!(checked.has_damage(), "key {key}: {checked:?}");
+            let what = if key { "never writes" } else { "fails its checksum" };
+            assert!(checked.damaged_rows.iter().any(|r| r.contains(what)), "key {key}: {checked:?}");
+            let (spool, report) = open(&opts);
+            assert_eq!(report.unsynced_records_dropped, 0);
+            assert_eq!(count(&spool, "SELECT count(*) FROM meta WHERE key LIKE 'segments%'"), 0, "key {key}");
+            let chunks = all_sealed(&spool);
+            assert_eq!(read(&spool, &chunks[0]).expect("read"), b"firstsecondthird");
+            drop(spool);
+            let checked = crate::check(&opts.path).expect("check");
+            assert!(!checked.has_damage(), "key {key}, after open: {checked:?}");
+        }
+    }
+
+    #[test]
+    fn a_mark_written_as_a_plain_integer_by_an_earlier_build_is_still_honoured() {
+        let (_dir, opts) = setup();
+        let (seg, synced) = deferred_tail(&opts);
+        std::fs::OpenOptions::new().write(true).open(&seg).expect("segment").set_len(synced).expect("cut");
+        let conn = rusqlite::Connection::open(&opts.path).expect("db");
+        conn.execute("UPDATE meta SET value = (SELECT min(id) FROM batches) WHERE key = ?1", [META_SEGMENTS_SYNCED])
+            .expect("an integer mark");
+        drop(conn);
+        assert!(!crate::check(&opts.path).expect("check").has_damage());
+        let (_spool, report) = open(&opts);
+        assert_eq!(report.unsynced_records_dropped, 2);
+    }
+
+    #[test]
+    fn with_a_damaged_mark_a_lost_write_is_not_dropped_at_open_but_found_when_read() {
+        let (_dir, opts) = setup();
+        let (seg, synced) = deferred_tail(&opts);
+        std::fs::OpenOptions::new().write(true).open(&seg).expect("segment").set_len(synced).expect("cut");
+        damage_mark(&opts, false);
+        // Nothing is taken for a lost write from a mark that cannot be trusted: below the real
+        // one, a batch that fails is damage, and dropping from it could drop answered records.
+        assert_eq!(crate::check(&opts.path).expect("check").lost_tail, None);
+        let (spool, report) = open(&opts);
+        assert_eq!(report.unsynced_records_dropped, 0);
+        let chunks = all_sealed(&spool);
+        assert_eq!((chunks.len(), chunks[0].records), (1, 3));
+        assert!(matches!(read(&spool, &chunks[0]), Err(SpoolError::Corrupt { .. })), "reading finds the lost bytes");
     }
 
     #[test]
@@ -2042,7 +2111,8 @@ mod tests {
         spool.commit(&[req(vec![batch("a", b"second")])], &[], SealWhat::All, 2).expect("commit");
         // Not synced yet: the mark stays where it is.
         spool.mark_synced().expect("mark");
-        let mark = |spool: &Spool| count(spool, "SELECT value FROM meta WHERE key = 'segments_synced_through'");
+        let mark =
+            |spool: &Spool| crate::unsynced::read_mark(spool.conn()).expect("mark").mark.expect("an intact mark");
         assert_eq!(mark(&spool), 0);
         // The last sync, as at shutdown: then the mark covers every batch.
         sync.sync(None).expect("sync");

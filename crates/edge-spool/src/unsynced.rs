@@ -25,6 +25,14 @@
 //! when read: after a crash the batches above the mark are those of the last sync or two,
 //! which a power cut could lose, and after a clean shutdown there are none.
 //!
+//! The mark's value is a 12-byte blob, the batch id and a CRC-32C over the key and the id
+//! (earlier builds wrote a plain integer, still read as it is, unchecked). A value that fails its
+//! checksum, or a `meta` row whose key is none the spool writes (one flipped bit in the
+//! mark's key is enough), is damage: `spool check` reports it, and open checks nothing from
+//! such a mark (below the real mark, a batch that fails is damage, not a lost write, and
+//! dropping from there could drop answered records), removes the damaged rows and logs it. A
+//! write a power cut lost is then found when its chunk is read, and quarantined.
+//!
 //! A batch row that fails its own row checksum is left alone: that is damage to the file, not
 //! a lost write, and reading its chunk quarantines it as before.
 
@@ -39,7 +47,7 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 use crate::SpoolError;
 use crate::error::ctx;
 use crate::rowcrc::{self, BatchRow, SegRef};
-use crate::schema::META_SEGMENTS_SYNCED;
+use crate::schema::{META_KEYS, META_SEGMENTS_SYNCED};
 use crate::segment;
 
 /// What open dropped because its bytes were lost.
@@ -65,22 +73,66 @@ pub(crate) struct Scan {
     pub intact_segments: BTreeSet<i64>,
 }
 
-/// Checks the batches above the mark against their CRC-32C, up to the first that fails;
-/// `None` when the file has no mark. Reads only (`spool check` runs it too).
-pub(crate) fn scan(conn: &Connection, db: &Path) -> Result<Option<Scan>, SpoolError> {
-    let mark: Option<rusqlite::types::Value> = conn
+/// The synced-segments mark's value for batch id `mark`: the id and its checksum.
+pub(crate) fn mark_value(mark: i64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(12);
+    v.extend_from_slice(&mark.to_le_bytes());
+    v.extend_from_slice(&rowcrc::synced_mark(META_SEGMENTS_SYNCED, mark).to_le_bytes());
+    v
+}
+
+/// What the `meta` rows say of the synced-segments mark.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct MarkRead {
+    /// The mark, when present and intact.
+    pub mark: Option<i64>,
+    /// A mark value that fails its checksum, and rows whose key the spool never writes.
+    pub damage: Vec<String>,
+}
+
+/// Reads the mark and looks for `meta` rows with keys the spool never writes.
+pub(crate) fn read_mark(conn: &Connection) -> Result<MarkRead, SpoolError> {
+    use rusqlite::types::Value;
+    let mut read = MarkRead::default();
+    let value: Option<Value> = conn
         .query_row("SELECT value FROM meta WHERE key = ?1", [META_SEGMENTS_SYNCED], |r| r.get(0))
         .optional()
         .map_err(ctx("reading the synced-segments mark"))?;
-    let Some(mark) = mark else { return Ok(None) };
-    let mark = match mark {
-        rusqlite::types::Value::Integer(m) => m,
-        other => {
-            // Not a value we wrote: check every batch (slower, never wrong).
-            tracing::warn!(value = ?other, "the synced-segments mark is not an integer; checking every batch");
-            0
+    match value {
+        None => {}
+        // Written by an agent before the mark had a checksum.
+        Some(Value::Integer(m)) => read.mark = Some(m),
+        Some(Value::Blob(b)) if b.len() == 12 => {
+            let (id, crc) = b.split_at(8);
+            let id = i64::from_le_bytes(id.try_into().unwrap_or_default());
+            let crc = u32::from_le_bytes(crc.try_into().unwrap_or_default());
+            if crc == rowcrc::synced_mark(META_SEGMENTS_SYNCED, id) {
+                read.mark = Some(id);
+            } else {
+                read.damage.push(format!("the synced-segments mark (batch {id}) fails its checksum"));
+            }
         }
-    };
+        Some(other) => read.damage.push(format!("the synced-segments mark holds {other:?}, not a checked batch id")),
+    }
+    let mut stmt = conn.prepare("SELECT key FROM meta").map_err(ctx("listing the meta keys"))?;
+    let keys = stmt.query_map([], |r| r.get::<_, Value>(0)).map_err(ctx("listing the meta keys"))?;
+    for key in keys {
+        let key = key.map_err(ctx("listing the meta keys"))?;
+        if !matches!(&key, Value::Text(k) if META_KEYS.contains(&k.as_str())) {
+            read.damage.push(format!("a meta row has the key {key:?}, which the spool never writes (a damaged key)"));
+        }
+    }
+    Ok(read)
+}
+
+/// Checks the batches above the mark against their CRC-32C, up to the first that fails;
+/// `None` when the file has no intact mark. Reads only (`spool check` runs it too).
+pub(crate) fn scan(conn: &Connection, db: &Path) -> Result<Option<Scan>, SpoolError> {
+    let Some(mark) = read_mark(conn)?.mark else { return Ok(None) };
+    scan_from(conn, db, mark).map(Some)
+}
+
+fn scan_from(conn: &Connection, db: &Path, mark: i64) -> Result<Scan, SpoolError> {
     let mut found = Scan::default();
     let mut files: BTreeMap<i64, Option<File>> = BTreeMap::new();
     let mut stmt = conn
@@ -131,14 +183,28 @@ pub(crate) fn scan(conn: &Connection, db: &Path) -> Result<Option<Scan>, SpoolEr
         }
         found.intact_segments.insert(seg.segment);
     }
-    Ok(Some(found))
+    Ok(found)
 }
 
 /// Checks the batches above the mark, drops the lost tail and removes the mark (see the
-/// module's text). Does nothing when the file has no mark.
+/// module's text), with any damaged `meta` row. Does nothing when the file has neither.
 pub(crate) fn drop_lost_tail(conn: &mut Connection, db: &Path) -> Result<Dropped, SpoolError> {
-    let Some(Scan { first_lost, intact_segments: synced }) = scan(conn, db)? else {
-        return Ok(Dropped::default());
+    let read = read_mark(conn)?;
+    if !read.damage.is_empty() {
+        tracing::warn!(
+            damage = %read.damage.join("; "),
+            mark = ?read.mark,
+            "damaged meta rows in the spool (removed); without an intact synced-segments mark the last \
+             commits' bytes are not checked at open: a write a power cut lost is found when its chunk is read"
+        );
+    }
+    let (first_lost, synced) = match read.mark {
+        Some(mark) => {
+            let found = scan_from(conn, db, mark)?;
+            (found.first_lost, found.intact_segments)
+        }
+        None if read.damage.is_empty() => return Ok(Dropped::default()),
+        None => (None, BTreeSet::new()),
     };
     // The bytes that passed are on disk or in the page cache: make them durable before the
     // mark that says so goes.
@@ -153,8 +219,12 @@ pub(crate) fn drop_lost_tail(conn: &mut Connection, db: &Path) -> Result<Dropped
     if let Some(b) = first_lost {
         dropped = drop_from(&tx, b)?;
     }
-    tx.execute("DELETE FROM meta WHERE key = ?1", [META_SEGMENTS_SYNCED])
-        .map_err(ctx("removing the synced-segments mark"))?;
+    // The mark, and any row whose key the spool never writes (`read_mark`).
+    tx.execute(
+        "DELETE FROM meta WHERE key = ?1 OR key IS NULL OR key NOT IN (?2, ?3, ?4, ?5, ?6, ?7)",
+        rusqlite::params_from_iter(std::iter::once(META_SEGMENTS_SYNCED).chain(META_KEYS)),
+    )
+    .map_err(ctx("removing the synced-segments mark"))?;
     tx.commit().map_err(ctx("committing the lost-tail transaction"))?;
     if let Some(b) = first_lost {
         tracing::warn!(
