@@ -139,7 +139,7 @@ impl Default for WorldOptions {
             spool_max_bytes: 8 << 30,
             chunk_target: "512KiB".into(),
             max_in_flight: 32,
-            max_in_flight_bytes: "4MiB".into(),
+            max_in_flight_bytes: "8MiB".into(),
             durability: "full",
             linger: "20ms".into(),
             compression: "none",

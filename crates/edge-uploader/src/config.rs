@@ -154,7 +154,7 @@ impl Default for RawUpload {
             cert: PathBuf::from("/etc/edge-uploader/tls/device.pem"),
             key: PathBuf::from("/etc/edge-uploader/tls/device.key"),
             max_in_flight: 32,
-            max_in_flight_bytes: ByteSize::mib(4),
+            max_in_flight_bytes: ByteSize::mib(8),
             connect_timeout: Duration::from_secs(3),
             backoff_min: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
