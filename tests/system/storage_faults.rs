@@ -48,6 +48,44 @@ impl Drop for Tmpfs {
     }
 }
 
+/// A file system of `kind` made in a sparse image file and loop-mounted on `dir`, unmounted
+/// on drop.
+struct LoopFs {
+    dir: PathBuf,
+}
+
+impl LoopFs {
+    /// `Ok(None)` (with a message on stderr) when this machine cannot: no `mkfs.<kind>`, or
+    /// mounting is not possible (not root). Under CI (`CI` set) a missing `mkfs` is an error:
+    /// `.ci/run` installs xfsprogs and btrfs-progs.
+    fn mount(kind: &str, image: &Path, dir: &Path) -> anyhow::Result<Option<LoopFs>> {
+        let mkfs = format!("mkfs.{kind}");
+        let found = Command::new(&mkfs).arg("-V").output().is_ok();
+        if !found {
+            anyhow::ensure!(std::env::var_os("CI").is_none(), "{mkfs} not found; .ci/run installs it");
+            eprintln!("SKIPPED: {mkfs} not found");
+            return Ok(None);
+        }
+        // 512 MiB, sparse: XFS takes no less than 300 MB.
+        std::fs::File::create(image)?.set_len(512 << 20)?;
+        let made = Command::new(&mkfs).args(["-q", "-f"]).arg(image).status()?;
+        anyhow::ensure!(made.success(), "{mkfs} {} failed: {made}", image.display());
+        std::fs::create_dir_all(dir)?;
+        let ok = Command::new("mount").args(["-o", "loop"]).arg(image).arg(dir).status().is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("SKIPPED: `mount -o loop` of a {kind} image on {} failed (not root?)", dir.display());
+            return Ok(None);
+        }
+        Ok(Some(LoopFs { dir: dir.to_owned() }))
+    }
+}
+
+impl Drop for LoopFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.dir).status();
+    }
+}
+
 /// Edits the agent config: `[spool]` settings go after the `linger` line the world writes.
 fn spool_settings(world: &World, extra: &str) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&world.agent_config)?;
@@ -601,6 +639,49 @@ fn ingest_disk_full_never_acks_backs_off_and_stores_everything_once_space_return
         "check": r.to_json(),
     });
     report("storage_faults_ingest_disk_full", &figures)?;
+    eprintln!("{figures:#}");
+    Ok(())
+}
+
+/// The ingest's direct writes (`store/direct.rs`) were built and measured on ext4; ingest
+/// machines often run XFS, and btrfs checksums what it writes. On each, the real daemons store
+/// a workload of records from 100 B to 20 KB (commits of every length, so whole and partial
+/// blocks, carried first blocks, segment rolls at 1 MiB), then a restart recovers the store,
+/// and export must hold every record exactly once, with `O_DIRECT` in use (not the fallback).
+#[test]
+fn ingest_direct_writes_store_everything_exactly_once_on_xfs_and_btrfs() -> anyhow::Result<()> {
+    let tier = Tier::current();
+    let mut figures = serde_json::Map::new();
+    for kind in ["xfs", "btrfs"] {
+        let world = World::new(&format!("gw-sf-{kind}"), "")?;
+        let Some(_fs) = LoopFs::mount(kind, &world.path().join(format!("{kind}.img")), &world.data_dir())? else {
+            return Ok(());
+        };
+        let cfg = std::fs::read_to_string(&world.ingest_config)?;
+        std::fs::write(&world.ingest_config, format!("{cfg}segment_max_bytes = \"1MiB\"\n"))?;
+        let mut ingest = world.start_ingest()?;
+        let mut agent = world.start_agent()?;
+        let rt = rt()?;
+        let workload = Arc::new(Workload::new(0xD1_5EC7).with_sizes(100, 20_000));
+        let sent = produce_all(&rt, &workload, &world.intake_socket(), tier.pick(1_000, 10_000), 20)?;
+        drain(&rt, &world.intake_socket(), Duration::from_secs(120))?;
+        let direct = metric(world.ingest_metrics, "edge_ingest_store_direct_bytes_total")?;
+        let stored = metric(world.ingest_metrics, "edge_ingest_bytes_total")?;
+        agent.terminate(Duration::from_secs(30))?;
+        ingest.terminate(Duration::from_secs(30))?;
+        // A restart scans and recovers every segment the direct writes left.
+        let mut ingest = world.start_ingest()?;
+        ingest.terminate(Duration::from_secs(30))?;
+        let r = check_store(&workload, &world.data_dir(), &sent)?;
+        assert!(r.is_exact() && r.lost == 0 && r.duplicates_stored == 0, "{kind}: {r:?}");
+        assert!(direct > 0.0, "{kind}: no byte went with O_DIRECT (the store fell back to the page cache)");
+        figures.insert(
+            kind.into(),
+            serde_json::json!({"check": r.to_json(), "direct_bytes": direct, "stored_bytes": stored}),
+        );
+    }
+    let figures = serde_json::Value::Object(figures);
+    report("storage_faults_ingest_file_systems", &figures)?;
     eprintln!("{figures:#}");
     Ok(())
 }
