@@ -1809,6 +1809,24 @@ mod tests {
     }
 
     #[test]
+    fn a_stray_meta_row_beside_an_intact_mark_is_removed_and_the_mark_still_drops_a_lost_tail() {
+        let (_dir, opts) = setup();
+        let (seg, synced) = deferred_tail(&opts);
+        std::fs::OpenOptions::new().write(true).open(&seg).expect("segment").set_len(synced).expect("cut");
+        let conn = rusqlite::Connection::open(&opts.path).expect("db");
+        conn.execute("INSERT INTO meta (key, value) VALUES ('dropped_chunkr', 0)", []).expect("a stray row");
+        drop(conn);
+        let checked = crate::check(&opts.path).expect("check");
+        assert!(checked.damaged_rows.iter().any(|r| r.contains("dropped_chunkr")), "{checked:?}");
+        assert_eq!(checked.lost_tail.map(|t| t.records), Some(2), "the intact mark still finds the lost tail");
+        let (spool, report) = open(&opts);
+        assert_eq!(report.unsynced_records_dropped, 2);
+        assert_eq!(count(&spool, "SELECT count(*) FROM meta WHERE key = 'dropped_chunkr'"), 0);
+        drop(spool);
+        assert!(!crate::check(&opts.path).expect("check").has_damage());
+    }
+
+    #[test]
     fn a_mark_written_as_a_plain_integer_by_an_earlier_build_is_still_honoured() {
         let (_dir, opts) = setup();
         let (seg, synced) = deferred_tail(&opts);

@@ -190,11 +190,12 @@ fn scan_from(conn: &Connection, db: &Path, mark: i64) -> Result<Scan, SpoolError
 /// module's text), with any damaged `meta` row. Does nothing when the file has neither.
 pub(crate) fn drop_lost_tail(conn: &mut Connection, db: &Path) -> Result<Dropped, SpoolError> {
     let read = read_mark(conn)?;
-    if !read.damage.is_empty() {
+    if !read.damage.is_empty() && read.mark.is_some() {
+        tracing::warn!(damage = %read.damage.join("; "), "damaged meta rows in the spool; removed");
+    } else if !read.damage.is_empty() {
         tracing::warn!(
             damage = %read.damage.join("; "),
-            mark = ?read.mark,
-            "damaged meta rows in the spool (removed); without an intact synced-segments mark the last \
+            "damaged meta rows in the spool, removed; without an intact synced-segments mark the last \
              commits' bytes are not checked at open: a write a power cut lost is found when its chunk is read"
         );
     }
