@@ -206,6 +206,24 @@ fn lost_requests(workload: &Workload, data_dir: &Path, sent: &[Vec<Sent>]) -> an
     Ok(lost)
 }
 
+/// After the last cut: a few more records, then the producers stop, the agent drains, and both
+/// daemons must exit cleanly on SIGTERM. Returns what the producers sent.
+fn wind_down(
+    rt: &tokio::runtime::Runtime,
+    producers: Producers,
+    mut agent: Daemon,
+    mut ingest: Daemon,
+    socket: &Path,
+) -> anyhow::Result<Vec<Vec<Sent>>> {
+    producers.wait_acked(producers.acked(), 20, Duration::from_secs(60), || agent.tail_log())?;
+    let sent = producers.stop(rt)?;
+    rt.block_on(drain(socket, Duration::from_secs(120))).map_err(|e| e.context(agent.tail_log()))?;
+    let agent_exit = agent.terminate(Duration::from_secs(30))?;
+    let ingest_exit = ingest.terminate(Duration::from_secs(30))?;
+    anyhow::ensure!(agent_exit.success() && ingest_exit.success(), "exits after SIGTERM: {agent_exit}, {ingest_exit}");
+    Ok(sent)
+}
+
 /// Runs `cuts` power cuts with the given spool durability; returns the figures and the check.
 fn power_cuts(durability: &str, cuts: u32, seed: u64) -> anyhow::Result<(serde_json::Value, workload::Report)> {
     let shim = shim()?;
@@ -222,7 +240,7 @@ fn power_cuts(durability: &str, cuts: u32, seed: u64) -> anyhow::Result<(serde_j
     let workload = Arc::new(Workload::new(seed).with_sizes(1, 4 * 1024));
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
 
-    let mut ingest = world.start_ingest()?;
+    let ingest = world.start_ingest()?;
     let mut agent = start_agent(&world, &cut, &shim)?;
     let producers = Producers::start(&rt, &workload, &socket, 50);
     let (mut unsynced_commits, mut wal_bytes_lost, mut restarts) = (Vec::new(), 0u64, Vec::new());
@@ -254,12 +272,7 @@ fn power_cuts(durability: &str, cuts: u32, seed: u64) -> anyhow::Result<(serde_j
         replayed.push(r);
         dropped.push(d);
     }
-    producers.wait_acked(producers.acked(), 20, Duration::from_secs(60), || agent.tail_log())?;
-    let sent = producers.stop(&rt)?;
-    rt.block_on(drain(&socket, Duration::from_secs(120))).map_err(|e| e.context(agent.tail_log()))?;
-    let agent_exit = agent.terminate(Duration::from_secs(30))?;
-    let ingest_exit = ingest.terminate(Duration::from_secs(30))?;
-    anyhow::ensure!(agent_exit.success() && ingest_exit.success(), "exits after SIGTERM: {agent_exit}, {ingest_exit}");
+    let sent = wind_down(&rt, producers, agent, ingest, &socket)?;
 
     let check = workload::check_store(&workload, &world.data_dir(), &sent)?;
     let requests_acked = sent.iter().flatten().filter(|r| r.acked).count();
@@ -342,12 +355,7 @@ fn ingest_power_cuts(cuts: u32, seed: u64) -> anyhow::Result<(serde_json::Value,
         cut.cut()?;
         ingest = start_ingest(&world, &cut, &shim)?;
     }
-    producers.wait_acked(producers.acked(), 20, Duration::from_secs(60), || agent.tail_log())?;
-    let sent = producers.stop(&rt)?;
-    rt.block_on(drain(&socket, Duration::from_secs(120))).map_err(|e| e.context(agent.tail_log()))?;
-    let agent_exit = agent.terminate(Duration::from_secs(30))?;
-    let ingest_exit = ingest.terminate(Duration::from_secs(30))?;
-    anyhow::ensure!(agent_exit.success() && ingest_exit.success(), "exits after SIGTERM: {agent_exit}, {ingest_exit}");
+    let sent = wind_down(&rt, producers, agent, ingest, &socket)?;
     let check = workload::check_store(&workload, &world.data_dir(), &sent)?;
     let figures = serde_json::json!({
         "power_cuts": cuts,

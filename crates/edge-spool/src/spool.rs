@@ -1701,6 +1701,11 @@ mod tests {
         assert_eq!(ids(&mut reader), vec![first, second]);
     }
 
+    /// What a power cut leaves of [`deferred_tail`]'s segment: its bytes up to the sync.
+    fn lose_unsynced_bytes(seg: &std::path::Path, synced: u64) {
+        std::fs::OpenOptions::new().write(true).open(seg).expect("segment").set_len(synced).expect("cut");
+    }
+
     /// Under deferred syncs: "first" appended and synced, then "second" and "third" (sealed
     /// into one chunk with "first") committed without a sync of their segment bytes. Returns
     /// the spool, closed, and the one segment's path and its length at the sync.
@@ -1740,7 +1745,7 @@ mod tests {
         let (_dir, opts) = setup();
         let (seg, synced) = deferred_tail(&opts);
         // What a power cut leaves: the WAL's commits, the segment only as far as its last sync.
-        std::fs::OpenOptions::new().write(true).open(&seg).expect("segment").set_len(synced).expect("cut");
+        lose_unsynced_bytes(&seg, synced);
         // `spool check` before the agent starts again: a lost tail, not damage.
         let checked = crate::check(&opts.path).expect("check");
         let tail = checked.lost_tail.clone().expect("a lost tail");
@@ -1812,7 +1817,7 @@ mod tests {
     fn a_stray_meta_row_beside_an_intact_mark_is_removed_and_the_mark_still_drops_a_lost_tail() {
         let (_dir, opts) = setup();
         let (seg, synced) = deferred_tail(&opts);
-        std::fs::OpenOptions::new().write(true).open(&seg).expect("segment").set_len(synced).expect("cut");
+        lose_unsynced_bytes(&seg, synced);
         let conn = rusqlite::Connection::open(&opts.path).expect("db");
         conn.execute("INSERT INTO meta (key, value) VALUES ('dropped_chunkr', 0)", []).expect("a stray row");
         drop(conn);
@@ -1830,7 +1835,7 @@ mod tests {
     fn a_mark_written_as_a_plain_integer_by_an_earlier_build_is_still_honoured() {
         let (_dir, opts) = setup();
         let (seg, synced) = deferred_tail(&opts);
-        std::fs::OpenOptions::new().write(true).open(&seg).expect("segment").set_len(synced).expect("cut");
+        lose_unsynced_bytes(&seg, synced);
         let conn = rusqlite::Connection::open(&opts.path).expect("db");
         conn.execute("UPDATE meta SET value = (SELECT min(id) FROM batches) WHERE key = ?1", [META_SEGMENTS_SYNCED])
             .expect("an integer mark");
@@ -1844,7 +1849,7 @@ mod tests {
     fn with_a_damaged_mark_a_lost_write_is_not_dropped_at_open_but_found_when_read() {
         let (_dir, opts) = setup();
         let (seg, synced) = deferred_tail(&opts);
-        std::fs::OpenOptions::new().write(true).open(&seg).expect("segment").set_len(synced).expect("cut");
+        lose_unsynced_bytes(&seg, synced);
         damage_mark(&opts, false);
         // Nothing is taken for a lost write from a mark that cannot be trusted: below the real
         // one, a batch that fails is damage, and dropping from it could drop answered records.
