@@ -6,11 +6,14 @@
  * With SLOWSYNC_SERIAL=1 the syncs of the process are also made one at a time (a process-wide
  * lock held across the call and its delay), as a card without command queueing flushes one
  * request after the other: two syncs started together then end after twice the delay, not
- * once.
+ * once. With SLOWSYNC_SKIP=1 the real call is not made at all and the sync returns 0 at once
+ * (plus SLOWSYNC_US, which then defaults to 0): the ceiling of any work on syncs, nothing
+ * durable. Never for a run whose figures are reported as the daemons' own.
  *
  *   cc -shared -fPIC -O2 -o /tmp/slowsync.so crates/edge-bench/scripts/slowsync.c -ldl
  *   crates/edge-bench/scripts/env_build_dir.sh /tmp/slow uploader LD_PRELOAD=/tmp/slowsync.so
  *   crates/edge-bench/scripts/env_build_dir.sh /tmp/serial uploader LD_PRELOAD=/tmp/slowsync.so SLOWSYNC_SERIAL=1
+ *   crates/edge-bench/scripts/env_build_dir.sh /tmp/nosync ingest LD_PRELOAD=/tmp/slowsync.so SLOWSYNC_SKIP=1
  *
  * For the benchmark's A/Bs only (ab.sh): never for a test, which must not depend on timing.
  */
@@ -20,11 +23,20 @@
 #include <stdlib.h>
 #include <time.h>
 
+static int skip(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char *v = getenv("SLOWSYNC_SKIP");
+        on = v && v[0] == '1';
+    }
+    return on;
+}
+
 static long delay_us(void) {
     static long us = -1;
     if (us < 0) {
         const char *v = getenv("SLOWSYNC_US");
-        us = v ? atol(v) : 3000;
+        us = v ? atol(v) : (skip() ? 0 : 3000);
         if (us < 0) us = 0;
     }
     return us;
@@ -43,6 +55,7 @@ static int serial(void) {
 
 static void pause_after_sync(void) {
     long us = delay_us();
+    if (us == 0) return;
     struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
     while (nanosleep(&ts, &ts) != 0) {
     }
@@ -52,7 +65,7 @@ int fsync(int fd) {
     static int (*real)(int);
     if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
     int locked = serial() && pthread_mutex_lock(&device) == 0;
-    int r = real(fd);
+    int r = skip() ? 0 : real(fd);
     pause_after_sync();
     if (locked) pthread_mutex_unlock(&device);
     return r;
@@ -62,7 +75,7 @@ int fdatasync(int fd) {
     static int (*real)(int);
     if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync");
     int locked = serial() && pthread_mutex_lock(&device) == 0;
-    int r = real(fd);
+    int r = skip() ? 0 : real(fd);
     pause_after_sync();
     if (locked) pthread_mutex_unlock(&device);
     return r;
