@@ -445,6 +445,17 @@ fn machine_info() -> Vec<(&'static str, String)> {
     };
     vec![
         ("machine", format!("{nproc} vCPU {cpu}, {mem:.0} GiB RAM, Linux {kernel}")),
+        (
+            "guest memory",
+            match crate::sys::balloon_free_page_reporting(Path::new("/sys/bus/virtio/devices")) {
+                Some(true) => "a virtio balloon that reports free pages to the host: a first write to memory the \
+                               guest had freed costs a fault in the host (BENCHMARKS.md, \"Done and tried since \
+                               the `a54f6d1` run\", 32)"
+                    .to_owned(),
+                Some(false) => "a virtio balloon without free page reporting".to_owned(),
+                None => "no virtio balloon".to_owned(),
+            },
+        ),
         ("rustc", cmd("rustc", &["--version"])),
         (
             "crates",

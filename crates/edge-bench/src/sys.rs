@@ -169,6 +169,32 @@ fn walk(dir: &Path, f: &mut dyn FnMut(&Path, std::time::SystemTime)) -> anyhow::
     Ok(())
 }
 
+/// virtio's device id of the memory balloon, and the balloon's feature bit for free page
+/// reporting.
+const VIRTIO_ID_BALLOON: u32 = 5;
+const VIRTIO_BALLOON_F_REPORTING: usize = 5;
+
+/// Whether this machine is a virtual machine whose memory balloon reports the guest's free
+/// memory to its host (virtio-balloon free page reporting), read from `root`
+/// (`/sys/bus/virtio/devices`); `None` when no balloon device is there. Memory the guest has
+/// left free for a moment goes back to the host, and the first write to it afterwards costs a
+/// fault in the host: the daemons pay it whenever their page cache or heap grows into new
+/// memory (BENCHMARKS.md, "Done and tried since the `a54f6d1` run", 32), a cost a gateway on
+/// bare metal does not have.
+pub fn balloon_free_page_reporting(root: &Path) -> Option<bool> {
+    let devices = std::fs::read_dir(root).ok()?;
+    devices.filter_map(Result::ok).find_map(|d| {
+        let id = std::fs::read_to_string(d.path().join("device")).ok()?;
+        let id = u32::from_str_radix(id.trim().trim_start_matches("0x"), 16).ok()?;
+        if id != VIRTIO_ID_BALLOON {
+            return None;
+        }
+        // One character per feature bit, bit 0 first.
+        let bits = std::fs::read_to_string(d.path().join("features")).ok()?;
+        Some(bits.trim().as_bytes().get(VIRTIO_BALLOON_F_REPORTING) == Some(&b'1'))
+    })
+}
+
 /// The pid of a process whose command line (arguments joined by spaces) satisfies `pred`.
 pub fn find_process(pred: impl Fn(&str) -> bool) -> Option<u32> {
     let entries = std::fs::read_dir("/proc").ok()?;
@@ -191,6 +217,37 @@ mod tests {
         let s = Stat::of(&[4.0, 1.0]).expect("samples");
         assert_eq!(s.median, 2.5);
         assert!(Stat::of(&[]).is_none());
+    }
+
+    /// A fake `/sys/bus/virtio/devices` with a block device and, if `balloon` is given, a
+    /// balloon with those feature bits.
+    fn virtio_devices(balloon: Option<&str>) -> tempfile::TempDir {
+        let root = tempfile::tempdir().expect("tempdir");
+        let dev = |name: &str, id: &str, features: &str| {
+            let d = root.path().join(name);
+            std::fs::create_dir(&d).expect("device dir");
+            std::fs::write(d.join("device"), format!("{id}\n")).expect("device");
+            std::fs::write(d.join("features"), format!("{features}\n")).expect("features");
+        };
+        // A block device with bit 5 set, which must not be taken for the balloon's.
+        dev("virtio0", "0x0002", "0010011001100100");
+        if let Some(features) = balloon {
+            dev("virtio1", "0x0005", features);
+        }
+        root
+    }
+
+    #[test]
+    fn balloon_free_page_reporting_reads_the_balloons_bit_five_only() {
+        let on = virtio_devices(Some("0110010100000000"));
+        assert_eq!(balloon_free_page_reporting(on.path()), Some(true));
+        let off = virtio_devices(Some("0110100000000000"));
+        assert_eq!(balloon_free_page_reporting(off.path()), Some(false));
+        let short = virtio_devices(Some("011"));
+        assert_eq!(balloon_free_page_reporting(short.path()), Some(false));
+        let none = virtio_devices(None);
+        assert_eq!(balloon_free_page_reporting(none.path()), None);
+        assert_eq!(balloon_free_page_reporting(&none.path().join("missing")), None);
     }
 
     #[test]
