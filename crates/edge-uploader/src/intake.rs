@@ -994,6 +994,11 @@ struct Framer {
     payload_bytes: u64,
     /// NDJSON: the start of a line whose end has not arrived yet.
     partial: Vec<u8>,
+    /// NDJSON: the body's declared length, if it has one, and the bytes of it whose lines were
+    /// framed (or skipped) so far, newlines included: what is left of the body then sizes
+    /// the next batch buffer (see [`Framer::rest_framed`]).
+    declared: Option<usize>,
+    lines_bytes: usize,
 }
 
 impl Framer {
@@ -1011,15 +1016,32 @@ impl Framer {
             records: 0,
             payload_bytes: 0,
             partial: Vec::new(),
+            declared: None,
+            lines_bytes: 0,
         }
     }
 
     /// The body will be `len` bytes: an octet-stream record's buffer is sized for it at once
-    /// rather than grown (and copied) as the body arrives.
+    /// rather than grown (and copied) as the body arrives, and an NDJSON body's batch buffers
+    /// for what is left of it (see [`Framer::rest_framed`]) rather than by the doubling steps
+    /// of a body of unknown length.
     fn expect(&mut self, len: usize) {
-        if !self.ndjson && self.cur.capacity() == 0 {
+        if self.ndjson {
+            self.declared = Some(len);
+        } else if self.cur.capacity() == 0 {
             self.cur.reserve_exact(RECORD_OVERHEAD + len.min(self.max_record + 1));
         }
+    }
+
+    /// NDJSON with a declared length: about what the rest of the body takes framed, from the
+    /// line of `line_len` bytes being framed now on. Its lines are taken to be as long as this
+    /// one, each framed three bytes longer than it is with its newline (a length prefix for
+    /// the newline), and one more byte for a last line without one. A guess too small only
+    /// closes the buffer early: the next one is sized again from where the body is then.
+    fn rest_framed(&self, line_len: usize) -> Option<usize> {
+        let rest = self.declared?.saturating_sub(self.lines_bytes);
+        let lines = rest.div_ceil(line_len.saturating_add(1)).max(1);
+        Some(rest.saturating_add(lines.saturating_mul(RECORD_OVERHEAD - 1)).saturating_add(1))
     }
 
     /// The memory the framed records and the unfinished line take: the capacity of their buffers.
@@ -1063,11 +1085,17 @@ impl Framer {
     }
 
     fn line(&mut self, line: &[u8]) -> Result<(), FrameError> {
+        let raw = line.len();
         let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if line.is_empty() { Ok(()) } else { self.record(line) }
+        let framed = if line.is_empty() { Ok(()) } else { self.record(line, raw) };
+        // The line and its newline (the last line may have none: that only leaves one byte
+        // over, and nothing follows it).
+        self.lines_bytes = self.lines_bytes.saturating_add(raw + 1);
+        framed
     }
 
-    fn record(&mut self, r: &[u8]) -> Result<(), FrameError> {
+    /// Frames the record `r`, which came from a line of `raw` bytes (its `\r` included).
+    fn record(&mut self, r: &[u8], raw: usize) -> Result<(), FrameError> {
         if r.len() > self.max_record {
             return Err(FrameError::RecordTooLarge { index: self.records + 1, len: r.len() });
         }
@@ -1082,7 +1110,11 @@ impl Framer {
             self.cur_records = 0;
         }
         if self.cur.capacity() == 0 {
-            self.last_capacity = next_batch_capacity(self.last_capacity, self.batch_target);
+            self.last_capacity = match self.rest_framed(raw) {
+                // The body's length is known, and its claim covers all of it already.
+                Some(rest) => rest.min(self.batch_target).max(1),
+                None => next_batch_capacity(self.last_capacity, self.batch_target),
+            };
             self.cur.reserve_exact(framed.max(self.last_capacity));
         }
         encode_record(&mut self.cur, r);
@@ -1183,6 +1215,67 @@ mod tests {
             assert!(b.data.capacity() - b.data.len() < 104, "{} of {}", b.data.len(), b.data.capacity());
         }
         let want: Vec<Vec<u8>> = (0..20_000).map(|i| format!("{i:099}").into_bytes()).collect();
+        assert_eq!(records(&batches), want);
+    }
+
+    /// Frames an NDJSON body whose length was declared, as a request with `Content-Length` is.
+    fn frame_declared(pieces: &[&[u8]], max_record: usize, target: usize) -> (Vec<Batch>, u64) {
+        let mut f = Framer::new("s", true, max_record, target);
+        f.expect(pieces.iter().map(|p| p.len()).sum());
+        for p in pieces {
+            f.push(p).expect("push");
+        }
+        let (batches, n, _) = f.finish().expect("frames");
+        (batches, n)
+    }
+
+    #[test]
+    fn a_declared_ndjson_body_gets_buffers_sized_for_it_not_the_doubling_steps() {
+        // Ten records of 10 KiB: one buffer of their framed size (plus a few bytes), against
+        // 64 KiB and then 128 KiB for the same body of unknown length.
+        let record = vec![b'x'; 10 << 10];
+        let body: Vec<u8> = (0..10).flat_map(|_| [record.as_slice(), b"\n"].concat()).collect();
+        let framed = 10 * (record.len() + RECORD_OVERHEAD);
+        let (batches, n) = frame_declared(&[&body[..3333], &body[3333..]], 1 << 20, 512 << 10);
+        assert_eq!((n, batches.len(), batches[0].data.len()), (10, 1, framed));
+        assert!(batches[0].data.capacity() - framed <= 64, "capacity {}", batches[0].data.capacity());
+        let (unknown, _, _) = frame(true, &[&body], 1 << 20, 512 << 10).expect("frames");
+        let capacities: Vec<usize> = unknown.iter().map(|b| b.data.capacity()).collect();
+        assert_eq!(capacities, [64 << 10, 128 << 10]);
+        assert_eq!(records(&batches), records(&unknown));
+
+        // 2 MB of 100-byte lines against a 512 KiB target: full target-sized buffers, then
+        // one sized for the rest; none with more than a record's worth of room left.
+        let body: Vec<u8> = (0..20_000).flat_map(|i| format!("{i:099}\n").into_bytes()).collect();
+        let (batches, n) = frame_declared(&[&body[..777_777], &body[777_777..]], 1000, 512 << 10);
+        assert_eq!(n, 20_000);
+        assert!(batches.iter().all(|b| b.data.capacity() <= 512 << 10), "{batches:?}");
+        for b in &batches {
+            assert!(b.data.capacity() - b.data.len() < 104, "{} of {}", b.data.len(), b.data.capacity());
+        }
+        let want: Vec<Vec<u8>> = (0..20_000).map(|i| format!("{i:099}").into_bytes()).collect();
+        assert_eq!(records(&batches), want);
+    }
+
+    #[test]
+    fn a_declared_body_whose_lines_shrink_closes_its_first_buffer_early_and_loses_nothing() {
+        // The first line, 1,000 bytes, sizes the first buffer for about five such lines; 2,000
+        // one-byte lines follow (with CRLF, and an empty line), which it cannot hold.
+        let mut body = vec![b'L'; 1000];
+        body.extend_from_slice(b"\r\n\n");
+        for i in 0..2000 {
+            body.extend_from_slice(format!("{}\n", i % 10).as_bytes());
+        }
+        let (batches, n) = frame_declared(&[&body], 2000, 1 << 20);
+        assert_eq!(n, 2001);
+        assert!(batches.len() >= 2, "{}", batches.len());
+        let framed = 1000 + 2000 + 2001 * RECORD_OVERHEAD;
+        let (len, capacity): (usize, usize) =
+            batches.iter().fold((0, 0), |(l, c), b| (l + b.data.len(), c + b.data.capacity()));
+        assert_eq!(len, framed);
+        assert!(capacity < 2 * framed, "{capacity} bytes of buffers for {framed}");
+        let mut want = vec![vec![b'L'; 1000]];
+        want.extend((0..2000).map(|i| format!("{}", i % 10).into_bytes()));
         assert_eq!(records(&batches), want);
     }
 
