@@ -1259,8 +1259,8 @@ mod tests {
 
     #[test]
     fn a_declared_body_whose_lines_shrink_closes_its_first_buffer_early_and_loses_nothing() {
-        // The first line, 1,000 bytes, sizes the first buffer for about five such lines; 2,000
-        // one-byte lines follow (with CRLF, and an empty line), which it cannot hold.
+        // The first line, 1,000 bytes ending in CRLF, sizes the first buffer for about five
+        // such lines; an empty line and 2,000 one-byte lines follow, which it cannot hold.
         let mut body = vec![b'L'; 1000];
         body.extend_from_slice(b"\r\n\n");
         for i in 0..2000 {
