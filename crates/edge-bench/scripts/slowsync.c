@@ -23,13 +23,18 @@
 #include <stdlib.h>
 #include <time.h>
 
+/* Whether the environment variable `name` is set to 1, read once into `*cache` (-1: unread). */
+static int flag(const char *name, int *cache) {
+    if (*cache < 0) {
+        const char *v = getenv(name);
+        *cache = v && v[0] == '1';
+    }
+    return *cache;
+}
+
 static int skip(void) {
     static int on = -1;
-    if (on < 0) {
-        const char *v = getenv("SLOWSYNC_SKIP");
-        on = v && v[0] == '1';
-    }
-    return on;
+    return flag("SLOWSYNC_SKIP", &on);
 }
 
 static long delay_us(void) {
@@ -46,11 +51,7 @@ static pthread_mutex_t device = PTHREAD_MUTEX_INITIALIZER;
 
 static int serial(void) {
     static int on = -1;
-    if (on < 0) {
-        const char *v = getenv("SLOWSYNC_SERIAL");
-        on = v && v[0] == '1';
-    }
-    return on;
+    return flag("SLOWSYNC_SERIAL", &on);
 }
 
 static void pause_after_sync(void) {
