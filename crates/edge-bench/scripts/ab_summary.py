@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Summarises the pipeline reports of ab.sh: per build (A, B), the median [min-max] of each
-figure over its runs, as a Markdown table; then the agent's CPU per GiB divided by the raw
+"""Summarises the pipeline reports of ab.sh (or sweep.sh): per build (A, B, or sweep.sh's
+labels), the median [min-max] of each figure over its runs, as a Markdown table with each
+build's median divided by the first build's (A, or sweep.sh's first label); then the agent's CPU per GiB divided by the raw
 quinn sender's of the same run (as the goals of issue 5 divide them), which takes out how fast
 the shared machine was during each run.
 
@@ -65,18 +66,24 @@ def every(path):
 def main():
     folder = Path(sys.argv[1])
     all_rows = "--every" in sys.argv[2:]
-    runs = {"A": [], "B": []}
-    for p in sorted(folder.glob("*.md")):
-        label = p.stem.rsplit("-", 1)[-1]
-        if label in runs:
-            runs[label].append(figures(p))
-    n = {k: len(v) for k, v in runs.items()}
-    print(f"| figure | A (n={n['A']}) | B (n={n['B']}) | B ÷ A (medians) |")
-    print("|---|---|---|---|")
+    runs = {}
+    reports = sorted(folder.glob("*.md"))
+    # sweep.sh's first label is the build of its first run.
+    for p in reports:
+        runs.setdefault(p.stem.split("-", 1)[-1], []).append(figures(p))
+    labels = list(runs)
+    if not labels:
+        sys.exit(f"ab_summary.py: no reports in {folder}")
+    if set(labels) == {"A", "B"}:
+        labels = ["A", "B"]
+    first = labels[0]
+    head = " | ".join(f"{k} (n={len(runs[k])})" for k in labels)
+    ratios = " | ".join(f"{k} ÷ {first} (medians)" for k in labels[1:])
+    print(f"| figure | {head} | {ratios} |")
+    print("|---" * (2 * len(labels)) + "|")
     listed = FIGURES
     if all_rows:
-        first = sorted(folder.glob("*.md"))[0]
-        listed = [(case, unit, f"{case}: {unit}") for case, unit in every(first)]
+        listed = [(case, unit, f"{case}: {unit}") for case, unit in every(reports[0])]
     rows = [(name, lambda f, c=case, u=unit: f.get((c, u))) for case, unit, name in listed]
     rows += [
         (name, lambda f, c=case, u=unit: f[(c, u)] / f[SENDER] if (c, u) in f and f.get(SENDER) else None)
@@ -87,7 +94,7 @@ def main():
             continue
         cols = []
         meds = []
-        for k in ("A", "B"):
+        for k in labels:
             vals = [v for v in map(value, runs[k]) if v is not None]
             if not vals:
                 cols.append("-")
@@ -96,8 +103,8 @@ def main():
             med = statistics.median(vals)
             meds.append(med)
             cols.append(f"{med:.3g} [{min(vals):.3g}-{max(vals):.3g}]")
-        ratio = f"{meds[1] / meds[0]:.3f}" if None not in meds and meds[0] else "-"
-        print(f"| {name} | {cols[0]} | {cols[1]} | {ratio} |")
+        ratios = [f"{m / meds[0]:.3f}" if m is not None and meds[0] else "-" for m in meds[1:]]
+        print(f"| {name} | {' | '.join(cols)} | {' | '.join(ratios)} |")
 
 
 if __name__ == "__main__":

@@ -498,6 +498,16 @@ pub async fn pipeline(ctx: &Ctx) -> anyhow::Result<Results> {
     Ok(res)
 }
 
+/// The cases of [`all`] that post HTTP bodies, as long as there, `ctx.reps` times.
+pub async fn http(ctx: &Ctx) -> anyhow::Result<Results> {
+    let mut res = Results::default();
+    live(ctx, &mut res, LIVE_10K, 10 * KIB, 1, Duration::from_secs(10)).await?;
+    live(ctx, &mut res, LIVE_100K, 100 * KIB, 1, Duration::from_secs(10)).await?;
+    live(ctx, &mut res, LIVE_BATCHED_10K, 10 * KIB, 100, Duration::from_secs(10)).await?;
+    small(ctx, &mut res, Duration::from_secs(6)).await?;
+    Ok(res)
+}
+
 /// Everything, `ctx.reps` times.
 pub async fn all(ctx: &Ctx) -> anyhow::Result<Results> {
     let mut res = Results::default();

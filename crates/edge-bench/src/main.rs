@@ -92,6 +92,15 @@ enum Cmd {
         #[arg(long)]
         allow_stale: bool,
     },
+    /// The `all` run's cases that post HTTP bodies (10 KiB and 100 KiB records one per request,
+    /// 10 KiB records 100 per request, small records 1000 per request), repeated: for comparing
+    /// settings of the HTTP intake, such as `intake.request_pending_total_bytes`.
+    Http {
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        #[arg(long)]
+        allow_stale: bool,
+    },
     /// The record-stream live case, HTTP producers of 4 MiB requests (under the default
     /// request budget and under 1 GiB) and of 100 KiB requests (with a Content-Length and
     /// chunked) with more and more producer connections: what the agent stores, its CPU and its
@@ -319,6 +328,14 @@ fn main() -> anyhow::Result<()> {
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
             ctx.command = format!("cargo run --release -p edge-bench -- pipeline --reps {}", ctx.reps);
             let results = rt.block_on(cases::pipeline(&ctx))?;
+            println!("{}", results.markdown(&ctx));
+            Ok(())
+        }
+        Cmd::Http { reps, allow_stale } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
+            ctx.command = format!("cargo run --release -p edge-bench -- http --reps {}", ctx.reps);
+            let results = rt.block_on(cases::http(&ctx))?;
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
