@@ -1538,8 +1538,8 @@ async fn live(
     live_with(ctx, res, case, &live_load(record, per_request, Some(duration), None), &WorldOptions::default()).await
 }
 
-/// Records of 10 KiB per request in the HTTP cases of [`producers`]: 4 MiB bodies, so that 16
-/// producers already claim all of the default `intake.request_pending_total_bytes` (64 MiB).
+/// Records of 10 KiB per request in the HTTP cases of [`producers`]: 4 MiB bodies, so that two
+/// producers already claim all of the default `intake.request_pending_total_bytes` (8 MiB).
 const LARGE_REQUEST_RECORDS: usize = 400;
 
 /// Records of 10 KiB per request in the chunked cases of [`producers`] and their

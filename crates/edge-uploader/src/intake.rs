@@ -169,9 +169,11 @@ fn held_changed(now: &AtomicU64, peak: &AtomicU64, old: usize, new: usize) {
     }
 }
 
-/// The default of `intake.request_pending_total_bytes`: as much as one request of the default
-/// `intake.max_request_bytes`.
-pub const REQUEST_PENDING_TOTAL: usize = 64 << 20;
+/// The default of `intake.request_pending_total_bytes`: room for a few large bodies at once, as
+/// the record stream's gathering budget. A sweep of 2 to 64 MiB (BENCHMARKS.md, "Done and tried
+/// since the `a54f6d1` run", 37) found no load it held back at 8 MiB, while 64 producers of
+/// 4 MiB requests stored 1.4 times as fast as at 64 MiB, at 42 MiB peak RSS instead of 102.
+pub const REQUEST_PENDING_TOTAL: usize = 8 << 20;
 
 /// What a body sent without a `Content-Length` claims first (the size of its first batch
 /// buffer); it claims more as it arrives, doubling, up to `intake.max_request_bytes`.

@@ -291,7 +291,7 @@ async fn concurrent_requests_share_one_budget_wait_for_room_and_lose_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chunked_body_claims_what_it_sends_so_other_requests_are_not_held_behind_it() {
     use std::sync::atomic::Ordering::Relaxed;
-    // The default budget and largest request, 64 MiB each.
+    // The default budget (8 MiB) and largest request (64 MiB).
     let f = start(|_| {}).await;
     let socket = f._dir.path().join("intake.sock");
     let counters = f.agent.intake();
@@ -304,7 +304,7 @@ async fn a_chunked_body_claims_what_it_sends_so_other_requests_are_not_held_behi
     let mut open = RawRequest::start(&socket, "open", None).await;
     open.send_chunk(&lines(0, 0..10)).await;
     wait_until("the open request is framing", || counters.request_buffer_bytes.load(Relaxed) > 0).await;
-    // It claims a first step, not intake.max_request_bytes (which is the whole budget).
+    // It claims a first step, not intake.max_request_bytes (more than the whole budget).
     assert_eq!(f.agent.request_budget().used(), edge_uploader::intake::CHUNKED_FIRST_CLAIM);
 
     // Requests with and without a length are read and answered while it is open.
