@@ -31,6 +31,31 @@ pub struct Ctx {
     pub command: String,
     /// `--allow-stale`: the report adds it to `command`, whichever subcommand set it.
     pub allow_stale: bool,
+    /// Held for the whole run: see [`lock_work`].
+    _lock: std::sync::Arc<std::fs::File>,
+}
+
+/// Takes `work` for this run alone. Every run clears and fills the same folders (spools,
+/// stores, certificates, the snapshot of the daemons), so a second run at the same time would
+/// wreck the first one's cases and measure itself on a machine the first one loads.
+fn lock_work(work: &Path) -> anyhow::Result<std::fs::File> {
+    let path = work.join("lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!(
+            "another edge-bench run is using {} (it holds {}); wait for it to end: runs share that \
+             folder and the machine's cores",
+            work.display(),
+            path.display()
+        ),
+        Err(std::fs::TryLockError::Error(e)) => Err(e).with_context(|| format!("locking {}", path.display())),
+    }
 }
 
 impl Ctx {
@@ -40,6 +65,7 @@ impl Ctx {
         let target = exe.parent().and_then(Path::parent).context("bench binary location")?.to_path_buf();
         let work = target.join("edge-bench-work");
         std::fs::create_dir_all(&work)?;
+        let lock = std::sync::Arc::new(lock_work(&work)?);
         // Measure one fixed build for the whole run: other builds may replace target/release/
         // while the run starts daemons again and again.
         let snap = work.join("bin");
@@ -56,7 +82,7 @@ impl Ctx {
         } else {
             format!("cargo run --release -p edge-bench -- all --reps {reps}")
         };
-        Ok(Ctx { bins, target, work, reps, started: Instant::now(), command, allow_stale })
+        Ok(Ctx { bins, target, work, reps, started: Instant::now(), command, allow_stale, _lock: lock })
     }
 
     fn progress(&self, msg: impl AsRef<str>) {
@@ -1999,4 +2025,19 @@ fn machine_nats_pid() -> Option<u32> {
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_run_cannot_take_the_work_folder_until_the_first_ends() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let first = lock_work(dir.path()).expect("the first run takes it");
+        let err = lock_work(dir.path()).expect_err("a second run at the same time");
+        assert!(err.to_string().contains("another edge-bench run is using"), "{err:#}");
+        drop(first);
+        lock_work(dir.path()).expect("free again once the first run ends");
+    }
 }
