@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Summarises the pipeline reports of ab.sh (or sweep.sh): per build (A, B, or sweep.sh's
 labels), the median [min-max] of each figure over its runs, as a Markdown table with each
-build's median divided by the first build's (A, or sweep.sh's first label); then the agent's CPU per GiB divided by the raw
-quinn sender's of the same run (as the goals of issue 5 divide them), which takes out how fast
-the shared machine was during each run.
+build's median divided by that of the build measured first (A, or sweep.sh's first label);
+then the agent's CPU per GiB divided by the raw quinn sender's of the same run (as the goals
+of issue 5 divide them), which takes out how fast the shared machine was during each run.
 
     python3 crates/edge-bench/scripts/ab_summary.py /tmp/ab
     python3 crates/edge-bench/scripts/ab_summary.py /tmp/ab --every   # every row of the reports
@@ -68,14 +68,12 @@ def main():
     all_rows = "--every" in sys.argv[2:]
     runs = {}
     reports = sorted(folder.glob("*.md"))
-    # sweep.sh's first label is the build of its first run.
+    # Reports are named NN-LABEL.md in the order measured: the first label is the first run's.
     for p in reports:
         runs.setdefault(p.stem.split("-", 1)[-1], []).append(figures(p))
     labels = list(runs)
     if not labels:
         sys.exit(f"ab_summary.py: no reports in {folder}")
-    if set(labels) == {"A", "B"}:
-        labels = ["A", "B"]
     first = labels[0]
     head = " | ".join(f"{k} (n={len(runs[k])})" for k in labels)
     ratios = " | ".join(f"{k} ÷ {first} (medians)" for k in labels[1:])
