@@ -1564,9 +1564,11 @@ async fn live(
     live_with(ctx, res, case, &live_load(record, per_request, Some(duration), None), &WorldOptions::default()).await
 }
 
-/// Records of 10 KiB per request in the HTTP cases of [`producers`]: 4 MiB bodies, so that two
-/// producers already claim all of the default `intake.request_pending_total_bytes` (8 MiB).
-const LARGE_REQUEST_RECORDS: usize = 400;
+/// Records of 10 KiB per MiB of the large requests of [`producers`] (`--request-mib`, 4 by
+/// default: 4 MiB bodies, so that two producers already claim all of the default
+/// `intake.request_pending_total_bytes`, 8 MiB; 16 makes bodies larger than it, each admitted
+/// alone).
+pub const RECORDS_PER_REQUEST_MIB: usize = 100;
 
 /// Records of 10 KiB per request in the chunked cases of [`producers`] and their
 /// `Content-Length` twins: 100 KiB bodies.
@@ -1576,27 +1578,39 @@ const SMALL_REQUEST_RECORDS: usize = 10;
 /// its peak RSS as the producers grow in number:
 /// - the record-stream live case (10 KiB records), all connections' gathering under
 ///   `intake.stream_pending_total_bytes`;
-/// - HTTP producers posting 4 MiB requests ([`LARGE_REQUEST_RECORDS`] records of 10 KiB), under
-///   the default `intake.request_pending_total_bytes` and under 1 GiB, which none of these
-///   loads reaches: the agent as it was before requests shared a budget;
+/// - HTTP producers posting `request_mib` MiB requests ([`RECORDS_PER_REQUEST_MIB`] records of
+///   10 KiB per MiB), under the default `intake.request_pending_total_bytes` and under 1 GiB,
+///   which none of these loads reaches: the agent as it was before requests shared a budget;
 /// - HTTP producers posting 100 KiB requests ([`SMALL_REQUEST_RECORDS`] records of 10 KiB),
 ///   with a `Content-Length` and chunked, as clients that stream a body do: what a body
 ///   without a length costs under the shared budget.
 ///
-/// Then [`idle_connections`] with `idle` connections (none for 0).
-pub async fn producers(ctx: &Ctx, counts: &[usize], idle: usize) -> anyhow::Result<Results> {
+/// With `large_only`, the large requests' two cases alone. Then [`idle_connections`] with
+/// `idle` connections (none for 0).
+pub async fn producers(
+    ctx: &Ctx,
+    counts: &[usize],
+    request_mib: usize,
+    large_only: bool,
+    idle: usize,
+) -> anyhow::Result<Results> {
     let mut res = Results::default();
     let unbounded = WorldOptions { request_pending_total: Some("1GiB".into()), ..WorldOptions::default() };
+    let large = request_mib * RECORDS_PER_REQUEST_MIB;
     for &n in counts {
-        let case = format!("live 10 KiB, record stream, {n} producers");
-        let load = Load { producers: n, ..live_load(10 * KIB, 0, Some(Duration::from_secs(8)), None) };
+        if !large_only {
+            let case = format!("live 10 KiB, record stream, {n} producers");
+            let load = Load { producers: n, ..live_load(10 * KIB, 0, Some(Duration::from_secs(8)), None) };
+            live_with(ctx, &mut res, &case, &load, &WorldOptions::default()).await?;
+        }
+        let load = Load { producers: n, ..live_load(10 * KIB, large, Some(Duration::from_secs(8)), None) };
+        let case = format!("live 10 KiB, {request_mib} MiB HTTP requests, {n} producers");
         live_with(ctx, &mut res, &case, &load, &WorldOptions::default()).await?;
-        let load =
-            Load { producers: n, ..live_load(10 * KIB, LARGE_REQUEST_RECORDS, Some(Duration::from_secs(8)), None) };
-        let case = format!("live 10 KiB, 4 MiB HTTP requests, {n} producers");
-        live_with(ctx, &mut res, &case, &load, &WorldOptions::default()).await?;
-        let case = format!("live 10 KiB, 4 MiB HTTP requests, {n} producers, request budget 1 GiB");
+        let case = format!("live 10 KiB, {request_mib} MiB HTTP requests, {n} producers, request budget 1 GiB");
         live_with(ctx, &mut res, &case, &load, &unbounded).await?;
+        if large_only {
+            continue;
+        }
         for chunked in [false, true] {
             let load = Load {
                 producers: n,

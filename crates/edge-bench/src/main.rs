@@ -101,8 +101,8 @@ enum Cmd {
         #[arg(long)]
         allow_stale: bool,
     },
-    /// The record-stream live case, HTTP producers of 4 MiB requests (under the default
-    /// request budget and under 1 GiB) and of 100 KiB requests (with a Content-Length and
+    /// The record-stream live case, HTTP producers of 4 MiB requests (`--request-mib`; under
+    /// the default request budget and under 1 GiB) and of 100 KiB requests (with a Content-Length and
     /// chunked) with more and more producer connections: what the agent stores, its CPU and its
     /// peak RSS at each count; then quiet connections, under the default
     /// `intake.max_connections` and without it.
@@ -112,6 +112,13 @@ enum Cmd {
         /// Producer connections, one count per case (comma-separated).
         #[arg(long, value_delimiter = ',', default_value = "4,16,64")]
         counts: Vec<usize>,
+        /// Size of the large HTTP requests in MiB (of 10 KiB records, 100 per MiB): 4 fits the
+        /// default request budget twice, 16 is larger than all of it.
+        #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+        request_mib: u16,
+        /// Only the large HTTP requests' cases (default budget and 1 GiB).
+        #[arg(long)]
+        large_only: bool,
         /// Then this many connections (half record stream, half HTTP) that send 64 KiB each and
         /// go quiet: the agent's RSS with them under the default `intake.max_connections` and
         /// with it at 16384; 0 skips it.
@@ -339,17 +346,18 @@ fn main() -> anyhow::Result<()> {
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
-        Cmd::Producers { reps, counts, idle, allow_stale } => {
+        Cmd::Producers { reps, counts, request_mib, large_only, idle, allow_stale } => {
             anyhow::ensure!(counts.iter().all(|&n| n > 0), "--counts: every count must be at least 1");
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let mut ctx = cases::Ctx::new(allow_stale, reps.max(1), false)?;
             let list: Vec<String> = counts.iter().map(usize::to_string).collect();
             ctx.command = format!(
-                "cargo run --release -p edge-bench -- producers --reps {} --counts {} --idle {idle}",
+                "cargo run --release -p edge-bench -- producers --reps {} --counts {} --request-mib {request_mib}{} --idle {idle}",
                 ctx.reps,
-                list.join(",")
+                list.join(","),
+                if large_only { " --large-only" } else { "" },
             );
-            let results = rt.block_on(cases::producers(&ctx, &counts, idle))?;
+            let results = rt.block_on(cases::producers(&ctx, &counts, usize::from(request_mib), large_only, idle))?;
             println!("{}", results.markdown(&ctx));
             Ok(())
         }
