@@ -717,21 +717,20 @@ pub async fn sweep(ctx: &Ctx, only: &[String]) -> anyhow::Result<Results> {
     let mut res = Results::default();
     let base = WorldOptions::default();
     let variants = [
-        WorldOptions { label: "default (full, 512KiB chunks, 32 and 4MiB in flight)".into(), ..base.clone() },
-        WorldOptions { label: "durability normal".into(), durability: "normal", ..base.clone() },
-        WorldOptions { label: "chunk_target 128KiB".into(), chunk_target: "128KiB".into(), ..base.clone() },
         WorldOptions {
-            label: "chunk_target 1MiB, 8MiB in flight".into(),
-            chunk_target: "1MiB".into(),
-            max_in_flight_bytes: "8MiB".into(),
+            label: "default (full, 512KiB chunks, 32 and 8MiB in flight, no compression)".into(),
             ..base.clone()
         },
+        WorldOptions { label: "durability normal".into(), durability: "normal", ..base.clone() },
+        WorldOptions { label: "chunk_target 128KiB".into(), chunk_target: "128KiB".into(), ..base.clone() },
+        WorldOptions { label: "chunk_target 1MiB".into(), chunk_target: "1MiB".into(), ..base.clone() },
         WorldOptions {
             label: "chunk_target 2MiB, 16MiB in flight".into(),
             chunk_target: "2MiB".into(),
             max_in_flight_bytes: "16MiB".into(),
             ..base.clone()
         },
+        WorldOptions { label: "4MiB in flight".into(), max_in_flight_bytes: "4MiB".into(), ..base.clone() },
         WorldOptions { label: "16MiB in flight".into(), max_in_flight_bytes: "16MiB".into(), ..base.clone() },
         WorldOptions { label: "max_in_flight 8".into(), max_in_flight: 8, ..base.clone() },
         WorldOptions { label: "max_in_flight 128".into(), max_in_flight: 128, ..base.clone() },
@@ -1568,7 +1567,7 @@ async fn live(
 /// default: 4 MiB bodies, so that two producers already claim all of the default
 /// `intake.request_pending_total_bytes`, 8 MiB; 16 makes bodies larger than it, each admitted
 /// alone).
-pub const RECORDS_PER_REQUEST_MIB: usize = 100;
+const RECORDS_PER_REQUEST_MIB: usize = 100;
 
 /// Records of 10 KiB per request in the chunked cases of [`producers`] and their
 /// `Content-Length` twins: 100 KiB bodies.

@@ -102,9 +102,9 @@ enum Cmd {
         allow_stale: bool,
     },
     /// The record-stream live case, HTTP producers of 4 MiB requests (`--request-mib`; under
-    /// the default request budget and under 1 GiB) and of 100 KiB requests (with a Content-Length and
-    /// chunked) with more and more producer connections: what the agent stores, its CPU and its
-    /// peak RSS at each count; then quiet connections, under the default
+    /// the default request budget and under 1 GiB) and of 100 KiB requests (with a
+    /// Content-Length and chunked) with more and more producer connections: what the agent
+    /// stores, its CPU and its peak RSS at each count; then quiet connections, under the default
     /// `intake.max_connections` and without it.
     Producers {
         #[arg(long, default_value_t = 3)]
