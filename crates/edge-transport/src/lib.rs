@@ -32,6 +32,14 @@
 //!   certificate is refused, and so is a CRL past its `nextUpdate`
 //!   (`enforce_revocation_expiration`). The device identity is the leaf's subject CN
 //!   ([`peer_device_id`]); clients never get to name themselves.
+//! * **The cipher suite this CPU is fastest at.** [`crypto_provider`] offers the three TLS 1.3
+//!   suites in an order fit for the machine it runs on: AES-128-GCM first where the CPU has AES
+//!   and carry-less multiply instructions (x86 AES-NI and PCLMULQDQ, the ARMv8 crypto
+//!   extension), ChaCha20-Poly1305 first where it has not (a Raspberry Pi 4, many gateway
+//!   SoCs), where software AES-GCM costs several times as much per byte. The server follows the
+//!   client's order (rustls's default), so the gateway, the constrained end, picks. All three
+//!   are accepted on both ends, so any pair of machines agrees on one; QUIC's Initial packets
+//!   use AES-128-GCM whatever is negotiated (RFC 9001).
 //! * **Strict ALPN.** Both ends offer only [`ALPN`]; a peer with another or no ALPN fails the
 //!   handshake with `no_application_protocol`.
 //! * **Resumption and 0-RTT on.** The server keeps a bounded in-memory session cache
@@ -93,13 +101,56 @@ pub use tuning::{CongestionController, Tuning};
 /// protocol crate; the two must stay equal.
 pub const ALPN: &[u8] = b"edge/1";
 
-/// The rustls crypto provider used for every TLS object this crate builds: *ring*.
+/// The rustls crypto provider used for every TLS object this crate builds: *ring*, with its
+/// cipher suites in [`cipher_suite_preference`]'s order for this CPU.
 ///
 /// The provider is constructed once and shared. It is passed explicitly to every rustls
 /// builder; the process-wide default provider is neither read nor installed.
 pub fn crypto_provider() -> Arc<rustls::crypto::CryptoProvider> {
     static PROVIDER: OnceLock<Arc<rustls::crypto::CryptoProvider>> = OnceLock::new();
-    Arc::clone(PROVIDER.get_or_init(|| Arc::new(rustls::crypto::ring::default_provider())))
+    Arc::clone(PROVIDER.get_or_init(|| {
+        let mut provider = rustls::crypto::ring::default_provider();
+        order_cipher_suites(&mut provider.cipher_suites, cpu_has_aes_instructions());
+        Arc::new(provider)
+    }))
+}
+
+/// The TLS 1.3 cipher suites in the order this crate offers them, given whether the CPU has
+/// AES instructions: AES-128-GCM, AES-256-GCM, ChaCha20-Poly1305 if it has, ChaCha20-Poly1305
+/// first if not. AES-256 comes after AES-128 because it costs more rounds per block for a
+/// margin TLS 1.3's 128-bit suites do not need.
+pub fn cipher_suite_preference(aes_instructions: bool) -> [rustls::CipherSuite; 3] {
+    use rustls::CipherSuite::{TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256};
+    if aes_instructions {
+        [TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256]
+    } else {
+        [TLS13_CHACHA20_POLY1305_SHA256, TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384]
+    }
+}
+
+/// Whether this CPU has the instructions that make AES-GCM fast: AES rounds and carry-less
+/// multiplication (x86: AES-NI and PCLMULQDQ; AArch64: the crypto extension's AES, which Rust
+/// detects together with PMULL). Other architectures are taken to have none.
+pub fn cpu_has_aes_instructions() -> bool {
+    #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+    {
+        std::arch::is_x86_feature_detected!("aes") && std::arch::is_x86_feature_detected!("pclmulqdq")
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        std::arch::is_aarch64_feature_detected!("aes")
+    }
+    #[cfg(not(any(target_arch = "x86", target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        false
+    }
+}
+
+/// Puts the suites of [`cipher_suite_preference`] first, in its order; the rest (none with TLS
+/// 1.3 only) keep theirs behind them.
+fn order_cipher_suites(suites: &mut [rustls::SupportedCipherSuite], aes_instructions: bool) {
+    let preference = cipher_suite_preference(aes_instructions);
+    suites.sort_by_key(|s| preference.iter().position(|p| *p == s.suite()).unwrap_or(preference.len()));
 }
 
 #[cfg(test)]
@@ -115,6 +166,25 @@ mod tests {
         );
         // The same Arc is handed out every time: one provider per process.
         assert!(Arc::ptr_eq(&provider, &crypto_provider()));
+    }
+
+    #[test]
+    fn cipher_suites_are_offered_in_the_order_for_the_cpu() {
+        use rustls::CipherSuite::{TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256};
+        for aes in [true, false] {
+            let mut suites = rustls::crypto::ring::default_provider().cipher_suites;
+            let before = suites.len();
+            order_cipher_suites(&mut suites, aes);
+            assert_eq!(suites.len(), before, "ordering drops no suite");
+            let tls13: Vec<_> = suites.iter().map(|s| s.suite()).take(3).collect();
+            assert_eq!(tls13, cipher_suite_preference(aes));
+        }
+        assert_eq!(cipher_suite_preference(true)[0], TLS13_AES_128_GCM_SHA256);
+        assert_eq!(cipher_suite_preference(false)[0], TLS13_CHACHA20_POLY1305_SHA256);
+        assert_eq!(cipher_suite_preference(true)[1], TLS13_AES_256_GCM_SHA384);
+        // The shared provider follows this machine's answer.
+        let first = crypto_provider().cipher_suites[0].suite();
+        assert_eq!(first, cipher_suite_preference(cpu_has_aes_instructions())[0]);
     }
 
     #[test]
