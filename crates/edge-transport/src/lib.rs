@@ -146,8 +146,8 @@ pub fn cpu_has_aes_instructions() -> bool {
     }
 }
 
-/// Puts the suites of [`cipher_suite_preference`] first, in its order; the rest (none with TLS
-/// 1.3 only) keep theirs behind them.
+/// Puts the suites of [`cipher_suite_preference`] first, in its order; the rest (TLS 1.2's,
+/// never offered since only TLS 1.3 is enabled) keep their order behind them.
 fn order_cipher_suites(suites: &mut [rustls::SupportedCipherSuite], aes_instructions: bool) {
     let preference = cipher_suite_preference(aes_instructions);
     suites.sort_by_key(|s| preference.iter().position(|p| *p == s.suite()).unwrap_or(preference.len()));
