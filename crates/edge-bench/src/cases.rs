@@ -429,6 +429,10 @@ const CONNECT_MS: &str = "ms ingest up → agent connected";
 const WIRE_PER_BYTE: &str = "bytes sent per record byte";
 const AGENT_CPU_DRAINING: &str = "CPU-s/GiB agent, connection → drained";
 const INGEST_CPU_DRAINING: &str = "CPU-s/GiB ingest, connection → drained";
+/// The agent's and the ingest's CPU-seconds from the connection to the drained spool, per
+/// second of it: how much of the machine's cores the two daemons kept busy while draining
+/// (the CPU per GiB above also counts the ingest's start and the agent's attempts before it).
+const BUSY_DRAINING: &str = "cores busy, connection → drained (agent + ingest)";
 
 fn machine_info() -> Vec<(&'static str, String)> {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
@@ -1537,6 +1541,7 @@ async fn drain_once(
     res.add(group, format!("{case}: prefill (intake only, ingest down)"), WEAR, 2, wb_prefill as f64 / p.bytes as f64);
     let drained =
         Drained { mb_s, agent_cpu_s_per_gib: (cpu1 - cpu_c) / gib, ingest_cpu_s_per_gib: (icpu1 - icpu_c) / gib };
+    res.add(group, case, BUSY_DRAINING, 2, ((cpu1 - cpu_c) + (icpu1 - icpu_c)) / secs);
     if let Prefill::Fresh(..) = prefill {
         res.add(group, case, RECS_S, 0, p.records as f64 / secs);
         res.add(group, case, AGENT_CPU_DRAINING, 2, drained.agent_cpu_s_per_gib);
