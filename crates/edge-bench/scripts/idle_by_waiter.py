@@ -28,10 +28,9 @@ PROCESSES = {
 }
 
 WAITS = [
-    ("futex_wait", "futex (a parked worker, a lock, a condvar)"),
     ("futex", "futex (a parked worker, a lock, a condvar)"),
+    ("epoll_wait", "epoll_wait"),
     ("ep_poll", "epoll_wait"),
-    ("do_epoll_wait", "epoll_wait"),
     ("fdatasync", "fdatasync"),
     ("fsync", "fsync"),
     ("iomap_dio", "direct I/O"),
@@ -94,14 +93,13 @@ def main():
         t0, t1 = inside[0], inside[-1]
     cpus = {e["cpu"] for e in events}
     idle_since = {}
-    by_proc, by_wait, by_waker = collections.Counter(), collections.Counter(), collections.Counter()
+    by_wait, by_waker = collections.Counter(), collections.Counter()
     for e in events:
         if e["t"] < t0 or e["t"] > t1:
             idle_since.pop(e["cpu"], None)
             continue
         if e["cpu"] in idle_since:
             start, key = idle_since.pop(e["cpu"])
-            by_proc[key[0]] += e["t"] - start
             by_wait[key] += e["t"] - start
             if e["pid"] == 0:
                 by_waker[e["next"]] += e["t"] - start
@@ -109,6 +107,9 @@ def main():
             proc = names.get(e["pid"], e["comm"] if e["prev"] == e["comm"] else f"pid {e['pid']}")
             where = next((u for u in e["u"] if u != "[unknown]"), "?")
             idle_since[e["cpu"]] = (e["t"], (proc, e["prev"], wait_of(e["k"]), where))
+    by_proc = collections.Counter()
+    for key, secs in by_wait.items():
+        by_proc[key[0]] += secs
     span = (t1 - t0) * len(cpus)
     total = sum(by_proc.values())
     print(f"{t1 - t0:.3f} s on {len(cpus)} CPUs; idle {total:.3f} s = {100 * total / span:.1f} % of the CPUs' time")
