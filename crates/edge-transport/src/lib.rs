@@ -37,7 +37,8 @@
 //!   and carry-less multiply instructions (x86 AES-NI and PCLMULQDQ, the ARMv8 crypto
 //!   extension), ChaCha20-Poly1305 first where it has not (a Raspberry Pi 4, many gateway
 //!   SoCs), where software AES-GCM costs several times as much per byte. The server follows the
-//!   client's order (rustls's default), so the gateway, the constrained end, picks. All three
+//!   client's order (rustls's default; `tests/handshake.rs` checks it), so the gateway, the
+//!   constrained end, picks. All three
 //!   are accepted on both ends, so any pair of machines agrees on one; QUIC's Initial packets
 //!   use AES-128-GCM whatever is negotiated (RFC 9001).
 //! * **Strict ALPN.** Both ends offer only [`ALPN`]; a peer with another or no ALPN fails the

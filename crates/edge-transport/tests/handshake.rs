@@ -506,3 +506,65 @@ fn invalid_device_id_is_refused_naming_it() {
     assert!(matches!(&err, PkiError::InvalidDeviceId { id, .. } if id == "../../etc"), "{err}");
     assert!(err.to_string().contains("\"../../etc\""), "{err}");
 }
+
+/// Records the length of every TLS secret a connection derives. TLS 1.3's SHA-256 suites
+/// (AES-128-GCM, ChaCha20-Poly1305) derive 32-byte secrets, AES-256-GCM-SHA384 48-byte ones:
+/// quinn does not tell which suite a connection negotiated, its key log does.
+#[derive(Debug, Default)]
+struct SecretLengths(std::sync::Mutex<Vec<usize>>);
+
+impl rustls::KeyLog for SecretLengths {
+    fn log(&self, _label: &str, _client_random: &[u8], secret: &[u8]) {
+        self.0.lock().expect("key log lock").push(secret.len());
+    }
+}
+
+/// Connects a client with the given rustls config to `server` and returns the lengths of the
+/// secrets it derived (at least the handshake and traffic secrets, all of one length).
+async fn negotiated_secret_length(server: &Endpoint, mut tls: rustls::ClientConfig) -> usize {
+    let log = std::sync::Arc::new(SecretLengths::default());
+    tls.key_log = log.clone();
+    let config = quic_client_config(tls, &Tuning::default()).expect("client config");
+    let attempt = attempt(server, config, SERVER_NAME).await;
+    attempt.server.expect("server side established");
+    attempt.client.expect("client side established");
+    let lengths = log.0.lock().expect("key log lock").clone();
+    assert!(lengths.len() >= 4, "the client logged only {lengths:?}");
+    assert!(lengths.iter().all(|&len| len == lengths[0]), "secrets of different lengths: {lengths:?}");
+    lengths[0]
+}
+
+/// The ingest takes the cipher suite the agent prefers, so the agent's order (AES-128-GCM or
+/// ChaCha20-Poly1305 first, by CPU) is what every connection uses: a client that offers
+/// AES-256-GCM first gets it, though our own order never puts it first, and our own client
+/// never ends up with it.
+#[tokio::test]
+async fn the_server_follows_the_clients_cipher_suite_order() {
+    use rustls::CipherSuite::TLS13_AES_256_GCM_SHA384;
+    let pki = pki();
+    let server = server(&pki, &[]);
+    let (cert, key) = pki.issue_device("sensor-42").expect("device");
+
+    let ours = rustls_client_config_from_pem(&cert, &key, &pki.ca_pem).expect("client tls");
+    assert_eq!(negotiated_secret_length(&server, ours).await, 32, "our client negotiated a SHA-384 suite");
+
+    let mut provider = (*crypto_provider()).clone();
+    provider.cipher_suites.sort_by_key(|suite| suite.suite() != TLS13_AES_256_GCM_SHA384);
+    assert_eq!(provider.cipher_suites[0].suite(), TLS13_AES_256_GCM_SHA384);
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(CertificateDer::from_pem_slice(pki.ca_pem.as_bytes()).expect("CA PEM")).expect("CA root");
+    let chain = CertificateDer::pem_slice_iter(cert.as_bytes()).collect::<Result<Vec<_>, _>>().expect("device PEM");
+    let key_der = rustls::pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).expect("device key PEM");
+    let mut aes256_first = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(provider))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .expect("TLS 1.3")
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key_der)
+        .expect("client identity");
+    aes256_first.alpn_protocols = vec![ALPN.to_vec()];
+    assert_eq!(
+        negotiated_secret_length(&server, aes256_first).await,
+        48,
+        "the server did not take the client's first suite"
+    );
+}
