@@ -1,6 +1,7 @@
 //! The operator's commands against real daemons: `edge-uploader status` (text, `--json`, exit
 //! codes 0 healthy / 1 degraded / 3 not running, and degraded when the agent accepts but cannot
-//! answer on its socket, with its state from the metrics listener) and `edge-uploader push`.
+//! answer on its socket, with its state from the metrics listener) and `edge-uploader push`;
+//! and the cipher suite order the agent logs when it starts.
 
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -44,6 +45,16 @@ fn status_reports_not_running_degraded_and_healthy_with_its_exit_codes() -> anyh
     assert!(doc["connection"]["server"].as_str().is_some_and(|s| s.starts_with("127.0.0.1:")), "{doc}");
     assert!(doc["connection"]["remote"].is_null(), "{doc}");
     assert!(doc["degraded_reasons"][0].as_str().is_some_and(|r| r.contains("not connected")), "{doc}");
+
+    // The agent logs the cipher suites it offers, first the one this CPU is fastest at.
+    agent.wait_log("TLS 1.3 cipher suites offered in this order", Duration::from_secs(10))?;
+    let first = edge_transport::cipher_suite_preference(edge_transport::cpu_has_aes_instructions())[0];
+    let log = std::fs::read_to_string(agent.log_path())?;
+    assert!(
+        log.lines().any(|l| l.contains("cipher suites offered") && l.contains(&format!("suites=[{first:?},"))),
+        "{}",
+        agent.tail_log()
+    );
 
     // Data pushed while disconnected waits in the spool and shows up per stream.
     let input = world.path().join("readings.ndjson");

@@ -122,6 +122,12 @@ impl Agent {
 
         let client_config = edge_transport::client_config(&config.upload.tls, &config.upload.tuning)
             .context("loading the agent's TLS files (upload.ca, upload.cert, upload.key)")?;
+        let aes_instructions = edge_transport::cpu_has_aes_instructions();
+        info!(
+            aes_instructions,
+            suites = ?edge_transport::cipher_suite_preference(aes_instructions),
+            "TLS 1.3 cipher suites offered in this order; the ingest takes the first it has"
+        );
         let cancel_upload = CancellationToken::new();
         let max_in_flight = Arc::new(AtomicU32::new(config.upload.max_in_flight));
         let max_in_flight_bytes = Arc::new(AtomicU64::new(config.upload.max_in_flight_bytes));
