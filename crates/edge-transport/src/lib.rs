@@ -38,9 +38,9 @@
 //!   extension), ChaCha20-Poly1305 first where it has not (a Raspberry Pi 4, many gateway
 //!   SoCs), where software AES-GCM costs several times as much per byte. The server follows the
 //!   client's order (rustls's default; `tests/handshake.rs` checks it), so the gateway, the
-//!   constrained end, picks. All three
-//!   are accepted on both ends, so any pair of machines agrees on one; QUIC's Initial packets
-//!   use AES-128-GCM whatever is negotiated (RFC 9001).
+//!   constrained end, picks. All three are accepted on both ends, so any pair of machines
+//!   agrees on one; QUIC's Initial packets use AES-128-GCM whatever is negotiated (RFC 9001).
+//!   The agent logs the order it offers when it starts.
 //! * **Strict ALPN.** Both ends offer only [`ALPN`]; a peer with another or no ALPN fails the
 //!   handshake with `no_application_protocol`.
 //! * **Resumption and 0-RTT on.** The server keeps a bounded in-memory session cache
