@@ -122,10 +122,16 @@ impl Agent {
 
         let client_config = edge_transport::client_config(&config.upload.tls, &config.upload.tuning)
             .context("loading the agent's TLS files (upload.ca, upload.cert, upload.key)")?;
-        let aes_instructions = edge_transport::cpu_has_aes_instructions();
+        // The order of the provider every connection uses, not a second computation of it.
+        let suites = edge_transport::crypto_provider()
+            .cipher_suites
+            .iter()
+            .filter(|suite| suite.tls13().is_some())
+            .map(|suite| suite.suite())
+            .collect::<Vec<_>>();
         info!(
-            aes_instructions,
-            suites = ?edge_transport::cipher_suite_preference(aes_instructions),
+            aes_instructions = edge_transport::cpu_has_aes_instructions(),
+            ?suites,
             "TLS 1.3 cipher suites offered in this order; the ingest takes the first it has"
         );
         let cancel_upload = CancellationToken::new();
