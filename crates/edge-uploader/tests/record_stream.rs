@@ -415,6 +415,15 @@ async fn a_quiet_connection_gives_its_receive_buffer_back_and_goes_on_as_before(
     }
     c.record(&name("q"), &large);
     assert_eq!(c.finish().await.expect("finishes"), Reply::Ack { committed: 52 });
+    // The connection's task gives its share back as it ends, just after its last answer.
+    let released = async {
+        while held() != 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), released)
+        .await
+        .unwrap_or_else(|_| panic!("a finished connection still holds {} bytes", held()));
     assert_eq!(held(), 0);
     let stored = f.stop_and_read().await;
     let mut want = vec![large.clone()];
