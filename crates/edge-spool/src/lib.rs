@@ -314,6 +314,10 @@ pub struct SpoolOptions {
     pub full_policy: FullPolicy,
     /// A stream's open batches are sealed into a chunk once they reach this many bytes.
     pub chunk_target_bytes: u64,
+    /// ... and before a batch that would take the chunk past this many records: the ingest
+    /// refuses a chunk of more (`edge_proto::Limits::max_records_per_chunk`, 2^20), and a chunk
+    /// it refuses would be sent again on every connection. A single batch must not hold more.
+    pub chunk_max_records: u32,
     /// ... or once the oldest open batch is at least this old (see [`Spool::seal_due`]).
     pub linger: Duration,
     /// Size of the disk reserve `<path>-reserve`: a ballast file deleted when the file system
@@ -328,7 +332,8 @@ pub struct SpoolOptions {
 }
 
 impl SpoolOptions {
-    /// Defaults: [`Durability::Full`], 1 GiB, [`FullPolicy::Reject`], 1 MiB chunks, 50 ms linger,
+    /// Defaults: [`Durability::Full`], 1 GiB, [`FullPolicy::Reject`], 1 MiB chunks of at most
+    /// 2^20 records, 50 ms linger,
     /// 8 MiB disk reserve (a checkpoint may have to copy a whole WAL, about 4 MiB between
     /// automatic checkpoints plus the last group commit, into a growing main file), 16 MiB
     /// payload segments.
@@ -339,6 +344,7 @@ impl SpoolOptions {
             max_bytes: 1 << 30,
             full_policy: FullPolicy::Reject,
             chunk_target_bytes: 1 << 20,
+            chunk_max_records: 1 << 20,
             linger: Duration::from_millis(50),
             disk_reserve_bytes: 8 << 20,
             segment_target_bytes: 16 << 20,

@@ -170,7 +170,7 @@ impl Spool {
     /// Capacity is checked per request, in order: see [`FullPolicy`]. A request whose bytes
     /// exceed `max_bytes` is always [`AppendOutcome::Full`]. After each batch, a stream whose open
     /// bytes reach `chunk_target_bytes` is sealed, so a chunk holds at most about the target
-    /// plus one batch.
+    /// plus one batch; before a batch that would take it past `chunk_max_records`, too.
     ///
     /// # Errors
     /// On `Err` nothing of the call was stored ([`SpoolError::DiskFull`] when the disk is full).
@@ -309,8 +309,10 @@ impl Spool {
                     pending.flush(&tx, &mut st, now_ms)?;
                 }
                 let stream = stream_entry(&tx, &mut st, &batch.stream)?;
-                if stream.open_records + u64::from(batch.records) > u64::from(u32::MAX) {
-                    // Keeps a chunk's record count within ChunkMeta::records (u32).
+                if stream.open_records > 0
+                    && stream.open_records + u64::from(batch.records) > u64::from(self.opts.chunk_max_records)
+                {
+                    // A chunk over the ingest's record limit could never be delivered.
                     pending.flush(&tx, &mut st, now_ms)?;
                     sealed.extend(seal_stream(&tx, &mut st, &batch.stream, now_ms, &mut chunk_rows)?);
                 }
@@ -1214,6 +1216,23 @@ mod tests {
         let sizes: Vec<u64> = all_sealed(&spool).iter().map(|c| c.bytes).collect();
         assert_eq!(sizes, vec![120, 120, 120]);
         assert_eq!(spool.stats().open_bytes, 40);
+    }
+
+    #[test]
+    fn a_chunk_never_holds_more_records_than_the_limit() {
+        let (_dir, mut opts) = setup();
+        opts.chunk_max_records = 10;
+        let (mut spool, _) = open(&opts);
+        let many = |n: u32| Batch { stream: "a".into(), data: vec![7; n as usize], records: n };
+        // 4 + 4 fit, a third 4 would make 12: the open chunk is sealed before it. A batch of
+        // exactly the limit goes alone.
+        spool.append(&[req(vec![many(4), many(4), many(4)])], 1).expect("append");
+        spool.append(&[req(vec![many(2)])], 2).expect("append");
+        spool.append(&[req(vec![many(10), many(1)])], 3).expect("append");
+        spool.seal_all(4).expect("seal");
+        let records: Vec<u32> = all_sealed(&spool).iter().map(|c| c.records).collect();
+        assert_eq!(records, vec![8, 6, 10, 1]);
+        assert!(records.iter().all(|&r| r <= opts.chunk_max_records));
     }
 
     #[test]

@@ -30,6 +30,9 @@ pub const DEFAULT_STREAM_SOCKET: &str = "records.sock";
 /// allows (`LimitNOFILE=65536`), so the spool, the upload and the metrics always have theirs.
 pub const MAX_CONNECTIONS_LIMIT: u32 = 16384;
 
+/// Largest `spool.chunk_target` (see where it is checked).
+pub const MAX_CHUNK_TARGET: u64 = 4 << 20;
+
 /// A loopback address from `key`, or `None` when unset or empty.
 fn loopback(key: &str, value: Option<&str>, example: &str) -> anyhow::Result<Option<SocketAddr>> {
     match value {
@@ -342,8 +345,11 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             raw.spool.chunk_target
         );
     }
-    if raw.spool.chunk_target.as_u64() == 0 || raw.spool.chunk_target.as_u64() > 16 << 20 {
-        bail!("spool.chunk_target: expected 1 B..=16 MiB, got {}", raw.spool.chunk_target);
+    // At most 4 MiB: a batch is at most the target, so one batch of the smallest records
+    // (5 bytes framed) stays under the ingest's 2^20 records per chunk, which the spool keeps
+    // every chunk under by sealing before a batch that would pass it.
+    if raw.spool.chunk_target.as_u64() == 0 || raw.spool.chunk_target.as_u64() > MAX_CHUNK_TARGET {
+        bail!("spool.chunk_target: expected 1 B..=4 MiB, got {}", raw.spool.chunk_target);
     }
     let max_record = usize::try_from(raw.intake.max_record_bytes.as_u64()).unwrap_or(usize::MAX);
     if max_record == 0 || max_record > 16 << 20 {
@@ -468,6 +474,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     spool.max_bytes = raw.spool.max_bytes.as_u64();
     spool.full_policy = full_policy;
     spool.chunk_target_bytes = raw.spool.chunk_target.as_u64();
+    spool.chunk_max_records = edge_proto::Limits::default().max_records_per_chunk;
     spool.linger = raw.spool.linger;
 
     Ok(Config {

@@ -630,6 +630,15 @@ impl<'a> Connection<'a> {
     /// The payload of a chunk read for sending, or `None` if it is not to be sent: gone from
     /// the spool meanwhile, or corrupt (then quarantined).
     fn admit(&self, meta: &ChunkMeta, data: Result<Payload, SpoolError>) -> Result<Option<Payload>, ConnError> {
+        let max_records = self.opts.limits.max_records_per_chunk;
+        if meta.records > max_records {
+            // Only a spool sealed under an older, larger `spool.chunk_target` holds one: the
+            // ingest would close the connection over its header, on every connection.
+            error!(chunk = meta.id.0, stream = %meta.stream, seq = meta.seq, records = meta.records, max_records, "chunk holds more records than the ingest takes; quarantined, it will not be uploaded");
+            self.spool
+                .quarantine(meta.id, format!("{} records, over the protocol's limit of {max_records}", meta.records));
+            return Ok(None);
+        }
         match data {
             Ok(d) => Ok(Some(d)),
             Err(SpoolError::ChunkGone(_)) => Ok(None),

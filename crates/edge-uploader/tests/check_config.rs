@@ -48,7 +48,7 @@ fn a_valid_config_passes_with_exit_0() {
 #[test]
 fn broken_configs_exit_78_and_name_the_key() {
     let f = files();
-    let cases: [(&str, String, &[&str]); 17] = [
+    let cases: [(&str, String, &[&str]); 18] = [
         ("unknown key", format!("[spool]\nmax_byte = \"1GiB\"\n[upload]\n{}", f.tls), &["max_byte", "line 2"]),
         ("wrong type", format!("[upload]\nmax_in_flight = \"lots\"\n{}", f.tls), &["max_in_flight", "line 2"]),
         ("bad duration", format!("[spool]\nlinger = \"soon\"\n[upload]\n{}", f.tls), &["linger", "soon"]),
@@ -93,6 +93,11 @@ fn broken_configs_exit_78_and_name_the_key() {
             "request limit below the record limit",
             format!("[intake]\nmax_record_bytes = \"2MiB\"\nmax_request_bytes = \"1MiB\"\n[upload]\n{}", f.tls),
             &["intake.max_request_bytes (1.0 MiB)", "intake.max_record_bytes (2.0 MiB)"],
+        ),
+        (
+            "chunks that could pass the ingest's record limit",
+            format!("[spool]\nchunk_target = \"8MiB\"\n[upload]\n{}", f.tls),
+            &["spool.chunk_target", "1 B..=4 MiB", "8.0 MiB"],
         ),
         (
             "zero byte budget",

@@ -103,11 +103,18 @@ impl AgentSide {
 
     /// Stops the spool thread and lists the sealed chunks left in the file.
     fn sealed_left(self) -> usize {
+        self.left().0
+    }
+
+    /// Stops the spool thread and counts the sealed chunks left in the file and the quarantined
+    /// ones.
+    fn left(self) -> (usize, u64) {
         let AgentSide { dir, spool, reader, thread, .. } = self;
         drop((spool, reader));
         thread.join();
         let (spool, _report) = Spool::open(SpoolOptions::new(dir.path().join("spool.db"))).expect("reopen spool");
-        spool.reader().expect("reader").sealed_after(None, 100).expect("list").len()
+        let sealed = spool.reader().expect("reader").sealed_after(None, 100).expect("list").len();
+        (sealed, spool.stats().quarantined_chunks)
     }
 }
 
@@ -640,4 +647,34 @@ async fn a_reconnection_sends_its_first_chunk_before_the_welcome_unless_the_last
     assert_eq!(counters.connects_total.load(Ordering::Relaxed), 3);
     assert_eq!(counters.stored.chunks(), 1);
     assert_eq!(agent.sealed_left(), 0, "the acked chunk left the spool");
+}
+
+/// A chunk of more records than the ingest takes (one a spool sealed under a larger
+/// `spool.chunk_target` than the agent allows now) is quarantined rather than sent: the ingest
+/// would close the connection over its header, on every connection, and nothing behind it would
+/// ever be delivered.
+#[tokio::test]
+async fn a_chunk_of_more_records_than_the_ingest_takes_is_quarantined_and_the_next_one_goes() {
+    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+    // One sealed chunk of 11 records of 1000 bytes.
+    let agent = AgentSide::new(&pki, 10 << 10);
+    let endpoint = server(&pki, &Tuning::default(), localhost());
+    let mut opts = agent.options(endpoint.local_addr().expect("server address"));
+    opts.limits.max_records_per_chunk = 5;
+    let (counters, cancel, uploader) = agent.spawn(opts);
+    let conn = bounded("connection", async { endpoint.accept().await.expect("endpoint open").await })
+        .await
+        .expect("handshake");
+    let (mut ctl, mut session) = welcome(&conn).await;
+    let behind = records(3, 100, 0, 7);
+    let expected = behind.data.clone();
+    agent.spool.append(AppendRequest { batches: vec![behind] }).await.expect("append");
+    agent.spool.seal_all().await;
+
+    let got = store_next_chunk(&conn, &mut ctl, &mut session).await;
+    assert_eq!(got, expected, "the first chunk to come is the one within the limit");
+    cancel.cancel();
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+    assert_eq!(counters.stored.chunks(), 1);
+    assert_eq!(agent.left(), (0, 1), "the stored chunk left the spool, the other one is quarantined");
 }
