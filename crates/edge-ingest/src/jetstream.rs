@@ -7,7 +7,15 @@
 //!
 //! A chunk becomes one message, or several *parts* when its records do not fit in
 //! [`JetStreamOptions::max_message_bytes`]: a chunk is cut only between records, and the cut
-//! depends on nothing but the chunk's records and that setting, so a resend cuts the same parts.
+//! depends on nothing but the chunk's records and that setting, so a resend cuts the same parts
+//! as long as every server of the tier has the same setting, at every moment. A resend cut
+//! otherwise would find some subjects taken by parts of other records: it would lose records, or
+//! store them twice. So the stream records the setting, in its description
+//! (`edge-ingest:max_message_bytes=<bytes>`, written by the server that creates the stream, or
+//! added to a stream that lacks it by the first server to set it up), and a server with another
+//! setting refuses to start, naming both. (Two servers of different settings that both find the
+//! mark missing at the same instant could each write theirs; the stream keeps the last, and the
+//! server whose mark was overwritten finds out at its next start.)
 //!
 //! - Subject: `<prefix>.<device>.<stream>.<spool>.<seq>.<part>`: the device id and stream name
 //!   with every byte outside `[A-Za-z0-9_-]` written as `%XX` (so `.` cannot split a token),
@@ -123,6 +131,14 @@ pub enum JetStreamError {
     /// The stream exists with settings that break exactly-once storage.
     #[error("JetStream stream {stream:?} cannot be used: {problems}")]
     Misconfigured { stream: String, problems: String },
+    /// The stream's parts are cut at another `max_message_bytes` than this server's.
+    #[error(
+        "JetStream stream {stream:?} holds chunks cut into parts of at most {pinned} record bytes (its description \
+         says so), but this server's sink.jetstream.max_message_bytes is {configured}: an agent resending a chunk \
+         to servers that cut it differently would lose or double records; set max_message_bytes to {pinned} B, \
+         or write to a new stream"
+    )]
+    CutMismatch { stream: String, pinned: usize, configured: usize },
     /// The NATS server's `max_payload` is too small for `max_message_bytes`.
     #[error(
         "the NATS server's max_payload is {server} bytes, less than sink.jetstream.max_message_bytes ({configured}) \
@@ -292,6 +308,35 @@ impl Inner {
         if !problems.is_empty() {
             return Err(JetStreamError::Misconfigured { stream: opts.stream.clone(), problems: problems.join("; ") });
         }
+        match pinned_cut(config.description.as_deref()) {
+            Some(Ok(pinned)) if pinned == opts.max_message_bytes => {}
+            Some(Ok(pinned)) => {
+                return Err(JetStreamError::CutMismatch {
+                    stream: opts.stream.clone(),
+                    pinned,
+                    configured: opts.max_message_bytes,
+                });
+            }
+            Some(Err(mark)) => {
+                return Err(JetStreamError::Misconfigured {
+                    stream: opts.stream.clone(),
+                    problems: format!("its description's {mark:?} does not give a number of bytes"),
+                });
+            }
+            None => {
+                // A stream made by hand or by an older edge-ingest: record this server's cut.
+                let mark = cut_mark(opts.max_message_bytes);
+                let mut pinned = config;
+                pinned.description = Some(match pinned.description.as_deref() {
+                    Some(d) if !d.is_empty() => format!("{d} ({mark})"),
+                    _ => mark.clone(),
+                });
+                self.js.update_stream(&pinned).await.map_err(|e| {
+                    JetStreamError::Request(format!("recording {mark} in stream {:?}: {e}", opts.stream))
+                })?;
+                info!(stream = %opts.stream, %mark, "JetStream stream now records how chunks are cut into parts");
+            }
+        }
         let server = self.client.server_info().max_payload;
         if server < opts.max_message_bytes.saturating_add(HEADER_ROOM) {
             return Err(JetStreamError::MaxPayload { server, configured: opts.max_message_bytes });
@@ -424,7 +469,10 @@ fn stored_before(e: &PublishError) -> bool {
 fn wanted_config(opts: &JetStreamOptions) -> StreamConfig {
     StreamConfig {
         name: opts.stream.clone(),
-        description: Some("edge-uploader chunks, written by edge-ingest (one message per chunk part)".into()),
+        description: Some(format!(
+            "edge-uploader chunks, written by edge-ingest, one message per chunk part ({})",
+            cut_mark(opts.max_message_bytes)
+        )),
         subjects: vec![format!("{}.>", opts.subject_prefix)],
         storage: StorageType::File,
         retention: RetentionPolicy::Limits,
@@ -434,6 +482,22 @@ fn wanted_config(opts: &JetStreamOptions) -> StreamConfig {
         num_replicas: opts.replicas,
         ..StreamConfig::default()
     }
+}
+
+/// What a stream's description says about how chunks are cut into parts.
+const CUT_MARK: &str = "edge-ingest:max_message_bytes=";
+
+/// The mark for chunks cut at `max_message_bytes`.
+fn cut_mark(max_message_bytes: usize) -> String {
+    format!("{CUT_MARK}{max_message_bytes}")
+}
+
+/// The cut a stream's description records: `None` without a mark, `Err(mark)` for a mark whose
+/// number does not parse.
+fn pinned_cut(description: Option<&str>) -> Option<Result<usize, String>> {
+    let (_, after) = description?.split_once(CUT_MARK)?;
+    let digits = after.split(|c: char| !c.is_ascii_digit()).next().unwrap_or("");
+    Some(digits.parse().map_err(|_| format!("{CUT_MARK}{}", after.chars().take(20).collect::<String>())))
 }
 
 /// What in an existing stream's settings breaks exactly-once storage.
@@ -562,6 +626,16 @@ mod tests {
         let mut raw = payload(&[10, 10]);
         raw.pop();
         assert!(split_parts(&raw, 1 << 20).is_err());
+    }
+
+    #[test]
+    fn the_cut_a_description_records_is_read_back() {
+        let ours = wanted_config(&JetStreamOptions { max_message_bytes: 4096, ..JetStreamOptions::default() });
+        assert_eq!(pinned_cut(ours.description.as_deref()), Some(Ok(4096)));
+        assert_eq!(pinned_cut(Some("made by hand (edge-ingest:max_message_bytes=1044480)")), Some(Ok(1_044_480)));
+        assert_eq!(pinned_cut(Some("made by hand")), None);
+        assert_eq!(pinned_cut(None), None);
+        assert!(matches!(pinned_cut(Some("edge-ingest:max_message_bytes=lots")), Some(Err(_))));
     }
 
     #[test]

@@ -137,6 +137,60 @@ async fn a_large_chunk_is_cut_into_parts_and_a_partial_resend_completes_it() {
     assert_eq!(all, recs);
 }
 
+/// The part a chunk's records land in depends on `max_message_bytes`, so servers of one tier
+/// must agree on it: a resend cut at another size would find subjects taken by other records
+/// (losing some, doubling others). The stream records the first server's setting; a server with
+/// another one refuses to start, a stream made without the record gets it.
+#[tokio::test]
+async fn servers_that_would_cut_a_chunk_differently_cannot_share_a_stream() {
+    let (stream, prefix) = nats::unique("cut");
+    let js = nats::context(&nats::url()).await.expect("NATS");
+    let mut small = opts(&stream, &prefix);
+    small.max_message_bytes = 1024;
+    let first = JetStreamSink::start(small.clone()).await.expect("the first server sets the stream up");
+    let mut large = opts(&stream, &prefix);
+    large.max_message_bytes = 2048;
+    let refused = JetStreamSink::start(large.clone()).await.map(|_| ()).expect_err("another cut is refused");
+    JetStreamSink::start(small).await.map(|_| ()).expect("the same cut is welcome");
+    first.shutdown().await;
+    nats::delete_stream(&js, &stream).await;
+    let JetStreamError::CutMismatch { pinned, configured, .. } = &refused else { panic!("{refused}") };
+    assert_eq!((*pinned, *configured), (1024, 2048));
+    let text = refused.to_string();
+    assert!(text.contains("sink.jetstream.max_message_bytes") && text.contains("1024"), "{text}");
+    assert!(!refused.is_transient(), "only the operator can fix it");
+
+    // A stream created by hand (or by an edge-ingest from before the record) gets it from the
+    // first server that sets it up, and holds the next ones to it.
+    let (stream, prefix) = nats::unique("cutlater");
+    js.create_stream(StreamConfig {
+        name: stream.clone(),
+        description: Some("the operator's".into()),
+        subjects: vec![format!("{prefix}.>")],
+        storage: StorageType::File,
+        retention: RetentionPolicy::Limits,
+        discard: DiscardPolicy::New,
+        discard_new_per_subject: true,
+        max_messages_per_subject: 1,
+        ..StreamConfig::default()
+    })
+    .await
+    .expect("create stream");
+    let first = JetStreamSink::start(opts(&stream, &prefix)).await.expect("adopts the stream");
+    let mut other = opts(&stream, &prefix);
+    other.max_message_bytes = 4096;
+    let refused = JetStreamSink::start(other).await.map(|_| ()).expect_err("held to the first cut");
+    let description = js.get_stream(&stream).await.expect("stream").cached_info().config.description.clone();
+    first.shutdown().await;
+    nats::delete_stream(&js, &stream).await;
+    assert!(matches!(refused, JetStreamError::CutMismatch { configured: 4096, .. }), "{refused}");
+    let default_cut = JetStreamOptions::default().max_message_bytes;
+    assert_eq!(
+        description.as_deref(),
+        Some(format!("the operator's (edge-ingest:max_message_bytes={default_cut})").as_str())
+    );
+}
+
 #[tokio::test]
 async fn a_stream_that_would_forget_what_it_stored_is_refused_by_setting() {
     let (stream, prefix) = nats::unique("refused");
