@@ -12,19 +12,20 @@
 //!    acked on the control stream only once the store reports it durable (or a duplicate).
 //!
 //! A protocol violation closes the connection with the session's error code; other agents are
-//! unaffected. Shutdown sends GoAway, lets chunks in flight finish within a grace period, then
-//! closes the endpoint politely.
+//! unaffected. So does an agent that leaves its acks unread past `ack_backlog_limit`, with
+//! `ProtocolViolation`. Shutdown sends GoAway, lets chunks in flight finish within a grace
+//! period, then closes the endpoint politely.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use edge_proto::server::{ServerEvent, ServerSession};
 use edge_proto::{
-    AckStatus, ChunkHeader, ErrorCode, Limits, ProtoError, RejectReason, RetryReason, STOP_ANSWERED, StreamName,
+    AckStatus, ChunkHeader, Codec, ErrorCode, Limits, ProtoError, RejectReason, RetryReason, STOP_ANSWERED, StreamName,
 };
 use edge_transport::tls::RevocationList;
 use edge_transport::{ServerTls, Tuning};
@@ -390,18 +391,17 @@ impl Server {
         let cancel = CancellationToken::new();
         let counters = Arc::new(ServerCounters::default());
         let sampler = tokio::spawn(sample_rates(counters.clone(), store.stats_view(), cancel.clone()));
+        let permits = usize::try_from(opts.memory_budget >> 10).unwrap_or(usize::MAX).min(Semaphore::MAX_PERMITS);
         let shared = Arc::new(Shared {
             store,
             opts,
-            budget: Arc::new(Semaphore::new(0)),
+            budget: Arc::new(Semaphore::new(permits)),
+            budget_kib: permits,
             counters: counters.clone(),
             cancel: cancel.clone(),
             revoked: RwLock::new(Arc::new(revoked)),
             live: LiveConnections::default(),
         });
-        let permits =
-            usize::try_from(shared.opts.memory_budget >> 10).unwrap_or(usize::MAX).min(Semaphore::MAX_PERMITS);
-        shared.budget.add_permits(permits);
         if let (Some(watch), Some(state)) = (shared.opts.revocation.clone(), watch_state) {
             // Registered here, not in the task, so a SIGHUP sent once `start` returned is
             // never missed (nor, with no handler yet, fatal).
@@ -462,6 +462,8 @@ struct Shared {
     opts: ServerOptions,
     /// Payload memory budget in KiB permits.
     budget: Arc<Semaphore>,
+    /// The permits `budget` was created with.
+    budget_kib: usize,
     counters: Arc<ServerCounters>,
     cancel: CancellationToken,
     /// The revocation list in force (see [`RevocationWatch`]).
@@ -771,16 +773,75 @@ async fn watch_revocations(
 struct ConnState {
     session: ServerSession,
     /// Bytes waiting to be written on the control stream.
-    outbox: mpsc::UnboundedSender<Vec<u8>>,
+    outbox: Outbox,
 }
 
 impl ConnState {
     fn flush(&mut self) {
         while let Some(bytes) = self.session.poll_transmit() {
-            // The receiver lives as long as the connection; a send error means it is closing.
-            let _closing = self.outbox.send(bytes);
+            self.outbox.queue(bytes);
         }
     }
+}
+
+/// The control stream's queue to its writer task, with the bytes in it counted and bounded (see
+/// [`ack_backlog_limit`]).
+struct Outbox {
+    tx: mpsc::UnboundedSender<Vec<u8>>,
+    /// Bytes handed to `tx` that the writer has not yet written into the stream's QUIC send
+    /// buffer (added here, subtracted by the writer once `write_all` returns).
+    queued: Arc<AtomicUsize>,
+    /// The most `queued` may reach.
+    limit: usize,
+    /// Cancelled when `queued` would pass `limit`: the agent does not read its control stream,
+    /// and the connection task closes the connection.
+    overflow: CancellationToken,
+}
+
+impl Outbox {
+    fn queue(&self, bytes: Vec<u8>) {
+        if self.overflow.is_cancelled() {
+            // The connection is being closed; these bytes would never be read.
+            return;
+        }
+        let len = bytes.len();
+        if self.queued.load(Ordering::Acquire).saturating_add(len) > self.limit {
+            self.overflow.cancel();
+            return;
+        }
+        self.queued.fetch_add(len, Ordering::AcqRel);
+        // The receiver lives as long as the connection; a send error means it is closing.
+        let _closing = self.tx.send(bytes);
+    }
+}
+
+/// Control-stream bytes queued per chunk the agent may have in flight, past which the server
+/// takes the agent for one that does not read its acks (see [`ack_backlog_limit`]).
+const ACK_BACKLOG_PER_CHUNK: usize = 1024;
+/// Control-stream bytes a connection may always have queued, however small its `max_in_flight`.
+const ACK_BACKLOG_MIN: usize = 64 * 1024;
+
+/// The most bytes of acks (and Welcome, GoAway) a connection may have waiting for its agent to
+/// read them before the server closes it (`ProtocolViolation`, counted in
+/// `protocol_errors_total`).
+///
+/// `ServerSession::ack` frees a chunk's in-flight slot as soon as its ack is queued, not when the
+/// agent reads it, and the control writer waits for the agent's flow-control window. So an agent
+/// that never reads its control stream could keep sending chunks (cheap ones, even rejected:
+/// the connection stays open) and grow the queue of acks without bound. An agent that reads its
+/// acks never comes near the limit: it sends a chunk only while its window of `max_in_flight`
+/// unanswered chunks has room, and gets room back only by reading an ack, so it never has more
+/// than `max_in_flight` acks unread wherever they wait (this queue, QUIC's buffers, its own),
+/// besides one Welcome and one GoAway. An ack frame is at most 79 bytes (5 of frame header, a
+/// stream name of at most 64 bytes and its length, `seq`, status) and a Welcome at most 271, so
+/// 1 KiB per chunk in flight, and at least 64 KiB, is over ten times what such an agent can
+/// leave unread. Closing loses nothing: chunks stored stay stored, and the agent offers every
+/// chunk it has no ack for again on its next connection (a stored one is then a `Duplicate`).
+fn ack_backlog_limit(max_in_flight: u32) -> usize {
+    usize::try_from(max_in_flight.max(1))
+        .unwrap_or(usize::MAX)
+        .saturating_mul(ACK_BACKLOG_PER_CHUNK)
+        .max(ACK_BACKLOG_MIN)
 }
 
 async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
@@ -815,12 +876,23 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
             warn!(%device, %remote, code = %e.code(), error = %e, "protocol violation, closing connection");
             conn.close(e.code().to_u32().into(), e.to_string().as_bytes());
         }
+        Err(ConnEnd::AcksUnread { queued, limit }) => {
+            shared.counters.protocol_errors_total.fetch_add(1, Ordering::Relaxed);
+            warn!(%device, %remote, queued, limit, "the agent does not read its acks, closing connection");
+            let reason = format!("the agent does not read its acks ({queued} bytes of them queued)");
+            conn.close(ErrorCode::ProtocolViolation.to_u32().into(), reason.as_bytes());
+        }
         Err(ConnEnd::Lost(e)) => info!(%device, %remote, error = %e, "connection lost"),
     }
 }
 
 enum ConnEnd {
     Protocol(ProtoError),
+    /// The control stream's queue passed [`ack_backlog_limit`]: the agent does not read it.
+    AcksUnread {
+        queued: usize,
+        limit: usize,
+    },
     Lost(String),
 }
 
@@ -854,18 +926,25 @@ async fn run_connection(
             }
         }
     };
+    // Unbounded, so that queueing an ack never waits on the agent; what it holds is bounded by
+    // `ack_backlog_limit` instead (the connection is closed past it).
     let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let queued = Arc::new(AtomicUsize::new(0));
+    let backlog_limit = ack_backlog_limit(shared.opts.max_in_flight);
+    let overflow = CancellationToken::new();
     let state = Arc::new(Mutex::new(ConnState {
         session: ServerSession::new(device.to_owned(), limits.clone(), shared.opts.max_in_flight, Instant::now()),
-        outbox: out_tx,
+        outbox: Outbox { tx: out_tx, queued: queued.clone(), limit: backlog_limit, overflow: overflow.clone() },
     }));
 
     // Control writer: the only task that writes to the control stream.
+    let written = queued.clone();
     let mut writer = tokio::spawn(async move {
         while let Some(bytes) = out_rx.recv().await {
             if ctl_send.write_all(&bytes).await.is_err() {
                 break;
             }
+            written.fetch_sub(bytes.len(), Ordering::AcqRel);
         }
         let _already_closed = ctl_send.finish();
     });
@@ -906,13 +985,16 @@ async fn run_connection(
     // A connection may hold at most an eighth of the server-wide budget (and always one
     // maximum-size chunk), so one agent cannot starve the others.
     let conn_kib = (shared.opts.memory_budget / 8).max(u64::from(limits.max_chunk_payload)).div_ceil(1024);
-    let conn_budget =
-        Arc::new(Semaphore::new(usize::try_from(conn_kib).unwrap_or(usize::MAX).min(Semaphore::MAX_PERMITS)));
+    let conn_kib = usize::try_from(conn_kib).unwrap_or(usize::MAX).min(Semaphore::MAX_PERMITS);
+    let conn_budget = Arc::new(Semaphore::new(conn_kib));
+    // The most one chunk takes from either budget (see `chunk_permits`).
+    let max_chunk_kib = u32::try_from(conn_kib.min(shared.budget_kib)).unwrap_or(u32::MAX);
     let (fail_tx, mut fail_rx) = mpsc::unbounded_channel::<ProtoError>();
     let ctx = || ChunkCtx {
         device: device.to_owned(),
         stored: stored.clone(),
         conn_budget: conn_budget.clone(),
+        max_chunk_kib,
         spool_id,
         state: state.clone(),
         shared: shared.clone(),
@@ -931,6 +1013,9 @@ async fn run_connection(
                 break Ok(());
             }
             Some(e) = fail_rx.recv() => break Err(ConnEnd::Protocol(e)),
+            () = overflow.cancelled() => {
+                break Err(ConnEnd::AcksUnread { queued: queued.load(Ordering::Acquire), limit: backlog_limit });
+            }
             r = ctl_recv.read(&mut buf) => match r {
                 // The agent sends nothing after Hello today; anything it does send goes through
                 // the session so violations close the connection.
@@ -991,6 +1076,8 @@ struct ChunkCtx {
     stored: Arc<ConnStored>,
     /// This connection's share of the payload memory budget (KiB permits).
     conn_budget: Arc<Semaphore>,
+    /// The most permits one chunk takes from either budget: the smaller one's size.
+    max_chunk_kib: u32,
     spool_id: [u8; 16],
     state: Arc<Mutex<ConnState>>,
     shared: Arc<Shared>,
@@ -1067,9 +1154,10 @@ async fn process_chunk(
     // 2. Payload, under two memory budgets: this connection's share, waited for (a greedy or
     //    stalled connection only slows itself), and the server-wide budget, waited for briefly
     //    before the agent is told to retry later. The payload must then arrive at a minimum
-    //    rate, so a stalled stream cannot hold its budget forever.
+    //    rate, so a stalled stream cannot hold its budget forever. The permits cover what the
+    //    chunk holds until it is answered, its decoded copy too where the sink makes one.
     let payload_len = header.payload_len as usize;
-    let kib = u32::try_from(payload_len.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
+    let kib = chunk_permits(&header, sink_decodes(&ctx.shared.store), ctx.max_chunk_kib);
     let Ok(_conn_permit) = ctx.conn_budget.clone().acquire_many_owned(kib).await else {
         return Err(ChunkEnd::Stream("connection closing".into()));
     };
@@ -1170,6 +1258,37 @@ async fn process_chunk(
     send_ack(ctx, &key_stream, seq, status)
 }
 
+/// Whether `sink` holds a compressed chunk decoded, beside its payload, until it answers: the
+/// JetStream sink publishes decoded records (decoded whole, up to `Limits::max_raw_len`), the
+/// file store keeps the payload as it came (its check decodes through a small buffer).
+fn sink_decodes(sink: &Sink) -> bool {
+    match sink {
+        Sink::Files(_) => false,
+        Sink::JetStream(_) => true,
+    }
+}
+
+/// The KiB permits a chunk takes from both memory budgets, from its header alone: its payload
+/// buffer (`payload_len`, at least 1 KiB), and, when the sink decodes it (`sink_decodes`) and
+/// it is compressed, its decoded copy too (`raw_len` bytes, held beside the payload until the
+/// sink answers).
+///
+/// The decoded case is clamped to `max_kib`, the size of the smaller budget (usually the
+/// connection's share, which is at least one `max_chunk_payload`, and no more than the server's
+/// budget since the config requires `memory_budget >= max_chunk_bytes`). So a chunk whose
+/// decoded size is more than that still proceeds, as a maximum-size payload always can: it
+/// takes all of it, and so is alone on its connection while it is held. What it decodes past
+/// its permits is bounded by `Limits::max_raw_len`, one such chunk per connection at a time.
+/// The payload's own permits are never clamped, as before.
+fn chunk_permits(header: &ChunkHeader, sink_decodes: bool, max_kib: u32) -> u32 {
+    let payload_kib = header.payload_len.div_ceil(1024).max(1);
+    if !sink_decodes || header.codec == Codec::None {
+        return payload_kib;
+    }
+    let held = (u64::from(header.payload_len) + u64::from(header.raw_len)).div_ceil(1024);
+    u32::try_from(held).unwrap_or(u32::MAX).min(max_kib).max(payload_kib)
+}
+
 /// Queues the ack for one chunk on the control stream.
 fn send_ack(ctx: &ChunkCtx, stream: &StreamName, seq: u64, status: AckStatus) -> Result<(), ChunkEnd> {
     let counters = &ctx.shared.counters;
@@ -1252,6 +1371,74 @@ mod tests {
         drop(second);
         drop(other);
         assert!(devices.snapshot().is_empty());
+    }
+
+    fn header(codec: Codec, payload_len: u32, raw_len: u32) -> ChunkHeader {
+        ChunkHeader {
+            stream: StreamName::new("s").expect("valid name"),
+            seq: 0,
+            records: 1,
+            raw_len,
+            payload_len,
+            codec,
+            checksum: 0,
+            created_ms: 0,
+        }
+    }
+
+    #[test]
+    fn a_compressed_chunk_takes_its_decoded_size_too_where_the_sink_decodes_it() {
+        let max = 1 << 20; // KiB: a budget far above these chunks.
+        let zstd = header(Codec::Zstd, 10 * 1024, 4 << 20);
+        // The JetStream sink holds the payload and its decoded copy until JetStream answers.
+        assert_eq!(chunk_permits(&zstd, true, max), 10 + 4096);
+        // The file store keeps the payload as it came.
+        assert_eq!(chunk_permits(&zstd, false, max), 10);
+        // An uncompressed payload is published as it is: nothing is decoded.
+        let plain = header(Codec::None, 5000, 5000);
+        assert_eq!(chunk_permits(&plain, true, max), 5);
+        assert_eq!(chunk_permits(&plain, false, max), 5);
+        // Rounded up, and at least 1 KiB even when empty.
+        assert_eq!(chunk_permits(&header(Codec::Zstd, 1, 1024), true, max), 2);
+        assert_eq!(chunk_permits(&header(Codec::None, 0, 0), true, max), 1);
+    }
+
+    #[test]
+    fn a_decoded_size_over_the_budget_is_clamped_to_it_but_never_below_the_payload() {
+        let limits = Limits::default();
+        let most = header(Codec::Zstd, limits.max_chunk_payload, limits.max_raw_len);
+        // 32 MiB + 64 MiB against a 32 MiB budget: all of it, so the chunk can still proceed.
+        assert_eq!(chunk_permits(&most, true, 32 * 1024), 32 * 1024);
+        assert_eq!(chunk_permits(&header(Codec::Zstd, 100, 1 << 20), true, 512), 512);
+        // The payload's own permits are never clamped (the file sink is unchanged).
+        assert_eq!(chunk_permits(&most, true, 1024), 32 * 1024);
+        assert_eq!(chunk_permits(&most, false, 1024), 32 * 1024);
+    }
+
+    #[test]
+    fn the_ack_backlog_limit_is_far_above_what_an_agent_reading_its_acks_leaves_unread() {
+        // Largest ack frame: a 64-byte stream name; largest Welcome: a 255-byte device name.
+        let name = StreamName::new(&"s".repeat(64)).expect("valid name");
+        let mut ack = Vec::new();
+        edge_proto::ControlFrame::Ack { stream: name, seq: u64::MAX, status: AckStatus::Stored }.encode(&mut ack);
+        let mut welcome = Vec::new();
+        edge_proto::ControlFrame::Welcome {
+            version: edge_proto::VERSION,
+            device: "d".repeat(255),
+            max_chunk_payload: u32::MAX,
+            max_in_flight: u32::MAX,
+        }
+        .encode(&mut welcome);
+        let mut go_away = Vec::new();
+        edge_proto::ControlFrame::GoAway { code: ErrorCode::ShuttingDown }.encode(&mut go_away);
+        assert_eq!((ack.len(), welcome.len()), (79, 271));
+        for max_in_flight in [0, 1, 8, 64, 1024, u32::MAX] {
+            let unread = max_in_flight.max(1) as usize * ack.len() + welcome.len() + go_away.len();
+            let limit = ack_backlog_limit(max_in_flight);
+            assert!(limit >= 10 * unread.min(usize::MAX / 10), "{max_in_flight}: {limit} vs {unread}");
+        }
+        assert_eq!(ack_backlog_limit(1), 64 * 1024);
+        assert_eq!(ack_backlog_limit(256), 256 * 1024);
     }
 
     fn sample(at: Instant, secs: u64, chunks: u64, batches: u64) -> Sample {

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     Agent, Exported, HONEST, HONEST_SPOOL, ROGUE, ROGUE_SPOOL, SERVER_NAME, assert_closed_with, assert_exported_once,
-    bounded, chunk, honest_chunks, localhost, new_pki, shut_down, start_server, write_unless_closed,
+    bounded, chunk, chunk_of, honest_chunks, localhost, new_pki, shut_down, start_server, write_unless_closed,
 };
 use edge_ingest::server::{Server, ServerCounters, ServerOptions};
 use edge_ingest::store::{ExportReport, StoreHandle};
@@ -249,10 +249,17 @@ struct Rig {
 
 impl Rig {
     async fn start() -> Rig {
+        Rig::start_tuned(&Tuning::default(), &Tuning::default()).await
+    }
+
+    /// The server's transport from `server_tuning`, the rogue's from `rogue_tuning` (the honest
+    /// agent's and the endpoints' sockets from the defaults).
+    async fn start_tuned(server_tuning: &Tuning, rogue_tuning: &Tuning) -> Rig {
         let pki = new_pki();
         let tuning = Tuning::default();
-        let server_config = server_config_from_pem(&pki.server_cert_pem, &pki.server_key_pem, &pki.ca_pem, &tuning)
-            .expect("server config");
+        let server_config =
+            server_config_from_pem(&pki.server_cert_pem, &pki.server_key_pem, &pki.ca_pem, server_tuning)
+                .expect("server config");
         let endpoint = server_endpoint(localhost(), server_config, &tuning).expect("server endpoint");
         let opts = ServerOptions {
             limits: Limits { handshake_timeout: HANDSHAKE_TIMEOUT, ..Limits::default() },
@@ -261,13 +268,13 @@ impl Rig {
         };
         let (server, store, data) = start_server(endpoint, opts);
         let client = client_endpoint(localhost(), &tuning).expect("client endpoint");
-        let dialer = |device: &str| {
+        let dialer = |device: &str, tuning: &Tuning| {
             let (cert, key) = pki.issue_device(device).expect("issue device certificate");
-            let config = client_config_from_pem(&cert, &key, &pki.ca_pem, &tuning).expect("client config");
+            let config = client_config_from_pem(&cert, &key, &pki.ca_pem, tuning).expect("client config");
             Dialer { endpoint: client.clone(), server: server.local_addr(), config }
         };
-        let honest = dialer(HONEST);
-        let rogue = dialer(ROGUE);
+        let honest = dialer(HONEST, &tuning);
+        let rogue = dialer(ROGUE, rogue_tuning);
         Rig { server, store, data, honest, rogue }
     }
 
@@ -592,4 +599,98 @@ async fn a_rogue_stalling_max_size_chunks_does_not_starve_other_agents() {
     honest.close();
     let (exported, _) = rig.finish().await;
     assert_exported_once(&exported, HONEST, HONEST_SPOOL, &honest_chunks(0..20));
+}
+
+/// An agent that does its Hello and then never reads its control stream, while it keeps sending
+/// cheap chunks (empty, with a wrong checksum: answered `Rejected`, the connection stays open),
+/// is closed with `ProtocolViolation` once the acks waiting for it pass the server's limit
+/// (`ack_backlog_limit`: 64 KiB with the default `max_in_flight` of 64), instead of growing the
+/// server's memory for as long as it goes on. The chunk it had stored stays stored, and the
+/// honest agent is not disturbed.
+///
+/// The rogue gives the server a flow-control window of 1 KiB on its control stream, so the
+/// server's writes wait after 1 KiB and the rest queues. The server lets an agent have 8 chunk
+/// streams open (it frees a stream once it has answered its chunk), so the rogue never has more
+/// chunks in flight than the Welcome allows and only the backlog can end its connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_never_reads_its_acks_is_closed_once_they_pass_the_limit() {
+    /// The server's limit with `ServerOptions::default().max_in_flight` (64 x 1 KiB).
+    const BACKLOG_LIMIT: usize = 64 * 1024;
+    const WINDOW: usize = 1024;
+    const STREAM: &str = "rogue.does-not-read.acks.padded.to.the.longest.stream.name.xxxxx";
+    assert_eq!(ServerOptions::default().max_in_flight, 64);
+    let server_tuning = Tuning { max_concurrent_uni_streams: 8, ..Tuning::default() };
+    let rogue_tuning = Tuning { stream_receive_window: WINDOW as u64, ..Tuning::default() };
+    let rig = Rig::start_tuned(&server_tuning, &rogue_tuning).await;
+    let mut honest = rig.honest_agent().await;
+    let before = honest_chunks(0..3);
+    honest.upload_stored("upload before the rogue", &before).await;
+
+    let flood = |seq: u64| {
+        let mut c = chunk_of(STREAM, seq, "", 0, 0);
+        c.header.checksum = edge_proto::crc32c(&[]) ^ 1;
+        c
+    };
+    let mut ack = Vec::new();
+    ControlFrame::Ack {
+        stream: flood(1).header.stream,
+        seq: 1,
+        status: AckStatus::Rejected(RejectReason::BadChecksum),
+    }
+    .encode(&mut ack);
+    assert_eq!(ack.len(), 79, "the longest ack frame");
+    // Acks the server has queued, past the window, when it passes its limit; the rogue may be a
+    // few chunk streams ahead of the server. Twice that is the most the test lets it send.
+    let to_limit = (BACKLOG_LIMIT + WINDOW).div_ceil(ack.len()) + 1;
+    let most = 2 * to_limit;
+
+    let conn = bounded("rogue connects", rig.rogue.connect()).await;
+    // Kept open and never read.
+    let (mut control, _unread) = conn.open_bi().await.expect("open the control stream");
+    write_unless_closed(&mut control, &hello(VERSION)).await;
+    let kept = chunk("rogue.kept", 0);
+    let (sent, closed) = bounded("the rogue floods until the server closes its connection", async {
+        let mut sent = 0;
+        let mut wire = kept.wire();
+        loop {
+            if sent == most {
+                // Not closed yet: the server may still be reading the last chunks.
+                return (sent, conn.closed().await);
+            }
+            let opened = tokio::select! {
+                biased;
+                closed = conn.closed() => return (sent, closed),
+                opened = conn.open_uni() => opened,
+            };
+            let Ok(mut uni) = opened else { return (sent, conn.closed().await) };
+            write_unless_closed(&mut uni, &wire).await;
+            let _closed = uni.finish();
+            sent += 1;
+            wire = flood(sent as u64).wire();
+        }
+    })
+    .await;
+    assert_closed_with("a rogue that never reads its acks", &closed, ErrorCode::ProtocolViolation);
+    let ConnectionError::ApplicationClosed(close) = &closed else { unreachable!("checked above") };
+    let reason = String::from_utf8_lossy(&close.reason);
+    assert!(reason.contains("does not read its acks"), "close reason: {reason}");
+    assert!(
+        sent > BACKLOG_LIMIT / ack.len() && sent < most,
+        "the server closed after {sent} chunks; expected between {} and {most}",
+        BACKLOG_LIMIT / ack.len()
+    );
+
+    let after = honest_chunks(3..6);
+    honest.upload_stored("upload after the rogue", &after).await;
+    let counters = rig.counters();
+    assert_eq!(counters.protocol_errors_total.load(Ordering::Relaxed), 1, "the rogue's connection");
+    let rejected = counters.chunks_rejected_total.load(Ordering::Relaxed);
+    assert!(rejected as usize >= BACKLOG_LIMIT / ack.len() && (rejected as usize) < sent, "{rejected} of {sent}");
+    honest.close();
+    drop(control);
+
+    let (exported, report) = rig.finish().await;
+    assert_exported_once(&exported, HONEST, HONEST_SPOOL, &[before, after].concat());
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[kept]);
+    assert_eq!(report.duplicate_entries, 0);
 }

@@ -246,6 +246,10 @@ impl ServerSession {
     /// Call it only once the chunk's fate is final: durable (`Stored`/`Duplicate`), or refused
     /// (`Retry`/`Rejected`). Fails with [`ProtoError::NotAccepted`] (code `Internal`, session
     /// unchanged) if the chunk is not in flight, or [`ProtoError::Closed`] after an error.
+    ///
+    /// The chunk's slot in the window is free again once its Ack is *queued*, not once the agent
+    /// has read it: an agent that never reads its control stream can keep sending chunks, so the
+    /// driver must bound the bytes it holds for it (the ingest server closes such a connection).
     pub fn ack(&mut self, stream: &StreamName, seq: u64, status: AckStatus) -> Result<(), ProtoError> {
         self.check_open()?;
         if !self.in_flight.remove(&(stream.clone(), seq)) {
