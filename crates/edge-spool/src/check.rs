@@ -461,18 +461,20 @@ fn walk(conn: &Connection, path: &Path, version: i64, report: &mut CheckReport) 
             };
             match check_batch(row, rows_checked, &mut files) {
                 Ok(v) => {
+                    // Saturating: a damaged row may claim any length (it is checked last).
                     n += 1;
                     records = records.saturating_add(v.records);
-                    bytes += v.len;
-                    report.bytes += v.len;
+                    bytes = bytes.saturating_add(v.len);
+                    report.bytes = report.bytes.saturating_add(v.len);
                     match v.problem {
                         Some(p) => {
                             c.bad_batches += 1;
                             problems.push(p);
                         }
                         None => {
-                            c.salvageable_records += u64::try_from(v.records).unwrap_or(0);
-                            c.salvageable_bytes += v.len;
+                            c.salvageable_records =
+                                c.salvageable_records.saturating_add(u64::try_from(v.records).unwrap_or(0));
+                            c.salvageable_bytes = c.salvageable_bytes.saturating_add(v.len);
                         }
                     }
                 }
@@ -520,7 +522,7 @@ fn walk(conn: &Connection, path: &Path, version: i64, report: &mut CheckReport) 
     while let Some(r) = rows.next().map_err(ctx("reading open batches"))? {
         let v = check_batch(r, rows_checked, &mut files).map_err(ctx("reading open batches"))?;
         report.batches += 1;
-        report.bytes += v.len;
+        report.bytes = report.bytes.saturating_add(v.len);
         let id: i64 = r.get(0).map_err(ctx("reading open batches"))?;
         if let Some(detail) = v.problem
             && id < tail

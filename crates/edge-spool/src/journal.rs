@@ -39,6 +39,9 @@
 //! not recorded: a power cut can bring back a chunk already acked (sent again, deduplicated by
 //! the server) or evicted (kept after all), never lose one.
 //!
+//! A read error (a failing disk) ends a segment's records as a record that is not intact does:
+//! failing the open for it would fail every open (see `unreadable`).
+//!
 //! The end of the last record replay accepted is where the writer continues that segment; a
 //! segment whose records do not reach its last row (written by an older version, or damaged)
 //! is not continued, so that the records of the commits to come can always be read back.
@@ -289,7 +292,16 @@ pub(crate) fn plan(state: &State, db: &Path) -> Result<Plan, SpoolError> {
         let f = File::open(&p).map_err(|e| segment::io_error(&p, e))?;
         let len = f.metadata().map_err(|e| segment::io_error(&p, e))?.len();
         let mut at = 0;
-        while let Some(found) = read_at(&f, id, len, at).map_err(|e| segment::io_error(&p, e))? {
+        loop {
+            let found = match read_at(&f, id, len, at) {
+                Ok(Some(found)) => found,
+                Ok(None) => break,
+                Err(e) => {
+                    unreadable(&p, at, e)?;
+                    continue 'files;
+                }
+            };
+            let start = at;
             at = found.end;
             let Some(record) = found.record else { continue };
             let first = record.batches.first().map_or(i64::MAX, |b| b.id);
@@ -297,10 +309,19 @@ pub(crate) fn plan(state: &State, db: &Path) -> Result<Plan, SpoolError> {
                 out.tail = Some((id, at));
                 continue;
             }
-            if !fits(&record, &next) || !intact(&f, &record, &mut buf).map_err(|e| segment::io_error(&p, e))? {
-                // Nothing after it in this file was answered (a sync covers the whole file).
-                // A later segment may still hold the next commits: after open dropped a lost
-                // tail (`unsynced.rs`), the writer starts a new segment and reuses the ids.
+            let ok = fits(&record, &next)
+                && match intact(&f, &record, &mut buf) {
+                    Ok(intact) => intact,
+                    Err(e) => {
+                        unreadable(&p, start, e)?;
+                        false
+                    }
+                };
+            if !ok {
+                // Nothing after it in this file was answered (a sync covers the whole file),
+                // unless it could not be read (see `unreadable`). A later segment may still
+                // hold the next commits: after open dropped a lost tail (`unsynced.rs`), the
+                // writer starts a new segment and reuses the ids.
                 continue 'files;
             }
             advance(&record, &mut next);
@@ -314,6 +335,26 @@ pub(crate) fn plan(state: &State, db: &Path) -> Result<Plan, SpoolError> {
     }
     plan.names = next.streams.into_iter().map(|(id, (name, _, _))| (id, name)).collect();
     Ok(plan)
+}
+
+/// A read error in segment file `p` at `at`: the records from there on are not read, as after
+/// a record that is not intact. At run time the same error makes the chunks whose bytes are
+/// there corrupt (quarantined when read); failing the open for it would fail every open, and
+/// the agent would never start. What is lost: the commits whose records lie past the error and
+/// whose rows the WAL lost (a power cut), which nothing can read back either. A shortage of
+/// memory is not the file's fault: it still fails the open, which a restart tries again.
+fn unreadable(p: &Path, at: u64, e: io::Error) -> Result<(), SpoolError> {
+    if matches!(e.kind(), io::ErrorKind::OutOfMemory | io::ErrorKind::WouldBlock) {
+        return Err(segment::io_error(p, e));
+    }
+    tracing::error!(
+        segment = %p.display(),
+        offset = at,
+        error = %e,
+        "a payload segment cannot be read; its commit records from here on are not replayed, and its chunks \
+         are quarantined when read"
+    );
+    Ok(())
 }
 
 /// Adds the commits whose records are in the segments but whose rows are not in the index

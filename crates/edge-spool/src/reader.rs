@@ -42,9 +42,11 @@ impl SpoolReader {
     /// ([`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync)), only chunks a sync has made
     /// durable.
     ///
+    /// A chunk row with a value its [`ChunkMeta`] field cannot hold (damage) is listed with
+    /// that value clamped into range, and reading it gives [`SpoolError::Corrupt`].
+    ///
     /// # Errors
-    /// SQLite errors; a row with values our schema cannot hold gives a
-    /// [`SpoolError::Sqlite`] conversion error.
+    /// SQLite errors.
     pub fn sealed_after(&mut self, after: Option<ChunkId>, limit: usize) -> Result<Vec<ChunkMeta>, SpoolError> {
         let after = after.map_or(i64::MIN, |c| c.0);
         // No `LIMIT ?2`: SQLite recompiles a statement whose LIMIT is a parameter each time
@@ -126,8 +128,19 @@ impl SpoolReader {
                 c.stream_id
             )));
         }
+        // Values our types cannot hold, even under a checksum that matches: listed clamped
+        // (`meta_from_row`), never sent.
+        let (Ok(seq), Ok(records), Ok(bytes), Ok(first_ms), Ok(_)) = (
+            u64::try_from(c.seq),
+            u32::try_from(c.records),
+            u64::try_from(c.bytes),
+            u64::try_from(c.first_ms),
+            u64::try_from(c.sealed_ms),
+        ) else {
+            return Err(corrupt(format!("chunk row holds values out of range: {c:?}")));
+        };
         let listed = (meta.stream.as_str(), meta.seq, u64::from(meta.records), meta.bytes, meta.first_ms);
-        let on_disk = (name.as_str(), c.seq as u64, c.records as u64, c.bytes as u64, c.first_ms as u64);
+        let on_disk = (name.as_str(), seq, u64::from(records), bytes, first_ms);
         if listed != on_disk {
             return Err(corrupt(format!("listed as {listed:?}, the verified rows say {on_disk:?}")));
         }
@@ -376,14 +389,25 @@ impl Assembly {
     }
 }
 
+/// A listed chunk, from its row as it is, before any check: the row checksum is checked when
+/// the chunk is read. A value the field cannot hold (one flipped top bit makes a negative
+/// number, or a record count past `u32`) is listed clamped into range, never an error: an
+/// error would fail every listing that reaches the row, and the uploader, which quarantines
+/// what a read finds corrupt, would never get past it. The read finds such a row corrupt (its
+/// checksum, its range, and the clamped values differ from the row's), and the chunk is
+/// quarantined.
 fn meta_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ChunkMeta> {
+    // Not an integer at all (damage to the row's record header): 0, found by the read too.
+    let int = |i| r.get::<_, i64>(i).unwrap_or(0);
+    let unsigned = |i| u64::try_from(int(i)).unwrap_or(0);
+    let records = int(3);
     Ok(ChunkMeta {
         id: ChunkId(r.get(0)?),
         stream: r.get(1)?,
-        seq: r.get(2)?,
-        records: r.get(3)?,
-        bytes: r.get(4)?,
-        first_ms: r.get(5)?,
-        sealed_ms: r.get(6)?,
+        seq: unsigned(2),
+        records: u32::try_from(records).unwrap_or(if records < 0 { 0 } else { u32::MAX }),
+        bytes: unsigned(4),
+        first_ms: unsigned(5),
+        sealed_ms: unsigned(6),
     })
 }

@@ -605,7 +605,8 @@ impl SegmentWriter {
 #[derive(Debug)]
 pub(crate) struct SegmentFiles {
     db: PathBuf,
-    open: BTreeMap<i64, File>,
+    /// Each open file with its size when last asked.
+    open: BTreeMap<i64, (File, u64)>,
 }
 
 /// Segment handles a reader keeps open at most.
@@ -618,7 +619,9 @@ impl SegmentFiles {
 
     /// Appends `len` bytes at `offset` of segment `id` to `out`. On error `out` is unchanged.
     /// The error says what went wrong, for a [`SpoolError::Corrupt`] detail; `Err(None)` means
-    /// the file does not exist.
+    /// the file does not exist. A range past the end of the file is an error before anything
+    /// is allocated for it: `offset` and `len` may come from a row not checked yet (`spool
+    /// check` reads before it checks), and a damaged length of 2^50 must not abort the process.
     pub(crate) fn read_into(
         &mut self,
         id: i64,
@@ -627,19 +630,35 @@ impl SegmentFiles {
         out: &mut Vec<u8>,
     ) -> Result<(), Option<String>> {
         let p = path(&self.db, id);
+        let size_of =
+            |f: &File| f.metadata().map(|m| m.len()).map_err(|e| Some(format!("segment {}: {e}", p.display())));
         if !self.open.contains_key(&id) {
             let f = match File::open(&p) {
                 Ok(f) => f,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(None),
                 Err(e) => return Err(Some(format!("segment {}: {e}", p.display()))),
             };
+            let size = size_of(&f)?;
             if self.open.len() >= OPEN_SEGMENTS {
                 // The oldest segments are the first to be emptied and deleted.
                 self.open.pop_first();
             }
-            self.open.insert(id, f);
+            self.open.insert(id, (f, size));
         }
-        let Some(f) = self.open.get(&id) else { return Err(Some("segment handle vanished".into())) };
+        let Some((f, size)) = self.open.get_mut(&id) else { return Err(Some("segment handle vanished".into())) };
+        // Nothing to read is never past the end (an empty batch's row need not have a record
+        // around it in the file).
+        let end = offset.checked_add(len);
+        if len > 0 && end.is_none_or(|end| end > *size) {
+            // The active segment grows: ask again before calling it damage.
+            *size = size_of(f)?;
+            if end.is_none_or(|end| end > *size) {
+                return Err(Some(format!(
+                    "segment {id}: {len} bytes at {offset} reach past the end of the file ({size} bytes)"
+                )));
+            }
+        }
+        let f = &*f;
         let len = usize::try_from(len).map_err(|_| Some(format!("segment {id}: length {len} too large")))?;
         match append_at(f, offset, len, out) {
             Ok(()) => Ok(()),
@@ -735,6 +754,32 @@ mod tests {
         assert_eq!(out, before, "a failed read leaves nothing behind");
         append_at(&f, 0, 0, &mut out).expect("nothing to read");
         assert_eq!(out, before);
+    }
+
+    #[test]
+    fn a_range_past_the_end_is_refused_before_anything_is_read_and_a_grown_file_is_seen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = dir.path().join("spool.db");
+        let bytes: Vec<u8> = (0..100).collect();
+        std::fs::write(path(&db, 1), &bytes).expect("write");
+        let mut files = SegmentFiles::new(&db);
+        let mut out = Vec::new();
+        files.read_into(1, 90, 10, &mut out).expect("in range");
+        assert_eq!(out, bytes[90..]);
+        // A damaged length: refused with nothing allocated for it.
+        for (offset, len) in [(90, 1 << 50), (90, 11), (u64::MAX, 1)] {
+            let detail = files.read_into(1, offset, len, &mut out).expect_err("past the end").expect("a detail");
+            assert!(detail.contains("past the end of the file (100 bytes)"), "{detail}");
+        }
+        assert_eq!(out, bytes[90..]);
+        assert!(out.capacity() < 1 << 20, "{}", out.capacity());
+        files.read_into(1, 1_000, 0, &mut out).expect("nothing to read is never past the end");
+        // The active segment grows while a reader holds it open.
+        let f = OpenOptions::new().append(true).open(path(&db, 1)).expect("open");
+        std::io::Write::write_all(&mut &f, &[7; 50]).expect("append");
+        files.read_into(1, 140, 10, &mut out).expect("the grown part");
+        assert_eq!(out[10..], [7; 10]);
+        assert_eq!(files.read_into(2, 0, 1, &mut out), Err(None), "a missing file");
     }
 
     #[test]

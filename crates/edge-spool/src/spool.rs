@@ -438,7 +438,8 @@ impl Spool {
     fn quarantine_once(&mut self, chunk: ChunkId, reason: &str) -> Result<(), SpoolError> {
         let mut st = self.state.clone();
         let tx = begin(&mut self.conn)?;
-        let row: Option<(i64, u64, bool)> = tx
+        // `bytes` as stored: the row is not checked here (it is likely damaged: see `counted`).
+        let row: Option<(i64, i64, bool)> = tx
             .prepare_cached("SELECT stream_id, bytes, quarantine IS NOT NULL FROM chunks WHERE id = ?1")
             .and_then(|mut s| s.query_row([chunk.0], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional())
             .map_err(ctx("looking up a chunk to quarantine"))?;
@@ -453,7 +454,7 @@ impl Spool {
             .map_err(ctx("quarantining a chunk"))?;
         let stream = stream_by_id(&mut st, stream_id)?;
         stream.sealed_chunks = stream.sealed_chunks.saturating_sub(1);
-        stream.sealed_bytes = stream.sealed_bytes.saturating_sub(bytes);
+        stream.sealed_bytes = stream.sealed_bytes.saturating_sub(counted(bytes));
         st.quarantined_chunks += 1;
         refresh_oldest_sealed(&tx, &mut st, &BTreeSet::from([stream_id]))?;
         crate::crash_point!("spool::quarantine::before_commit");
@@ -798,6 +799,15 @@ fn sql_u64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
+/// A chunk row's size or record count as the counters take it. Rows are read unchecked where
+/// chunks leave the counters (ack, eviction, quarantine) and where they are loaded
+/// (`State::load`): a damaged value (one flipped top bit makes it negative) counts 0, the same
+/// in each place, rather than failing the write (an eviction failing on the oldest chunk would
+/// fail every append) or the open. The read finds the damage by the row's checksum.
+fn counted(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
 /// Decides whether a request of `bytes` fits, evicting the oldest sealed chunks under
 /// DropOldest. Evicts nothing if the request could not fit even with every sealed chunk gone.
 fn make_room(
@@ -896,7 +906,7 @@ fn reindex_damaged_rows(tx: &Transaction<'_>, chunk: ChunkId, legacy_batches_thr
 /// Deletes a live (not quarantined) chunk and its batches, updating the counters except the
 /// per-stream oldest time (see [`refresh_oldest_sealed`]). `None` if there is no such chunk.
 fn delete_chunk(tx: &Transaction<'_>, st: &mut State, id: ChunkId) -> Result<Option<DeletedChunk>, SpoolError> {
-    let row: Option<(i64, u64, u64, i64, i64)> = tx
+    let row: Option<(i64, i64, i64, i64, i64)> = tx
         .prepare_cached(
             "SELECT stream_id, records, bytes, first_batch, last_batch FROM chunks
              WHERE id = ?1 AND quarantine IS NULL",
@@ -914,8 +924,8 @@ fn delete_chunk(tx: &Transaction<'_>, st: &mut State, id: ChunkId) -> Result<Opt
         .map_err(ctx("deleting a chunk"))?;
     let stream = stream_by_id(st, stream_id)?;
     stream.sealed_chunks = stream.sealed_chunks.saturating_sub(1);
-    stream.sealed_bytes = stream.sealed_bytes.saturating_sub(bytes);
-    Ok(Some(DeletedChunk { stream_id, records }))
+    stream.sealed_bytes = stream.sealed_bytes.saturating_sub(counted(bytes));
+    Ok(Some(DeletedChunk { stream_id, records: counted(records) }))
 }
 
 /// Deletes the batches of a chunk: those of stream `.0` with ids in `.1..=.2`, and takes their
@@ -969,14 +979,17 @@ fn settle_segments(tx: &Transaction<'_>, st: &mut State) -> Result<(), SpoolErro
     Ok(())
 }
 
-/// Re-reads the oldest sealed time of the given streams after chunks were removed.
+/// Re-reads the oldest sealed time of the given streams after chunks were removed. A negative
+/// time (a damaged row) is no time, as in `State::load`.
 fn refresh_oldest_sealed(tx: &Transaction<'_>, st: &mut State, stream_ids: &BTreeSet<i64>) -> Result<(), SpoolError> {
     for &sid in stream_ids {
-        let oldest: Option<u64> = tx
-            .prepare_cached("SELECT min(first_ms) FROM chunks WHERE stream_id = ?1 AND quarantine IS NULL")
+        let oldest: Option<i64> = tx
+            .prepare_cached(
+                "SELECT min(first_ms) FROM chunks WHERE stream_id = ?1 AND quarantine IS NULL AND first_ms >= 0",
+            )
             .and_then(|mut s| s.query_row([sid], |r| r.get(0)))
             .map_err(ctx("finding a stream's oldest chunk"))?;
-        stream_by_id(st, sid)?.oldest_sealed_ms = oldest;
+        stream_by_id(st, sid)?.oldest_sealed_ms = oldest.and_then(|ms| u64::try_from(ms).ok());
     }
     Ok(())
 }

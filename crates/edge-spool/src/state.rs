@@ -151,18 +151,38 @@ impl State {
             st.next_chunk_id = last.saturating_add(1);
         }
         {
+            // Chunk rows are checked against their checksums when read, not here: a damaged
+            // value (one flipped top bit makes it negative) must not fail the open, which would
+            // move the whole file aside for one chunk that the reader quarantines. A negative
+            // size counts 0 (as where the chunk leaves the counters: `counted` in `spool.rs`), a
+            // negative time is no time, and `total` (a float, exact below 2^53) cannot overflow
+            // as `sum` would on damaged sizes.
             let mut stmt = conn
                 .prepare(
-                    "SELECT stream_id, count(*), sum(bytes), min(first_ms)
+                    "SELECT stream_id, count(*), total(max(bytes, 0)), min(CASE WHEN first_ms >= 0 THEN first_ms END),
+                            count(CASE WHEN bytes < 0 OR first_ms < 0 THEN 1 END)
                      FROM chunks WHERE quarantine IS NULL GROUP BY stream_id",
                 )
                 .map_err(ctx("loading chunk counters"))?;
             let mut rows = stmt.query([]).map_err(ctx("loading chunk counters"))?;
             while let Some(r) = rows.next().map_err(ctx("loading chunk counters"))? {
-                let s = st.stream_by_id_mut(r.get(0).map_err(ctx("loading chunk counters"))?)?;
+                let stream_id: i64 = r.get(0).map_err(ctx("loading chunk counters"))?;
+                let s = st.stream_by_id_mut(stream_id)?;
                 s.sealed_chunks = r.get(1).map_err(ctx("loading chunk counters"))?;
-                s.sealed_bytes = r.get(2).map_err(ctx("loading chunk counters"))?;
-                s.oldest_sealed_ms = Some(r.get(3).map_err(ctx("loading chunk counters"))?);
+                // Saturating: a float past u64::MAX gives u64::MAX.
+                s.sealed_bytes = r.get::<_, f64>(2).map_err(ctx("loading chunk counters"))? as u64;
+                s.oldest_sealed_ms = r
+                    .get::<_, Option<i64>>(3)
+                    .map_err(ctx("loading chunk counters"))?
+                    .and_then(|ms| u64::try_from(ms).ok());
+                let damaged: i64 = r.get(4).map_err(ctx("loading chunk counters"))?;
+                if damaged > 0 {
+                    tracing::warn!(
+                        stream_id,
+                        chunks = damaged,
+                        "chunk rows hold a negative size or time (damaged); counted as 0, quarantined when read"
+                    );
+                }
             }
         }
         st.quarantined_chunks = conn

@@ -34,7 +34,8 @@
 //! write a power cut lost is then found when its chunk is read, and quarantined.
 //!
 //! A batch row that fails its own row checksum is left alone: that is damage to the file, not
-//! a lost write, and reading its chunk quarantines it as before.
+//! a lost write, and reading its chunk quarantines it as before. So is a batch whose segment
+//! cannot be read (an I/O error: a failing disk, not a lost write).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
@@ -134,7 +135,7 @@ pub(crate) fn scan(conn: &Connection, db: &Path) -> Result<Option<Scan>, SpoolEr
 
 fn scan_from(conn: &Connection, db: &Path, mark: i64) -> Result<Scan, SpoolError> {
     let mut found = Scan::default();
-    let mut files: BTreeMap<i64, Option<File>> = BTreeMap::new();
+    let mut files: BTreeMap<i64, Segment> = BTreeMap::new();
     let mut stmt = conn
         .prepare(
             "SELECT id, stream_id, records, crc32c, commit_ms, row_crc, segment, seg_offset, seg_len
@@ -157,25 +158,27 @@ fn scan_from(conn: &Connection, db: &Path, mark: i64) -> Result<Scan, SpoolError
         if stored != Some(row.crc()) {
             continue;
         }
-        let file = match files.entry(seg.segment) {
-            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::btree_map::Entry::Vacant(e) => {
-                let p = segment::path(db, seg.segment);
-                match File::open(&p) {
-                    Ok(f) => e.insert(Some(f)),
-                    Err(err) if err.kind() == io::ErrorKind::NotFound => e.insert(None),
-                    Err(err) => return Err(segment::io_error(&p, err)),
+        let file = files.entry(seg.segment).or_insert_with(|| {
+            let p = segment::path(db, seg.segment);
+            match File::open(&p) {
+                Ok(f) => Segment::Open(f),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Segment::Missing,
+                Err(e) => {
+                    unreadable(&p, &e);
+                    Segment::Unreadable
                 }
             }
-        };
+        });
         let intact = match file {
-            Some(f) => {
-                crc_of(f, seg, &mut buf)
-                    .map_err(|e| segment::io_error(&segment::path(db, seg.segment), e))?
-                    .map(i64::from)
-                    == Some(crc32c)
-            }
-            None => false,
+            Segment::Open(f) => match crc_of(f, seg, &mut buf) {
+                Ok(crc) => crc.map(i64::from) == Some(crc32c),
+                Err(e) => {
+                    unreadable(&segment::path(db, seg.segment), &e);
+                    continue;
+                }
+            },
+            Segment::Missing => false,
+            Segment::Unreadable => continue,
         };
         if !intact {
             found.first_lost = Some(id);
@@ -184,6 +187,28 @@ fn scan_from(conn: &Connection, db: &Path, mark: i64) -> Result<Scan, SpoolError
         found.intact_segments.insert(seg.segment);
     }
     Ok(found)
+}
+
+/// A segment file as [`scan_from`] found it.
+enum Segment {
+    Open(File),
+    /// Not there: its batches' bytes were lost.
+    Missing,
+    /// There, but it cannot be opened: see [`unreadable`].
+    Unreadable,
+}
+
+/// A segment that cannot be opened or read (a failing disk): its batches are left alone, as a
+/// row that fails its checksum is. A read error says nothing of whether the bytes were written:
+/// taking the batch for a lost write would drop it and every later batch, answered ones among
+/// them (a failing sector under synced bytes). Its chunk reads as corrupt and is quarantined,
+/// as it would be at run time; failing the open instead would fail every open.
+fn unreadable(p: &Path, e: &io::Error) {
+    tracing::error!(
+        segment = %p.display(),
+        error = %e,
+        "a payload segment cannot be read; its batches are left in place, their chunks quarantined when read"
+    );
 }
 
 /// Checks the batches above the mark, drops the lost tail and removes the mark (see the

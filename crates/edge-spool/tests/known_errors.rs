@@ -376,3 +376,218 @@ fn a_chunks_index_that_disagrees_with_its_rows_is_rebuilt_at_open() {
     assert!(after.integrity.is_empty(), "{after:?}");
     assert!(quarantined_files(dir.path()).is_empty());
 }
+
+/// One flipped top bit in a chunk row: a value SQLite holds but the row's type does not (a
+/// negative sequence number, time or size, a record count past `u32`). Applied to the oldest of
+/// two sealed chunks.
+const OUT_OF_RANGE: [&str; 6] = [
+    "UPDATE chunks SET seq = -1 WHERE id = (SELECT min(id) FROM chunks)",
+    "UPDATE chunks SET sealed_ms = -1 WHERE id = (SELECT min(id) FROM chunks)",
+    "UPDATE chunks SET first_ms = -1 WHERE id = (SELECT min(id) FROM chunks)",
+    "UPDATE chunks SET records = 1 << 40 WHERE id = (SELECT min(id) FROM chunks)",
+    "UPDATE chunks SET bytes = -5 WHERE id = (SELECT min(id) FROM chunks)",
+    "UPDATE chunks SET bytes = -(1 << 40) WHERE id = (SELECT min(id) FROM chunks)",
+];
+
+#[test]
+fn an_out_of_range_value_in_a_chunk_row_is_quarantined_on_read_and_stops_nothing_else() {
+    for sql in OUT_OF_RANGE {
+        let (dir, opts) = setup();
+        spool_with_chunks(&opts, 2);
+        damage(&opts, sql);
+        // The open neither fails nor moves the file aside: the row is damage to one chunk.
+        let (mut spool, report) = Spool::open(opts.clone()).unwrap_or_else(|e| panic!("{sql}: open: {e:?}"));
+        assert!(report.quarantined.is_none(), "{sql}: {report:?}");
+        assert!(quarantined_files(dir.path()).is_empty(), "{sql}");
+        assert_eq!(report.sealed_chunks, 2, "{sql}");
+        // The listing goes on past the damaged row, so the uploader can read (and quarantine)
+        // it and send what comes after.
+        let mut reader = spool.reader().expect("reader");
+        let listed = reader.sealed_after(None, 10).unwrap_or_else(|e| panic!("{sql}: listing: {e:?}"));
+        assert_eq!(listed.len(), 2, "{sql}: {listed:?}");
+        let (damaged, healthy) = (listed[0].clone(), listed[1].clone());
+        assert_eq!((healthy.stream.as_str(), healthy.seq, healthy.records, healthy.bytes), ("s", 2, 1, 1024), "{sql}");
+        match reader.read(&damaged) {
+            Err(SpoolError::Corrupt { chunk, .. }) => assert_eq!(chunk, damaged.id, "{sql}"),
+            other => panic!("{sql}: expected Corrupt, got {other:?}"),
+        }
+        // Chunks after it are sent and acked while it is still live (the ack re-reads the
+        // stream's oldest time, over the damaged row too).
+        assert_eq!(reader.read(&healthy).expect("the healthy chunk reads"), noise(2, 1024), "{sql}");
+        assert_eq!(spool.ack(&[healthy.id]).unwrap_or_else(|e| panic!("{sql}: ack: {e:?}")).acked, 1, "{sql}");
+        assert_eq!(reader.sealed_after(None, 10).expect("listing").len(), 1, "{sql}");
+        spool.quarantine(damaged.id, "test").unwrap_or_else(|e| panic!("{sql}: quarantine: {e:?}"));
+        assert_eq!(reader.sealed_after(None, 10).expect("listing"), vec![], "{sql}");
+        let stats = spool.stats();
+        assert_eq!((stats.sealed_chunks, stats.total_bytes, stats.quarantined_chunks), (0, 0, 1), "{sql}: {stats:?}");
+        // The quarantined row stops nothing at the next open either.
+        drop((reader, spool));
+        let (spool, report) = Spool::open(opts.clone()).unwrap_or_else(|e| panic!("{sql}: reopen: {e:?}"));
+        assert!(report.quarantined.is_none(), "{sql}: {report:?}");
+        assert_eq!(spool.stats().quarantined_chunks, 1, "{sql}");
+        let quarantined = spool.reader().expect("reader").quarantined().expect("quarantined chunks");
+        assert_eq!(quarantined.iter().map(|q| q.meta.id).collect::<Vec<_>>(), vec![damaged.id], "{sql}");
+    }
+}
+
+#[test]
+fn drop_oldest_evicts_a_chunk_whose_row_holds_an_out_of_range_value() {
+    for sql in OUT_OF_RANGE {
+        let (dir, mut opts) = setup();
+        spool_with_chunks(&opts, 2);
+        damage(&opts, sql);
+        // Room for the two chunks and nothing more: appends evict the oldest chunks.
+        opts.max_bytes = 2048;
+        opts.full_policy = edge_spool::FullPolicy::DropOldest;
+        let (mut spool, report) = Spool::open(opts.clone()).unwrap_or_else(|e| panic!("{sql}: open: {e:?}"));
+        assert!(report.quarantined.is_none(), "{sql}: {report:?}");
+        // Listed past the damaged row, so that only the eviction is put to the test here.
+        let newest = spool.newest_chunk().expect("two chunks");
+        let damaged = edge_spool::ChunkId(newest.0 - 1);
+        let listed = spool.reader().expect("reader").sealed_after(Some(damaged), 10).expect("listing");
+        let healthy = listed[0].clone();
+        assert_eq!((healthy.id, healthy.seq), (newest, 2), "{sql}");
+        let ids = |spool: &Spool| sealed(spool).iter().map(|c| c.id).collect::<Vec<_>>();
+        let append = |spool: &mut Spool, n: u64| {
+            let req = AppendRequest { batches: vec![Batch { stream: "s".into(), data: noise(n, 1024), records: 1 }] };
+            let outcomes = spool.append(&[req], 10 + n).unwrap_or_else(|e| panic!("{sql}: append {n}: {e:?}"));
+            assert_eq!(outcomes, vec![edge_spool::AppendOutcome::Accepted], "{sql}");
+        };
+        append(&mut spool, 3);
+        if sql.contains("bytes") {
+            // A negative size counts 0: the chunk takes no room in the counters, so this
+            // append evicted nothing; the next one evicts it first (it frees nothing counted),
+            // then the healthy one.
+            assert_eq!((spool.stats().dropped_chunks, ids(&spool)), (0, vec![damaged, newest]), "{sql}");
+            append(&mut spool, 4);
+            assert_eq!((spool.stats().dropped_chunks, ids(&spool)), (2, vec![]), "{sql}");
+        } else {
+            assert_eq!(spool.stats().dropped_chunks, 1, "{sql}");
+            assert_eq!(sealed(&spool), vec![healthy.clone()], "{sql}: the damaged chunk went, the healthy one stays");
+            assert_eq!(spool.reader().expect("reader").read(&healthy).expect("read"), noise(2, 1024), "{sql}");
+        }
+        assert!(quarantined_files(dir.path()).is_empty(), "{sql}");
+    }
+}
+
+#[test]
+fn check_reports_a_batch_length_past_its_segment_as_damage_without_reading_it() {
+    // A damaged `seg_len` of 2^50: reserving that much before the row's checksum is checked
+    // aborted the process, in the tool that audits damage.
+    let (_dir, opts) = setup();
+    spool_with_chunks(&opts, 2);
+    damage(&opts, "UPDATE batches SET seg_len = 1 << 50 WHERE id = (SELECT min(id) FROM batches)");
+    let report = edge_spool::check(&opts.path).expect("check");
+    assert_eq!(report.damaged_chunks.len(), 1, "{report:?}");
+    let damaged = &report.damaged_chunks[0];
+    assert_eq!((damaged.seq, damaged.bad_batches), (1, 1), "{report:?}");
+    assert!(damaged.detail.contains("past the end"), "{report:?}");
+    assert!(report.damaged_open_batches.is_empty() && report.read_error.is_none(), "{report:?}");
+    // The agent's reader finds the same damage.
+    let (spool, _) = Spool::open(opts.clone()).expect("open");
+    let chunks = sealed(&spool);
+    let mut reader = spool.reader().expect("reader");
+    assert!(matches!(reader.read(&chunks[0]), Err(SpoolError::Corrupt { .. })));
+    assert_eq!(reader.read(&chunks[1]).expect("the other chunk reads"), noise(2, 1024));
+}
+
+#[test]
+fn check_sums_damaged_batch_lengths_without_overflowing() {
+    // Three rows claiming i64::MAX bytes each: more than a u64 holds in all.
+    let (_dir, opts) = setup();
+    spool_with_chunks(&opts, 3);
+    let raw = Connection::open(&opts.path).expect("raw connection");
+    assert_eq!(raw.execute("UPDATE batches SET seg_len = 9223372036854775807", []).expect("damage"), 3);
+    drop(raw);
+    let report = edge_spool::check(&opts.path).expect("check");
+    assert_eq!(report.damaged_chunks.len(), 3, "{report:?}");
+    assert_eq!(report.bytes, u64::MAX, "{report:?}");
+}
+
+/// Puts a directory where payload segment `id` of the spool at `db` is: opening it for reading
+/// still works, every read fails (`EISDIR`), as reads of a file on a failing disk fail with
+/// `EIO`. An entry inside gives it a size above a record's prefix on any file system.
+fn make_segment_unreadable(db: &Path, id: u32) -> PathBuf {
+    let seg = PathBuf::from(format!("{}-seg-{id:010}", db.display()));
+    fs::remove_file(&seg).expect("remove the segment file");
+    fs::create_dir(&seg).expect("a directory in its place");
+    fs::write(seg.join("x".repeat(200)), b"").expect("an entry");
+    seg
+}
+
+/// Options whose segments take one commit of 16 KiB each.
+fn small_segments() -> (TempDir, SpoolOptions) {
+    let (dir, mut opts) = setup();
+    opts.segment_target_bytes = 4096;
+    (dir, opts)
+}
+
+#[test]
+fn a_read_error_in_the_newest_segment_at_open_leaves_its_chunks_to_be_quarantined() {
+    // The commit records of the newest segment are read at every open (`journal.rs`): a read
+    // error there failed the open as an I/O error, and the agent restarted into it forever.
+    let (dir, opts) = small_segments();
+    let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+    append_one(&mut spool, "s", noise(1, 16 << 10), 1);
+    spool.seal_all(1).expect("seal");
+    append_one(&mut spool, "s", noise(2, 16 << 10), 2);
+    spool.seal_all(2).expect("seal");
+    drop(spool);
+    let seg = make_segment_unreadable(&opts.path, 2);
+
+    let (mut spool, report) = Spool::open(opts.clone()).unwrap_or_else(|e| panic!("open: {e:?}"));
+    assert!(report.quarantined.is_none(), "{report:?}");
+    assert!(quarantined_files(dir.path()).is_empty());
+    assert_eq!((report.sealed_chunks, report.replayed_records, report.unsynced_records_dropped), (2, 0, 0));
+    let chunks = sealed(&spool);
+    assert_eq!(chunks.len(), 2);
+    let mut reader = spool.reader().expect("reader");
+    assert_eq!(reader.read(&chunks[0]).expect("the chunk in the readable segment"), noise(1, 16 << 10));
+    match reader.read(&chunks[1]) {
+        Err(SpoolError::Corrupt { chunk, .. }) => assert_eq!(chunk, chunks[1].id),
+        other => panic!("expected Corrupt, got {other:?}"),
+    }
+    spool.quarantine(chunks[1].id, "unreadable").expect("quarantine");
+    // The writer goes on in a new segment, not in the unreadable one.
+    append_one(&mut spool, "s", noise(3, 100), 3);
+    spool.seal_all(3).expect("seal");
+    let chunks = sealed(&spool);
+    assert_eq!(chunks.iter().map(|c| c.seq).collect::<Vec<_>>(), [1, 3]);
+    assert_eq!(reader.read(&chunks[1]).expect("the new chunk"), noise(3, 100));
+    assert!(seg.is_dir(), "left as it was");
+}
+
+#[test]
+fn a_read_error_in_the_check_of_unsynced_batches_is_damage_not_a_lost_write() {
+    // With deferred syncs, open reads the batches above the synced-segments mark (`unsynced.rs`).
+    // A read error there failed the open; taken for a lost write it would drop that batch and
+    // every later one, which may have been answered.
+    let (dir, mut opts) = setup();
+    opts.segment_target_bytes = 64 << 10;
+    let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+    let mut sync = spool.defer_wal_sync().expect("defer").expect("full durability defers");
+    let commit = |spool: &mut Spool, n: u64, len: usize| {
+        let req = AppendRequest { batches: vec![Batch { stream: "s".into(), data: noise(n, len), records: 1 }] };
+        let seal = if n == 1 { edge_spool::SealWhat::Nothing } else { edge_spool::SealWhat::All };
+        assert!(spool.commit(&[req], &[], seal, n).expect("commit").appends.is_ok());
+    };
+    // Batch 1 in segment 1, synced; batch 2 in segment 1 (filling it) and batch 3 in segment
+    // 2, not: a crash, and both are checked at the next open (the mark says batch 1).
+    commit(&mut spool, 1, 32 << 10);
+    sync.sync(None).expect("sync");
+    commit(&mut spool, 2, 40 << 10);
+    commit(&mut spool, 3, 16 << 10);
+    drop((spool, sync));
+    // Segment 1 fails; segment 2 is the newest, whose commit records open reads.
+    make_segment_unreadable(&opts.path, 1);
+
+    let (spool, report) = Spool::open(opts.clone()).unwrap_or_else(|e| panic!("open: {e:?}"));
+    assert!(report.quarantined.is_none(), "{report:?}");
+    assert!(quarantined_files(dir.path()).is_empty());
+    assert_eq!((report.sealed_chunks, report.unsynced_records_dropped), (2, 0), "nothing dropped: {report:?}");
+    let chunks = sealed(&spool);
+    assert_eq!(chunks.iter().map(|c| (c.seq, c.records)).collect::<Vec<_>>(), [(1, 2), (2, 1)]);
+    let mut reader = spool.reader().expect("reader");
+    assert!(matches!(reader.read(&chunks[0]), Err(SpoolError::Corrupt { .. })));
+    assert_eq!(reader.read(&chunks[1]).expect("the later batch is kept"), noise(3, 16 << 10));
+}
