@@ -48,6 +48,9 @@ const ACK_LINGER: Duration = Duration::from_millis(10);
 
 /// Acks that get a commit at once, however young.
 const ACK_GROUP: usize = 64;
+/// How long acks alone wait after a commit failed before they are tried again (appends and
+/// seals still take them along at once).
+const ACK_RETRY: Duration = Duration::from_secs(1);
 
 /// The exit status after a failed WAL sync (`EX_IOERR`).
 const EXIT_SYNC_FAILED: i32 = 74;
@@ -471,6 +474,8 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
     let mut appends: Vec<(AppendRequest, oneshot::Sender<Result<(), AppendFailure>>)> = Vec::new();
     // When the thread first saw the acks now in `pending_acks`.
     let mut acks_since: Option<Instant> = None;
+    // After a commit failed: acks alone wait until then before they are tried again.
+    let mut acks_retry_at: Option<Instant> = None;
     let mut seal_waiters: Vec<oneshot::Sender<()>> = Vec::new();
     let mut open = true;
     if spool.stats().sealed_chunks > 0 {
@@ -492,7 +497,12 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
             Cmd::SetLimits { max_bytes, policy } => spool.set_limits(max_bytes, policy),
             Cmd::SealAll { reply } => seal_waiters.push(reply),
         };
-        let wait = acks_since.map_or(tick, |t| tick.min(ACK_LINGER.saturating_sub(t.elapsed())));
+        let backing_off = acks_retry_at.map(|t| t.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero());
+        let wait = match (backing_off, acks_since) {
+            (Some(left), _) => tick.min(left),
+            (None, Some(t)) => tick.min(ACK_LINGER.saturating_sub(t.elapsed())),
+            (None, None) => tick,
+        };
         match rx.recv_timeout(wait) {
             Ok(cmd) => take(cmd, &mut spool, &mut group_bytes),
             Err(RecvTimeoutError::Timeout) => {}
@@ -516,7 +526,9 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
             // Acks alone, few and young: wait for more, or for appends to ride with. (Seals
             // that fall due meanwhile wait at most `ACK_LINGER` too.)
             let alone = appends.is_empty() && seal_waiters.is_empty();
-            if open && alone && acks < ACK_GROUP && since.elapsed() < ACK_LINGER {
+            let young = acks < ACK_GROUP && since.elapsed() < ACK_LINGER;
+            let backing_off = acks_retry_at.is_some_and(|t| Instant::now() < t);
+            if open && alone && (young || backing_off) {
                 continue;
             }
             acks_since = None;
@@ -543,11 +555,22 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
         }
         // One transaction, one fsync: acks, appends, seals.
         let (answer, sealed_now) = match spool.commit(&reqs, &ids, seal, now) {
-            Ok(report) => (report.appends.map_err(append_failure), report.sealed),
+            Ok(report) => {
+                acks_retry_at = None;
+                (report.appends.map_err(append_failure), report.sealed)
+            }
             Err(e) => {
-                // Nothing was committed. Unacked chunks stay in the spool and are offered
-                // again (the server dedups them); open batches are sealed next time.
-                warn!(error = %e, chunks = ids.len(), "writer commit failed: no acks, seals or appends recorded");
+                // Nothing was committed. The acks go back in line for the next commit: the
+                // uploader has moved past their chunks and would offer them again only after a
+                // reconnection, and they hold the space a full disk needs back. Open batches
+                // are sealed next time.
+                warn!(error = %e, chunks = ids.len(), "writer commit failed: no acks, seals or appends recorded; the acks go into the next commit");
+                if !ids.is_empty() {
+                    let mut pending = crate::lock(&pending_acks);
+                    let later = std::mem::replace(&mut *pending, ids);
+                    pending.extend(later);
+                    acks_retry_at = Some(Instant::now() + ACK_RETRY);
+                }
                 (Err(append_failure(e)), Vec::new())
             }
         };
@@ -698,6 +721,32 @@ mod tests {
 
     fn request() -> AppendRequest {
         AppendRequest { batches: vec![Batch { stream: "s".into(), data: vec![0, 0, 0, 1, 7], records: 1 }] }
+    }
+
+    /// A commit that fails records nothing, acks included; they must go into the next commit
+    /// (the uploader, already past their chunks, would offer them again only after a
+    /// reconnection).
+    #[tokio::test]
+    async fn acks_a_failed_commit_could_not_record_go_into_the_next_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (handle, thread, mut reader) = spawn_with_reader(dir.path());
+        handle.append(request()).await.expect("append");
+        handle.seal_all().await;
+        let chunk = reader.sealed_after(None, 10).expect("list")[0].id;
+
+        // Another connection holds SQLite's write lock: every commit of the spool thread waits
+        // out its busy timeout and fails, recording nothing.
+        let blocker = rusqlite::Connection::open(dir.path().join("spool.db")).expect("second connection");
+        blocker.execute_batch("BEGIN IMMEDIATE").expect("take the write lock");
+        handle.ack(vec![chunk]);
+        assert!(handle.append(request()).await.is_err(), "a commit under another's write lock fails");
+        assert_eq!(handle.stats().sealed_chunks, 1, "the ack was not recorded");
+
+        blocker.execute_batch("ROLLBACK").expect("release the write lock");
+        handle.append(request()).await.expect("append once the lock is free");
+        assert_eq!(handle.stats().sealed_chunks, 0, "the next commit recorded the ack");
+        drop(handle);
+        thread.join();
     }
 
     #[tokio::test]
