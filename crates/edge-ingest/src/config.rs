@@ -298,6 +298,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             max_pending_handshakes: raw.server.max_pending_handshakes,
             tls_handshake_timeout: crate::server::ServerOptions::default().tls_handshake_timeout,
             revocation,
+            certificate_sweep: crate::server::ServerOptions::default().certificate_sweep,
         },
         tls,
         store,

@@ -214,10 +214,22 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
             _ = term.recv() => break,
             _ = hangup.recv() => match config::load(source.as_deref()) {
                 // Only the log level changes at run time; everything else needs a restart.
-                Ok(new) => match edge_telemetry::logging::set_level(&new.log_level) {
-                    Ok(()) => tracing::info!(log_level = %new.log_level, "configuration reloaded (log level; other keys apply at the next restart)"),
-                    Err(e) => tracing::error!(error = %e, "log.level not applied"),
-                },
+                Ok(new) => {
+                    match edge_telemetry::logging::set_level(&new.log_level) {
+                        Ok(()) => tracing::info!(log_level = %new.log_level, "configuration reloaded (log level; other keys apply at the next restart)"),
+                        Err(e) => tracing::error!(error = %e, "log.level not applied"),
+                    }
+                    if new.tls.crls != cfg.tls.crls {
+                        // The files named at start are re-read when they change; another list
+                        // of files (the first CRL listed, say) is not, and a revocation an
+                        // operator believes in force would not be.
+                        tracing::warn!(
+                            running = ?cfg.tls.crls,
+                            configured = ?new.tls.crls,
+                            "tls.crls names other files than at start: restart edge-ingest to revoke with them"
+                        );
+                    }
+                }
                 Err(e) => tracing::error!(error = %edge_telemetry::logging::error_chain(e.as_ref()), "configuration reload refused; the running configuration stays in force"),
             },
             _ = tokio::signal::ctrl_c() => break,

@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use bytes::BytesMut;
 use edge_proto::server::{ServerEvent, ServerSession};
@@ -61,6 +61,9 @@ pub struct ServerOptions {
     /// Re-read the client CA and CRLs while running (see [`RevocationWatch`]); `None` keeps the
     /// revocation state of the TLS config the endpoint was built with.
     pub revocation: Option<RevocationWatch>,
+    /// How often live connections are checked for a device certificate that expired since
+    /// their handshake (where TLS checked it); those are closed with `Unauthorized`.
+    pub certificate_sweep: Duration,
 }
 
 impl Default for ServerOptions {
@@ -74,6 +77,7 @@ impl Default for ServerOptions {
             max_pending_handshakes: DEFAULT_MAX_PENDING_HANDSHAKES,
             tls_handshake_timeout: Duration::from_secs(10),
             revocation: None,
+            certificate_sweep: Duration::from_secs(30),
         }
     }
 }
@@ -418,6 +422,7 @@ impl Server {
             };
             tokio::spawn(watch_revocations(endpoint.clone(), shared.clone(), watch, state, hangup));
         }
+        tokio::spawn(expire_connections(shared.clone()));
         let done = tokio::spawn(accept_loop(endpoint, shared));
         Ok(Self { local_addr, cancel, done, sampler, counters })
     }
@@ -489,6 +494,8 @@ struct LiveConnections {
 struct LiveConn {
     device: String,
     cert: Vec<u8>,
+    /// The certificate's notAfter.
+    valid_until: SystemTime,
     conn: quinn::Connection,
 }
 
@@ -509,11 +516,39 @@ impl LiveConnections {
         self.map.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn insert(&self, device: &str, cert: Vec<u8>, conn: &quinn::Connection) -> LiveGuard<'_> {
+    fn insert(&self, device: &str, cert: Vec<u8>, valid_until: SystemTime, conn: &quinn::Connection) -> LiveGuard<'_> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.lock().insert(id, LiveConn { device: device.to_owned(), cert, conn: conn.clone() });
+        self.lock().insert(id, LiveConn { device: device.to_owned(), cert, valid_until, conn: conn.clone() });
         LiveGuard { live: self, id }
     }
+}
+
+/// Closes, every [`ServerOptions::certificate_sweep`], the connections whose device certificate
+/// expired since their handshake: TLS checks it there only, and a connection, or a session
+/// resumed from it (see `serve_connection`), can outlive it. Until the server is cancelled.
+async fn expire_connections(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(shared.opts.certificate_sweep);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = shared.cancel.cancelled() => break,
+            _ = tick.tick() => {
+                let now = SystemTime::now();
+                for c in shared.live.lock().values() {
+                    if c.valid_until < now && c.conn.close_reason().is_none() {
+                        shared.counters.auth_failures_total.fetch_add(1, Ordering::Relaxed);
+                        warn!(device = %c.device, remote = %c.conn.remote_address(), "device certificate expired; closing its connection");
+                        c.conn.close(ErrorCode::Unauthorized.to_u32().into(), expired_reason(&c.device).as_bytes());
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The close reason of a connection whose device certificate is not valid now.
+fn expired_reason(device: &str) -> String {
+    format!("certificate of device {device} is not valid now")
 }
 
 /// Closes `conn` if `list` revokes its certificate; returns whether it did.
@@ -858,7 +893,18 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
     // Registered before the check, so a list swapped in meanwhile is applied by either this
     // check or the reloader's sweep.
     let cert = edge_transport::peer::peer_certificate(&conn).map(|c| c.to_vec()).unwrap_or_default();
-    let _live = shared.live.insert(&device, cert.clone(), &conn);
+    // TLS checked the validity period at the handshake, but a resumed session asks for no
+    // certificate: it carries the one of its first handshake, expired since or not.
+    let valid_until = match edge_transport::certificate_valid_until(&cert, SystemTime::now()) {
+        Ok(t) => t,
+        Err(e) => {
+            shared.counters.auth_failures_total.fetch_add(1, Ordering::Relaxed);
+            warn!(%device, %remote, error = %e, "device certificate not valid now (a resumed TLS session); closing");
+            conn.close(ErrorCode::Unauthorized.to_u32().into(), expired_reason(&device).as_bytes());
+            return;
+        }
+    };
+    let _live = shared.live.insert(&device, cert.clone(), valid_until, &conn);
     if close_if_revoked(&shared, &shared.revocation_list(), &device, &cert, &conn) {
         shared.counters.auth_failures_total.fetch_add(1, Ordering::Relaxed);
         return;

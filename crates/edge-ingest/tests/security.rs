@@ -246,6 +246,57 @@ async fn a_not_yet_valid_device_certificate_is_refused_at_the_handshake() {
     assert_refused_at_handshake(future, ROGUE, AlertDescription::CertificateExpired).await;
 }
 
+/// A resumed TLS 1.3 handshake asks for no client certificate: the session carries the one of
+/// its first handshake. A device whose certificate expired since must not get in by resuming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_resumed_after_the_device_certificate_expired_is_closed() {
+    let rig = Rig::start(options()).await;
+    let now = SystemTime::now();
+    let expiry = now + Duration::from_secs(3);
+    let (cert, key) = rig.pki.issue_device_with_validity(ROGUE, now - DAY, expiry).expect("short-lived device");
+    let config = device_config(&rig.pki, &cert, &key);
+    let conn = rig.dial(&config, SERVER_NAME).await.expect("valid for now");
+    let mut rogue = bounded("hello", Agent::connect(&conn, ROGUE_SPOOL, "security-test")).await;
+    let stored = [chunk_of("s", 0, "valid", 2, 0)];
+    rogue.upload_stored("while the certificate is valid", &stored).await;
+    rogue.close();
+    // The certificate's end is a time on the clock, not an event: wait past it (X.509 times
+    // have whole seconds).
+    let left = expiry.duration_since(SystemTime::now()).unwrap_or_default();
+    tokio::time::sleep(left + Duration::from_millis(1100)).await;
+
+    let resumed = rig.dial(&config, SERVER_NAME).await.expect("a resumed handshake, which needs no certificate");
+    let err = bounded("the server closes the resumed connection", resumed.closed()).await;
+    assert_closed_with("the resumed connection", &err, ErrorCode::Unauthorized);
+    let counters = rig.counters();
+    wait_until("the refusal is counted", || load(&counters.auth_failures_total) == 1).await;
+    assert_eq!(load(&counters.connections_total), 1, "only the connection made while valid was served");
+    let (exported, _) = rig.finish().await;
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &stored);
+}
+
+/// TLS checks a certificate at the handshake only; a connection that lives on past it is closed
+/// by the server's sweep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_outlives_its_device_certificate_is_closed() {
+    let rig = Rig::start(ServerOptions { certificate_sweep: Duration::from_millis(100), ..options() }).await;
+    let now = SystemTime::now();
+    let expiry = now + Duration::from_secs(2);
+    let (cert, key) = rig.pki.issue_device_with_validity(ROGUE, now - DAY, expiry).expect("short-lived device");
+    let conn = rig.dial(&device_config(&rig.pki, &cert, &key), SERVER_NAME).await.expect("valid for now");
+    let mut rogue = bounded("hello", Agent::connect(&conn, ROGUE_SPOOL, "security-test")).await;
+    let stored = [chunk_of("s", 0, "valid", 2, 0)];
+    rogue.upload_stored("while the certificate is valid", &stored).await;
+
+    let err = bounded("the server closes the connection", conn.closed()).await;
+    // X.509 times have whole seconds: the certificate ends at most a second before `expiry`.
+    assert!(SystemTime::now() + Duration::from_secs(1) >= expiry, "closed before the certificate expired");
+    assert_closed_with("the connection past its certificate", &err, ErrorCode::Unauthorized);
+    assert_eq!(load(&rig.counters().auth_failures_total), 1);
+    let (exported, _) = rig.finish().await;
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &stored);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_agent_refuses_a_server_whose_certificate_lacks_the_expected_name() {
     let rig = Rig::start(options()).await;

@@ -6,6 +6,8 @@
 //! the same grammar [`crate::pki::validate_device_id`] enforces when
 //! issuing. Nothing the client sends on a stream can change it.
 
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
 use rustls::AlertDescription;
 use rustls::pki_types::CertificateDer;
 
@@ -40,6 +42,9 @@ pub enum IdentityError {
     /// The common name is text but not a valid device id.
     #[error("the peer leaf certificate common name is not a valid device id: {0}")]
     InvalidDeviceId(#[source] PkiError),
+    /// The leaf certificate is not valid at this time (expired, or not yet valid).
+    #[error("the peer leaf certificate is valid from {not_before} to {not_after}, not now")]
+    NotValidNow { not_before: String, not_after: String },
 }
 
 /// The device id of the peer of `conn`: the subject CN of its verified leaf certificate.
@@ -73,6 +78,35 @@ pub fn device_id_from_cert_der(der: &[u8]) -> Result<String, IdentityError> {
     let id = name.as_str().map_err(|e| IdentityError::CommonNameEncoding(e.to_string()))?;
     pki::validate_device_id(id).map_err(IdentityError::InvalidDeviceId)?;
     Ok(id.to_owned())
+}
+
+/// When the leaf certificate `der` stops being valid (its notAfter), or
+/// [`IdentityError::NotValidNow`] when it is not valid at `now`.
+///
+/// The TLS handshake checks the validity period, but a resumed session asks for no certificate:
+/// it carries the one of its first handshake, so a device whose certificate expired since could
+/// go on resuming. A server checks this after every handshake, and closes a connection that
+/// outlives its certificate.
+pub fn certificate_valid_until(der: &[u8], now: SystemTime) -> Result<SystemTime, IdentityError> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| IdentityError::Parse(e.to_string()))?;
+    let validity = cert.validity();
+    let not_before = from_unix(validity.not_before.timestamp());
+    let not_after = from_unix(validity.not_after.timestamp());
+    if now < not_before || now > not_after {
+        return Err(IdentityError::NotValidNow {
+            not_before: validity.not_before.to_string(),
+            not_after: validity.not_after.to_string(),
+        });
+    }
+    Ok(not_after)
+}
+
+/// Seconds since the Unix epoch as a `SystemTime` (X.509 times, years 0 to 9999, all fit on
+/// Linux; one that did not would read as the epoch).
+fn from_unix(secs: i64) -> SystemTime {
+    let offset = Duration::from_secs(secs.unsigned_abs());
+    let t = if secs >= 0 { UNIX_EPOCH.checked_add(offset) } else { UNIX_EPOCH.checked_sub(offset) };
+    t.unwrap_or(UNIX_EPOCH)
 }
 
 /// The TLS alert that ended a connection during the handshake, if any.
@@ -118,6 +152,22 @@ mod tests {
         // The server certificate's CN contains a space, which no device id may contain.
         let err = device_id_from_cert_der(&der_of(&pki.server_cert_pem)).expect_err("not a device");
         assert!(matches!(err, IdentityError::InvalidDeviceId(_)), "{err}");
+    }
+
+    #[test]
+    fn a_certificate_is_valid_only_within_its_period() {
+        let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+        let (cert, _) = pki.issue_device("sensor-8").expect("device");
+        let der = der_of(&cert);
+        let now = SystemTime::now();
+        let until = certificate_valid_until(&der, now).expect("valid now");
+        assert!(until > now + Duration::from_secs(86_400), "issued for more than a day");
+        let after = until + Duration::from_secs(1);
+        let err = certificate_valid_until(&der, after).expect_err("expired");
+        assert!(matches!(err, IdentityError::NotValidNow { .. }), "{err}");
+        let before = now - Duration::from_secs(10 * 365 * 86_400);
+        assert!(matches!(certificate_valid_until(&der, before), Err(IdentityError::NotValidNow { .. })));
+        assert!(matches!(certificate_valid_until(b"junk", now), Err(IdentityError::Parse(_))));
     }
 
     #[test]
