@@ -7,14 +7,17 @@
 #   2. alert rules: promtool check rules + promtool test rules; dashboard: valid JSON, only the
 #      agreed metric names, every query parses as PromQL.
 #   3. builds both binaries once (release) and both .deb packages with cargo deb --no-build.
-#   4. package contents: binary, unit, default config, conffiles, maintainer scripts, Depends.
+#   4. package contents: binary, unit (no ExecStartPre=), default config, conffiles, maintainer
+#      scripts, Depends (libc6, passwd, procps).
 #   5. systemd-analyze verify on both units as packaged (binaries in place), with no diagnostics.
 #   6. installs both packages with dpkg --root into a scratch root (chrootless scripts): the
 #      postinst creates the accounts and directories, the unit is enabled, the config is in /etc;
 #      check-config refuses the fresh config (no TLS files yet, exit 78), then accepts it, run as
 #      the service account inside the scratch root, once test certificates from
-#      `edge-ingest pki` are in place; a reinstall keeps the accounts; a purge removes the state
-#      but keeps the accounts and the operator's TLS files.
+#      `edge-ingest pki` are in place, each key <name>:root 0400: readable by its service account,
+#      not by another member of its group (the agent's producers); a reinstall keeps the accounts
+#      and takes a group-readable device.key back to edge-uploader:root 0400; a purge removes the
+#      state but keeps the accounts and the operator's TLS files.
 #
 # Idempotent: everything it makes lives in target/packaging/ and a scratch root under /tmp that
 # is removed on exit. Any failed check stops it with "PACKAGING CHECK FAILED: ...".
@@ -181,7 +184,8 @@ for p in "${PKGS[@]}"; do
     contents=$(dpkg-deb -c "$deb")
     grep -q "^ Package: $p$" <<<"$info" || die "$p: wrong Package field"
     depends=$(dpkg-deb -f "$deb" Depends)
-    for d in libc6 passwd; do
+    # procps: /bin/kill, which the units' ExecReload= runs.
+    for d in libc6 passwd procps; do
         grep -qw "$d" <<<"$depends" || die "$p: Depends ($depends) lacks $d"
     done
     own='(root/root|0/0)'
@@ -202,6 +206,11 @@ for p in "${PKGS[@]}"; do
     rm -rf "$x"
     dpkg-deb -x "$deb" "$x"
     cmp -s "$x/usr/lib/systemd/system/$p.service" "systemd/$p.service" || die "$p: packaged unit differs from systemd/$p.service"
+    # RestartPreventExitStatus=78 applies to the main process only: a check-config in
+    # ExecStartPre= that exits 78 would be restarted forever. `run` makes the same checks.
+    ! grep -q '^[[:space:]]*ExecStartPre=' "systemd/$p.service" ||
+        die "$p: systemd/$p.service has an ExecStartPre= (its exit 78 would not stop the restarts)"
+    grep -q '^RestartPreventExitStatus=78$' "systemd/$p.service" || die "$p: systemd/$p.service lacks RestartPreventExitStatus=78"
     cmp -s "$x/etc/$p/$p.toml" "config/$p.toml" || die "$p: packaged config differs from config/$p.toml"
     "$x/usr/bin/$p" --version >/dev/null || die "$p: packaged binary does not run"
     sections=$(readelf -S "$x/usr/bin/$p")
@@ -273,9 +282,9 @@ for p in "${PKGS[@]}"; do
     ok "$p: unit installed and enabled (multi-user.target.wants), conffile /etc/$p/$p.toml"
 done
 
-# check-config runs inside the scratch root as the service account, as ExecStartPre would: the
-# config's absolute paths (/etc/<name>/tls/...) then resolve there. The binaries' libraries are
-# copied in so they run under chroot.
+# check-config runs inside the scratch root as the service account, loading the config as the
+# unit's ExecReload= and `run` would: its absolute paths (/etc/<name>/tls/...) then resolve
+# there. The binaries' libraries are copied in so they run under chroot.
 for lib in $(ldd "$R/usr/bin/edge-uploader" "$R/usr/bin/edge-ingest" | grep -oE '/[^ ]+\.so[^ ]*' | sort -u); do
     cp -L --parents "$lib" "$R/"
 done
@@ -290,14 +299,15 @@ for p in "${PKGS[@]}"; do
     ok "$p: check-config refuses the fresh install (exit 78): ${out#*: }"
 done
 
-# The operator's step: certificates from `edge-ingest pki`, keys root:<group> 0640.
+# The operator's step (README.md, packaging/README.md): certificates from `edge-ingest pki`,
+# each key <name>:root 0400.
 BIN=$REPO/target/release
 "$BIN/edge-ingest" pki init --dir "$R/etc/edge-ingest/tls" --server-name localhost >/dev/null
 "$BIN/edge-ingest" pki issue --dir "$R/etc/edge-ingest/tls" --device gw-0001 --out "$SCRATCH/gw-0001" >/dev/null
 install -m 0644 -o 0 -g 0 "$SCRATCH/gw-0001/device.pem" "$SCRATCH/gw-0001/ca.pem" "$R/etc/edge-uploader/tls/"
-install -m 0640 -o 0 -g "${GID_OF[edge-uploader]}" "$SCRATCH/gw-0001/device.key" "$R/etc/edge-uploader/tls/"
-chown "0:${GID_OF[edge-ingest]}" "$R/etc/edge-ingest/tls/server.key"
-chmod 0640 "$R/etc/edge-ingest/tls/server.key"
+install -m 0400 -o "${UID_OF[edge-uploader]}" -g 0 "$SCRATCH/gw-0001/device.key" "$R/etc/edge-uploader/tls/"
+chown "${UID_OF[edge-ingest]}:0" "$R/etc/edge-ingest/tls/server.key"
+chmod 0400 "$R/etc/edge-ingest/tls/server.key"
 for p in "${PKGS[@]}"; do
     out=$(check_config "$p") || die "$p: check-config refused the installed config with test certificates: $out"
     ok "$p: as user $p in the scratch root: $out"
@@ -306,14 +316,36 @@ setpriv --reuid="${UID_OF[edge-uploader]}" --regid="${GID_OF[edge-uploader]}" --
     test -r "$R/etc/edge-uploader/tls/device.key" || die "edge-uploader cannot read its device key"
 setpriv --reuid="${UID_OF[edge-ingest]}" --regid="${GID_OF[edge-ingest]}" --clear-groups \
     test -r "$R/etc/edge-ingest/tls/server.key" || die "edge-ingest cannot read its server key"
-ok "each service account can read its private key (root:<group> 0640)"
+# A producer: another account in the group edge-uploader (for the intake socket) reaches the
+# directory and the certificates but not the key. Likewise any other member of edge-ingest.
+PRODUCER_UID=64999
+for p in "${PKGS[@]}"; do
+    case $p in edge-uploader) key=$R/etc/$p/tls/device.key ;; *) key=$R/etc/$p/tls/server.key ;; esac
+    setpriv --reuid="$PRODUCER_UID" --regid="$PRODUCER_UID" --groups="${GID_OF[$p]}" \
+        test -r "$R/etc/$p/tls/ca.pem" || die "a member of the group $p cannot read /etc/$p/tls/ca.pem (test setup)"
+    ! setpriv --reuid="$PRODUCER_UID" --regid="$PRODUCER_UID" --groups="${GID_OF[$p]}" \
+        test -r "$key" || die "another member of the group $p can read ${key#"$R"}"
+done
+ok "each service account can read its private key (<name>:root 0400); other members of its group cannot"
 
 step "reinstall and purge (scratch root)"
 "${DPKG[@]}" -i "${DEB[edge-uploader]}" >"$SCRATCH/dpkg-reinstall.out" 2>&1 ||
     { cat "$SCRATCH/dpkg-reinstall.out"; die "dpkg --root reinstall failed"; }
 [ "$(grep -c '^edge-uploader:' "$R/etc/passwd")" = 1 ] || die "reinstall duplicated the account"
 [ "$(stat -c '%u' "$R/var/lib/edge-uploader")" = "${UID_OF[edge-uploader]}" ] || die "reinstall changed /var/lib/edge-uploader"
-ok "reinstall (postinst configure with the old version) keeps the account and the state"
+[ "$(stat -c '%u:%g %a' "$R/etc/edge-uploader/tls/device.key")" = "${UID_OF[edge-uploader]}:0 400" ] ||
+    die "reinstall changed device.key: $(stat -c '%u:%g %a' "$R/etc/edge-uploader/tls/device.key")"
+ok "reinstall (postinst configure with the old version) keeps the account, the state and the key"
+# A key in the layout earlier versions documented (root:edge-uploader 0640, readable by every
+# producer) is taken to edge-uploader:root 0400 by the next configure.
+chown "0:${GID_OF[edge-uploader]}" "$R/etc/edge-uploader/tls/device.key"
+chmod 0640 "$R/etc/edge-uploader/tls/device.key"
+"${DPKG[@]}" -i "${DEB[edge-uploader]}" >"$SCRATCH/dpkg-reinstall.out" 2>&1 ||
+    { cat "$SCRATCH/dpkg-reinstall.out"; die "dpkg --root reinstall failed"; }
+[ "$(stat -c '%u:%g %a' "$R/etc/edge-uploader/tls/device.key")" = "${UID_OF[edge-uploader]}:0 400" ] ||
+    die "reinstall left a group-readable device.key at $(stat -c '%u:%g %a' "$R/etc/edge-uploader/tls/device.key")"
+out=$(check_config edge-uploader) || die "edge-uploader: check-config refused the config after the key's migration: $out"
+ok "reinstall takes a root:edge-uploader 0640 device.key to edge-uploader:root 0400"
 touch "$R/var/lib/edge-uploader/spool.db"
 "${DPKG[@]}" --purge edge-uploader >"$SCRATCH/dpkg-purge.out" 2>&1 ||
     { cat "$SCRATCH/dpkg-purge.out"; die "dpkg --root --purge failed"; }

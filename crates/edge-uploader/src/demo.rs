@@ -32,7 +32,8 @@ pub struct DemoOptions {
     pub records: Option<u64>,
     /// Stop producing after this long.
     pub duration: Option<Duration>,
-    /// Working directory (kept afterwards); a temporary one otherwise.
+    /// Working directory (kept afterwards); a temporary one otherwise. Its `pki/`, `ingest/` and
+    /// `agent/` subdirectories are removed at start; nothing else in it is touched.
     pub dir: Option<PathBuf>,
     /// Print the final summary as JSON on stdout.
     pub json: bool,
