@@ -222,6 +222,19 @@ pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
         .map_err(|e| anyhow::anyhow!("{origin}: {}", edge_telemetry::logging::error_chain(e.as_ref())))
 }
 
+/// Reads and parses the TLS files of `cfg` as `run` will, as the user this runs as: a key the
+/// service account cannot read, or a file that is not PEM, is then a configuration error (exit
+/// 78, which systemd does not restart) rather than a failure at start restarted for ever.
+/// `check-config` and `run` call it; commands that only need the paths (`status`, `spool
+/// check`) do not.
+pub fn check_tls(cfg: &Config) -> anyhow::Result<()> {
+    let origin =
+        cfg.source.as_ref().map_or_else(|| "built-in defaults and environment".into(), |p| p.display().to_string());
+    edge_transport::server_config(&cfg.tls, &cfg.tuning)
+        .map(drop)
+        .map_err(|e| anyhow::anyhow!("{origin}: [tls]: {}", edge_telemetry::logging::error_chain(&e)))
+}
+
 /// Turns a raw config into a runtime config, naming the key on every error.
 pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Config> {
     let listen: SocketAddr =

@@ -144,3 +144,17 @@ fn environment_overrides_apply_and_are_validated() {
     assert_eq!(code, 78, "{text}");
     assert!(text.contains("spool.full_policy"), "{text}");
 }
+
+/// The TLS files are read and parsed as `run` reads them: a key that is not one (or one the
+/// account cannot read) is a configuration error, exit 78, naming the file, not a failure at
+/// start that systemd would restart for ever.
+#[test]
+fn tls_files_that_do_not_load_are_a_configuration_error_naming_the_file() {
+    let f = files();
+    let key = f.dir.path().join("tls").join("device.key");
+    std::fs::write(&key, "not a private key\n").expect("spoil the key");
+    let p = write(&f, "badkey.toml", &format!("[upload]\n{}", f.tls));
+    let (code, text) = check(&p, &[]);
+    assert_eq!(code, 78, "{text}");
+    assert!(text.contains(&key.display().to_string()), "names the key file: {text}");
+}
