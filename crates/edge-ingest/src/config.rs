@@ -213,7 +213,17 @@ pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
             .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.to_string().trim_end()))?;
         builder = builder.add_source(config::File::from(path.as_path()).format(config::FileFormat::Toml));
     }
-    builder = builder.add_source(config::Environment::with_prefix(ENV_PREFIX).prefix_separator("__").separator("__"));
+    // List keys take comma-separated values from the environment; the list parser needs
+    // `try_parsing`, which also reads numbers and booleans as such (every key still accepts them).
+    builder = builder.add_source(
+        config::Environment::with_prefix(ENV_PREFIX)
+            .prefix_separator("__")
+            .separator("__")
+            .try_parsing(true)
+            .list_separator(",")
+            .with_list_parse_key("tls.crls")
+            .with_list_parse_key("sink.jetstream.servers"),
+    );
     let raw: RawConfig = builder.build().and_then(|c| c.try_deserialize()).map_err(|e| {
         anyhow::anyhow!("{}: {e}", if exists { path.display().to_string() } else { "environment".into() })
     })?;

@@ -7,7 +7,16 @@ use std::process::Command;
 const BIN: &str = env!("CARGO_BIN_EXE_edge-ingest");
 
 fn check(config: &std::path::Path) -> (i32, String) {
-    let out = Command::new(BIN).args(["check-config", "--config"]).arg(config).output().expect("run edge-ingest");
+    check_with(config, &[])
+}
+
+fn check_with(config: &std::path::Path, envs: &[(&str, &str)]) -> (i32, String) {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["check-config", "--config"]).arg(config);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run edge-ingest");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     (out.status.code().unwrap_or(-1), text)
 }
@@ -33,4 +42,40 @@ fn a_server_key_that_does_not_load_is_a_configuration_error_naming_the_file() {
     let (code, text) = check(&config);
     assert_eq!(code, 78, "{text}");
     assert!(text.contains(&tls.key.display().to_string()), "names the key file: {text}");
+}
+
+/// Every key can be set from the environment, lists too: comma-separated.
+#[test]
+fn list_keys_take_comma_separated_values_from_the_environment() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pki = edge_transport::pki::InMemoryPki::generate(&["localhost"]).expect("pki");
+    let tls = pki.write_server_files(&dir.path().join("tls")).expect("server files");
+    let config = dir.path().join("edge-ingest.toml");
+    let body = format!(
+        "[tls]\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n[store]\ndata_dir = {:?}\n",
+        tls.cert,
+        tls.key,
+        tls.client_ca,
+        dir.path().join("data")
+    );
+    std::fs::write(&config, body).expect("write config");
+    let missing = dir.path().join("no-such-crl.pem");
+    let crls = format!("{},{}", tls.client_ca.display(), missing.display());
+    let (code, text) = check_with(&config, &[("EDGE_INGEST__TLS__CRLS", &crls)]);
+    assert_eq!(code, 78, "{text}");
+    assert!(
+        text.contains("tls.crls") && text.contains(&missing.display().to_string()),
+        "the second file of the list: {text}"
+    );
+    let servers = [
+        ("EDGE_INGEST__SINK__KIND", "jetstream"),
+        ("EDGE_INGEST__SINK__JETSTREAM__SERVERS", "nats://a:4222,nats://b:4222"),
+    ];
+    let (code, text) = check_with(&config, &servers);
+    assert_eq!(code, 0, "two NATS servers: {text}");
+    let (code, text) = check_with(
+        &config,
+        &[("EDGE_INGEST__STORE__DIRECT_WRITES", "false"), ("EDGE_INGEST__SINK__JETSTREAM__STREAM", "1234")],
+    );
+    assert_eq!(code, 0, "a boolean, and a name made of digits: {text}");
 }
