@@ -140,11 +140,13 @@ impl CheckReport {
             || self.read_error.is_some()
     }
 
-    /// Records in damaged live chunks and open batches (what is lost unless salvaged).
+    /// Records in damaged live chunks and open batches (what is lost unless salvaged). The
+    /// counts are the rows' own, which may be damaged too: a negative one counts 0, and the
+    /// sum saturates.
     pub fn damaged_records(&self) -> u64 {
-        let chunks: i64 = self.damaged_chunks.iter().map(|c| c.records).sum();
-        let open: i64 = self.damaged_open_batches.iter().map(|b| b.records).sum();
-        u64::try_from(chunks.saturating_add(open)).unwrap_or(0)
+        let records =
+            self.damaged_chunks.iter().map(|c| c.records).chain(self.damaged_open_batches.iter().map(|b| b.records));
+        records.fold(0, |sum, n| sum.saturating_add(u64::try_from(n).unwrap_or(0)))
     }
 }
 
@@ -219,13 +221,8 @@ fn lost_tail(conn: &Connection, path: &Path) -> Result<Option<LostTail>, SpoolEr
     let Some(first_batch) = crate::unsynced::scan(conn, path)?.and_then(|s| s.first_lost) else {
         return Ok(None);
     };
-    let (batches, records): (i64, i64) = conn
-        .query_row("SELECT count(*), coalesce(sum(records), 0) FROM batches WHERE id >= ?1", [first_batch], |r| {
-            Ok((r.get(0)?, r.get(1)?))
-        })
-        .map_err(ctx("counting the batches of the lost tail"))?;
-    let n = |v: i64| u64::try_from(v).unwrap_or(0);
-    Ok(Some(LostTail { first_batch, batches: n(batches), records: n(records) }))
+    let (batches, records) = crate::unsynced::count_from(conn, first_batch)?;
+    Ok(Some(LostTail { first_batch, batches, records }))
 }
 
 /// `PRAGMA integrity_check(100)`: empty when "ok".

@@ -15,9 +15,9 @@ use crate::reader::SpoolReader;
 use crate::recovery;
 use crate::reserve::Reserve;
 use crate::rowcrc::{self, BatchRow, ChunkRow, SegRef};
-use crate::schema::{BATCH_LEN, META_DROPPED_CHUNKS, META_DROPPED_RECORDS, META_ROW_CRC, META_SEGMENTS_SYNCED};
+use crate::schema::{META_DROPPED_CHUNKS, META_DROPPED_RECORDS, META_ROW_CRC, META_SEGMENTS_SYNCED};
 use crate::segment::{SegmentUse, SegmentWriter};
-use crate::state::{State, StreamState, min_opt};
+use crate::state::{self, OpenBatches, State, StreamState, min_opt};
 use crate::walsync::{SegmentSyncs, Visible, WalSync};
 use crate::{
     AckReport, AppendOutcome, AppendRequest, Batch, ChunkId, ChunkMeta, CommitReport, FullPolicy, OpenReport, SealWhat,
@@ -180,7 +180,8 @@ impl Spool {
 
     /// Seals every stream whose oldest open batch is at least `linger` old at `now_ms` (or
     /// whose oldest batch lies in the future of `now_ms`: the clock went backwards, and waiting
-    /// for it to catch up could hold data for hours). Returns the number of chunks sealed.
+    /// for it to catch up could hold data for hours; or whose open batches have no time: their
+    /// rows are damaged). Returns the number of chunks sealed.
     ///
     /// # Errors
     /// On `Err` nothing was sealed.
@@ -309,16 +310,19 @@ impl Spool {
                     pending.flush(&tx, &mut st, now_ms)?;
                 }
                 let stream = stream_entry(&tx, &mut st, &batch.stream)?;
+                // Saturating, here and below: a damaged open batch row may be counted as anything
+                // up to `u64::MAX` (`state::sum_open_batches`); the stream is then sealed at once.
                 if stream.open_records > 0
-                    && stream.open_records + u64::from(batch.records) > u64::from(self.opts.chunk_max_records)
+                    && stream.open_records.saturating_add(u64::from(batch.records))
+                        > u64::from(self.opts.chunk_max_records)
                 {
                     // A chunk over the ingest's record limit could never be delivered.
                     pending.flush(&tx, &mut st, now_ms)?;
                     sealed.extend(seal_stream(&tx, &mut st, &batch.stream, now_ms, &mut chunk_rows)?);
                 }
                 let stream = stream_entry(&tx, &mut st, &batch.stream)?;
-                stream.open_records += u64::from(batch.records);
-                stream.open_bytes += len_u64(&batch.data);
+                stream.open_records = stream.open_records.saturating_add(u64::from(batch.records));
+                stream.open_bytes = stream.open_bytes.saturating_add(len_u64(&batch.data));
                 stream.oldest_open_ms = min_opt(stream.oldest_open_ms, Some(now_ms));
                 let full = stream.open_bytes >= self.opts.chunk_target_bytes;
                 pending.push(batch);
@@ -503,9 +507,12 @@ impl Spool {
     }
 
     /// The bytes of the open (not yet sealed) batches of `stream`, from memory (no I/O); 0 for
-    /// a stream the spool does not know.
+    /// a stream the spool does not know. `u64::MAX` from an open that found a damaged row
+    /// (a negative length, say) among them until they are sealed: their size is then not
+    /// known, and bytes a caller kept of what it appended since are not all of them (the
+    /// chunk is read, and its damage found, instead).
     pub fn open_bytes(&self, stream: &str) -> u64 {
-        self.state.streams.get(stream).map_or(0, |s| s.open_bytes)
+        self.state.streams.get(stream).map_or(0, |s| if s.open_damaged { u64::MAX } else { s.open_bytes })
     }
 
     /// The bytes of every stream's open batches, from memory (no I/O).
@@ -678,12 +685,15 @@ struct DeletedChunk {
 }
 
 /// The streams `what` asks to seal, given the counters: those with open batches (`All`), or
-/// those whose oldest open batch is at least `linger_ms` old at `now_ms` or lies in its future
-/// (`Due`).
+/// those whose oldest open batch is at least `linger_ms` old at `now_ms`, lies in its future
+/// or has no time (`Due`).
 fn seal_names(st: &State, what: SealWhat, linger_ms: u64, now_ms: u64) -> Vec<String> {
     let due = |s: &StreamState| match what {
         SealWhat::Nothing => false,
-        SealWhat::Due => s.oldest_open_ms.is_some_and(|t| now_ms < t || now_ms - t >= linger_ms),
+        // Open batches without a time (damaged rows: `state::sum_open_batches`) cannot wait out
+        // `linger`: due at once, as a time in the future is, rather than open until the next
+        // append to the stream.
+        SealWhat::Due => s.oldest_open_ms.map_or(s.open_batches > 0, |t| now_ms < t || now_ms - t >= linger_ms),
         SealWhat::All => s.open_batches > 0,
     };
     st.streams.iter().filter(|(_, s)| due(s)).map(|(name, _)| name.clone()).collect()
@@ -1047,22 +1057,15 @@ fn seal_stream(
     let Some(stream) = st.streams.get_mut(name) else {
         return Ok(None);
     };
-    type Open = (u64, u64, u64, Option<u64>, Option<i64>, Option<i64>);
-    let (batches, records, bytes, first_ms, first_batch, last_batch): Open = tx
-        .prepare_cached(&format!(
-            "SELECT count(*), coalesce(sum(records), 0), coalesce(sum({BATCH_LEN}), 0),
-                        min(commit_ms), min(id), max(id)
-                 FROM batches WHERE stream_id = ?1 AND id > ?2"
-        ))
-        .and_then(|mut s| {
-            s.query_row((stream.id, stream.sealed_through), |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?))
-            })
-        })
-        .map_err(ctx("summing open batches"))?;
-    let (Some(first_ms), Some(first_batch), Some(last_batch)) = (first_ms, first_batch, last_batch) else {
+    // Counted as at open, so that the counters kept since then match (checked below).
+    let open = state::sum_open_batches(tx, stream.id, stream.sealed_through)?;
+    let (Some(first_batch), Some(last_batch)) = (open.first_batch, open.last_batch) else {
         return Ok(None);
     };
+    let OpenBatches { batches, records, bytes, .. } = open;
+    // No open batch with a time it can hold (damaged rows, quarantined when the chunk is
+    // read): the chunk's time is the seal's, the latest its batches can be from.
+    let first_ms = open.oldest_ms.unwrap_or(now_ms);
     let seq = stream.next_seq;
     let row = ChunkRow {
         id: chunk_id,
@@ -1107,7 +1110,10 @@ fn seal_stream(
     stream.next_seq = seq + 1;
     stream.sealed_through = last_batch;
     stream.sealed_chunks += 1;
-    stream.sealed_bytes += bytes;
+    // As the row holds it (a sum of damaged lengths past i64 is clamped there): ack, eviction
+    // and quarantine take the chunk out of the counters by the row's value.
+    let stored_bytes = counted(row.bytes);
+    stream.sealed_bytes = stream.sealed_bytes.saturating_add(stored_bytes);
     stream.oldest_sealed_ms = min_opt(stream.oldest_sealed_ms, Some(first_ms));
     // Every open batch of the stream now belongs to the chunk.
     debug_assert_eq!(
@@ -1119,13 +1125,14 @@ fn seal_stream(
     stream.open_records = 0;
     stream.open_bytes = 0;
     stream.oldest_open_ms = None;
+    stream.open_damaged = false;
     st.next_chunk_id = chunk_id.saturating_add(1);
     Ok(Some(ChunkMeta {
         id: ChunkId(chunk_id),
         stream: name.to_owned(),
         seq,
         records: u32::try_from(records).unwrap_or(u32::MAX),
-        bytes,
+        bytes: stored_bytes,
         first_ms,
         sealed_ms: now_ms,
     }))
@@ -1891,6 +1898,60 @@ mod tests {
         let chunks = all_sealed(&spool);
         assert_eq!((chunks.len(), chunks[0].records), (1, 3));
         assert!(matches!(read(&spool, &chunks[0]), Err(SpoolError::Corrupt { .. })), "reading finds the lost bytes");
+    }
+
+    #[test]
+    fn a_lost_tail_rewinds_a_stream_only_by_chunk_rows_that_pass_their_checksum() {
+        // Chunk seq 1 sent and acked (the server holds seq 1), then chunk seq 2 sealed over a
+        // batch whose bytes a power cut lost. Open drops both and takes the stream's next
+        // sequence number back to the dropped chunk's, from its row: a damaged row said -1
+        // (which broke the CHECK on `next_seq`, and so every open) or 1 (the server holds 1:
+        // new data would be answered Duplicate and deleted).
+        let cases = [
+            ("", 2),
+            ("UPDATE chunks SET seq = -1", 3),
+            ("UPDATE chunks SET seq = 1", 3),
+            ("UPDATE chunks SET sealed_ms = sealed_ms + 1", 3),
+        ];
+        for (damage, next) in cases {
+            let (dir, opts) = setup();
+            let (mut spool, _) = open(&opts);
+            let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
+            spool.append(&[req(vec![batch("a", b"a1")])], 1).expect("append");
+            spool.seal_all(2).expect("seal");
+            sync.sync(None).expect("sync");
+            let synced =
+                std::fs::metadata(crate::segment::path(&opts.path, segment_files(&opts)[0])).expect("len").len();
+            let sent = spool.newest_chunk().expect("chunk seq 1");
+            assert_eq!(spool.ack(&[sent]).expect("ack").acked, 1);
+            spool.append(&[req(vec![batch("a", b"a2")])], 3).expect("append");
+            spool.seal_all(4).expect("seal");
+            drop((spool, sync));
+            lose_unsynced_bytes(&crate::segment::path(&opts.path, segment_files(&opts)[0]), synced);
+            if !damage.is_empty() {
+                let conn = rusqlite::Connection::open(&opts.path).expect("db");
+                assert_eq!(conn.execute(damage, []).expect("damage"), 1, "{damage}");
+            }
+            let (mut spool, report) = Spool::open(opts.clone()).unwrap_or_else(|e| panic!("{damage}: open: {e:?}"));
+            assert!(report.quarantined.is_none(), "{damage}: {report:?}");
+            assert!(
+                std::fs::read_dir(dir.path()).expect("dir").all(|e| !e
+                    .expect("entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .contains(".corrupt-"))
+            );
+            assert_eq!((report.unsynced_records_dropped, report.sealed_chunks), (1, 0), "{damage}");
+            assert_eq!(spool.stats().streams[0].next_seq, next, "{damage}");
+            spool.append(&[req(vec![batch("a", b"a3")])], 5).expect("append");
+            spool.seal_all(6).expect("seal");
+            let chunks = all_sealed(&spool);
+            assert_eq!(chunks.iter().map(|c| c.seq).collect::<Vec<_>>(), [next], "{damage}");
+            assert_eq!(read(&spool, &chunks[0]).expect("read"), b"a3", "{damage}");
+            drop(spool);
+            let (_spool, report) = Spool::open(opts.clone()).unwrap_or_else(|e| panic!("{damage}: reopen: {e:?}"));
+            assert!(report.quarantined.is_none(), "{damage}: {report:?}");
+        }
     }
 
     #[test]

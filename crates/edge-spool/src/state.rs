@@ -7,6 +7,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use rusqlite::Connection;
+use rusqlite::types::Value;
 
 use crate::error::ctx;
 use crate::rowcrc::{self, MetaValues};
@@ -28,6 +29,9 @@ pub(crate) struct StreamState {
     pub open_bytes: u64,
     /// Smallest `commit_ms` among open batches.
     pub oldest_open_ms: Option<u64>,
+    /// An open batch row holds a damaged count, length or time ([`sum_open_batches`]): what the
+    /// open batches hold is not known. Found at open, cleared by the seal.
+    pub open_damaged: bool,
     /// Sealed, not quarantined chunks.
     pub sealed_chunks: u64,
     pub sealed_bytes: u64,
@@ -103,18 +107,20 @@ impl State {
             st.next_stream_id = st.names.keys().max().map_or(1, |m| m.saturating_add(1));
         }
         {
-            // Open batches, stream by stream, over the (stream_id, id) index.
-            let mut stmt = conn
-                .prepare(&format!(
-                    "SELECT count(*), coalesce(sum(records), 0), coalesce(sum({BATCH_LEN}), 0), min(commit_ms)
-                         FROM batches WHERE stream_id = ?1 AND id > ?2"
-                ))
-                .map_err(ctx("loading open batch counters"))?;
+            // Open batches, stream by stream, over the (stream_id, id) index, counted as every
+            // seal counts them (`sum_open_batches`).
             for s in st.streams.values_mut() {
-                let (batches, records, bytes, oldest) = stmt
-                    .query_row((s.id, s.sealed_through), |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
-                    .map_err(ctx("loading open batch counters"))?;
-                (s.open_batches, s.open_records, s.open_bytes, s.oldest_open_ms) = (batches, records, bytes, oldest);
+                let open = sum_open_batches(conn, s.id, s.sealed_through)?;
+                (s.open_batches, s.open_records, s.open_bytes, s.oldest_open_ms, s.open_damaged) =
+                    (open.batches, open.records, open.bytes, open.oldest_ms, open.damaged > 0);
+                if s.open_damaged {
+                    tracing::warn!(
+                        stream_id = s.id,
+                        batches = open.damaged,
+                        "open batch rows hold a record count, length or time that is negative or not an integer \
+                         (damaged); counted as 0 (a time as none), their chunk quarantined when read"
+                    );
+                }
             }
             // A batch row of no stream is a damaged row (a changed `stream_id`): no chunk range
             // and no open set reaches it, so it can never be sent. It is left in place for
@@ -197,15 +203,20 @@ impl State {
                 .map_err(ctx("loading payload segment use"))?;
             let rows = stmt
                 .query_map([], |r| {
-                    Ok((r.get::<_, i64>(0)?, r.get::<_, u64>(1)?, r.get::<_, i64>(2)?, r.get(3)?, r.get(4)?))
+                    Ok((r.get::<_, i64>(0)?, r.get::<_, u64>(1)?, r.get::<_, Value>(2)?, r.get(3)?, r.get(4)?))
                 })
                 .map_err(ctx("loading payload segment use"))?;
             for row in rows {
                 // A damaged row is found by its checksum when its chunk is read; here it only
-                // must not stop the spool from opening.
+                // must not stop the spool from opening. SQLite gives a sum past i64 (a damaged
+                // length) as a float: saturated, as a negative end is 0.
                 let (id, rows, end, first_batch, last_batch) = row.map_err(ctx("loading payload segment use"))?;
-                st.segments
-                    .insert(id, SegmentUse { rows, end: u64::try_from(end).unwrap_or(0), first_batch, last_batch });
+                let end = match end {
+                    Value::Integer(end) => u64::try_from(end).unwrap_or(0),
+                    Value::Real(end) => end as u64,
+                    _ => 0,
+                };
+                st.segments.insert(id, SegmentUse { rows, end, first_batch, last_batch });
             }
         }
         let meta = schema::read_verified_meta(conn)?;
@@ -220,13 +231,14 @@ impl State {
         self.streams.get_mut(name).ok_or_else(missing)
     }
 
-    /// Stored payload bytes (open + sealed, quarantine excluded).
+    /// Stored payload bytes (open + sealed, quarantine excluded). The sums here saturate: a
+    /// damaged row's size may be counted as anything up to `u64::MAX` (see [`sum_open_batches`]).
     pub(crate) fn total_bytes(&self) -> u64 {
-        self.streams.values().map(|s| s.open_bytes + s.sealed_bytes).sum()
+        self.streams.values().fold(0, |n, s| n.saturating_add(s.open_bytes).saturating_add(s.sealed_bytes))
     }
 
     pub(crate) fn open_bytes(&self) -> u64 {
-        self.streams.values().map(|s| s.open_bytes).sum()
+        self.streams.values().fold(0, |n, s| n.saturating_add(s.open_bytes))
     }
 
     pub(crate) fn open_batches(&self) -> u64 {
@@ -246,21 +258,80 @@ impl State {
         };
         for (name, s) in &self.streams {
             out.sealed_chunks += s.sealed_chunks;
-            out.sealed_bytes += s.sealed_bytes;
-            out.open_bytes += s.open_bytes;
-            out.open_records += s.open_records;
+            out.sealed_bytes = out.sealed_bytes.saturating_add(s.sealed_bytes);
+            out.open_bytes = out.open_bytes.saturating_add(s.open_bytes);
+            out.open_records = out.open_records.saturating_add(s.open_records);
             out.oldest_ms = min_opt(out.oldest_ms, s.oldest_ms());
             out.streams.push(StreamStats {
                 name: name.clone(),
                 next_seq: s.next_seq,
                 sealed_chunks: s.sealed_chunks,
-                bytes: s.open_bytes + s.sealed_bytes,
+                bytes: s.open_bytes.saturating_add(s.sealed_bytes),
                 oldest_ms: s.oldest_ms(),
             });
         }
-        out.total_bytes = out.sealed_bytes + out.open_bytes;
+        out.total_bytes = out.sealed_bytes.saturating_add(out.open_bytes);
         out
     }
+}
+
+/// A stream's open batches (its batch rows above its `sealed_through`) as the counters take
+/// them. See [`sum_open_batches`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct OpenBatches {
+    pub batches: u64,
+    pub records: u64,
+    pub bytes: u64,
+    /// Smallest commit time; `None` when no open batch has one (none open, or damaged times).
+    pub oldest_ms: Option<u64>,
+    pub first_batch: Option<i64>,
+    pub last_batch: Option<i64>,
+    /// Rows with a record count, length or time that is negative or not an integer.
+    pub damaged: u64,
+}
+
+/// Sums the open batch rows of stream `stream_id`, at open (`State::load`) and in every seal
+/// (`seal_stream`), which checks the counters kept since the open against these sums: both
+/// must count alike. The rows are not checked against their checksums here but when their
+/// chunk is read, which quarantines it: a damaged value (one flipped top bit makes it
+/// negative) must not fail the open, which would move the whole file aside, nor the seal,
+/// which would fail every commit. So, as for chunk rows (`counted` in `spool.rs`), a negative
+/// (or not integer) record count or length counts 0, a negative time is no time, and `total`
+/// (a float, exact below 2^53, saturating as it becomes a `u64`) cannot overflow as `sum`
+/// does on damaged values.
+pub(crate) fn sum_open_batches(
+    conn: &Connection,
+    stream_id: i64,
+    sealed_through: i64,
+) -> Result<OpenBatches, SpoolError> {
+    let ok = |col: &str| format!("typeof({col}) = 'integer' AND {col} >= 0");
+    let (records, len, time) = (ok("records"), ok(&format!("({BATCH_LEN})")), ok("commit_ms"));
+    let sql = format!(
+        "SELECT count(*), total(CASE WHEN {records} THEN records END), total(CASE WHEN {len} THEN {BATCH_LEN} END),
+                min(CASE WHEN {time} THEN commit_ms END), min(id), max(id),
+                count(CASE WHEN NOT ({records} AND {len} AND {time}) THEN 1 END)
+         FROM batches WHERE stream_id = ?1 AND id > ?2"
+    );
+    let row: (i64, f64, f64, Option<i64>, Option<i64>, Option<i64>, i64) = conn
+        .prepare_cached(&sql)
+        .and_then(|mut s| {
+            s.query_row((stream_id, sealed_through), |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?, r.get(6)?))
+            })
+        })
+        .map_err(ctx("summing open batches"))?;
+    let (batches, records, bytes, oldest, first_batch, last_batch, damaged) = row;
+    let count = |n: i64| u64::try_from(n).unwrap_or(0);
+    Ok(OpenBatches {
+        batches: count(batches),
+        // Saturating (a float past u64::MAX gives u64::MAX, a NaN 0).
+        records: records as u64,
+        bytes: bytes as u64,
+        oldest_ms: oldest.and_then(|ms| u64::try_from(ms).ok()),
+        first_batch,
+        last_batch,
+        damaged: count(damaged),
+    })
 }
 
 /// The smaller of two optional values; `None` only if both are.

@@ -47,7 +47,7 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 
 use crate::SpoolError;
 use crate::error::ctx;
-use crate::rowcrc::{self, BatchRow, SegRef};
+use crate::rowcrc::{self, BatchRow, ChunkRow, SegRef};
 use crate::schema::{META_KEYS, META_SEGMENTS_SYNCED};
 use crate::segment;
 
@@ -288,33 +288,92 @@ fn crc_of(f: &File, seg: SegRef, buf: &mut Vec<u8>) -> io::Result<Option<u32>> {
 
 /// Deletes batch `b` and every later batch, and the chunks sealed over any of them; moves each
 /// such stream's `next_seq` and `sealed_through` back to before its first deleted chunk.
+///
+/// The deleted chunks of a stream are its newest ones (sealed after the lost batch was
+/// committed, or over it): none was listed or sent, so the server holds no sequence number from
+/// the first of them on, and the stream takes it again (no gap). Only rows that pass their
+/// checksum say where that is. A damaged row's `seq` may be anything: a negative one fails the
+/// open (the CHECK on `next_seq`; without it, written under a good checksum, every later open),
+/// and a smaller one reuses sequence numbers the server holds (new data answered `Duplicate`
+/// and deleted). So a row that
+/// fails is deleted with the others but not used: if it was the stream's first deleted chunk,
+/// the stream goes back only to its first intact one, or not at all (`next_seq` stays past
+/// every number the stream sealed), and skips the numbers in between. Those were never sent:
+/// the gap is one more range in the server's dedup index, as a quarantined chunk leaves one,
+/// while a reused number loses data. The batches of such a chunk below `b` stay in no chunk and
+/// are never sent; its damaged row would have had them quarantined anyway. Nothing goes forward
+/// (`next_seq`, `sealed_through`), and a stream row that fails its own checksum is left as it
+/// is, for `State::load` to refuse, not rewritten under a good one.
 fn drop_from(tx: &rusqlite::Transaction<'_>, b: i64) -> Result<Dropped, SpoolError> {
-    let (batches, records): (i64, i64) = tx
-        .query_row("SELECT count(*), coalesce(sum(records), 0) FROM batches WHERE id >= ?1", [b], |r| {
-            Ok((r.get(0)?, r.get(1)?))
-        })
-        .map_err(ctx("counting the lost batches"))?;
-    // Per stream: the first deleted chunk's sequence number and first batch.
-    let rewind: Vec<(i64, String, i64, i64, i64)> = tx
-        .prepare(
-            "SELECT c.stream_id, s.name, min(c.seq), min(c.first_batch), count(*)
-             FROM chunks c JOIN streams s ON s.id = c.stream_id
-             WHERE c.last_batch >= ?1 GROUP BY c.stream_id",
-        )
-        .and_then(|mut s| s.query_map([b], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))?.collect())
-        .map_err(ctx("listing the chunks sealed over lost batches"))?;
-    let mut chunks = 0;
-    for (stream_id, name, seq, first_batch, n) in rewind {
-        let sealed_through = first_batch.saturating_sub(1);
+    let (batches, records) = count_from(tx, b)?;
+    // Per stream: the first deleted chunk's sequence number and first batch, from intact rows.
+    let mut first: BTreeMap<i64, (i64, i64)> = BTreeMap::new();
+    let mut damaged = 0_u64;
+    {
+        let mut stmt = tx
+            .prepare(
+                "SELECT id, stream_id, seq, records, bytes, first_ms, sealed_ms, first_batch, last_batch, row_crc
+                 FROM chunks WHERE last_batch >= ?1",
+            )
+            .map_err(ctx("listing the chunks sealed over lost batches"))?;
+        let mut rows = stmt.query([b]).map_err(ctx("listing the chunks sealed over lost batches"))?;
+        while let Some(r) = rows.next().map_err(ctx("listing the chunks sealed over lost batches"))? {
+            // Values of the wrong type are damage too.
+            let intact = ChunkRow::from_row(r, 0)
+                .ok()
+                .filter(|c| r.get::<_, Option<i64>>(9).ok().flatten() == Some(c.crc()) && c.seq >= 1);
+            let Some(c) = intact else {
+                damaged += 1;
+                continue;
+            };
+            let at = first.entry(c.stream_id).or_insert((c.seq, c.first_batch));
+            *at = (at.0.min(c.seq), at.1.min(c.first_batch));
+        }
+    }
+    for (stream_id, (seq, first_batch)) in first {
+        let row: Option<(String, i64, i64, Option<i64>)> = tx
+            .query_row("SELECT name, next_seq, sealed_through, row_crc FROM streams WHERE id = ?1", [stream_id], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+            })
+            .optional()
+            .map_err(ctx("reading a stream to rewind"))?;
+        let Some((name, next_seq, sealed_through, stored)) = row else { continue };
+        if stored != Some(rowcrc::stream(stream_id, &name, next_seq, sealed_through)) {
+            continue;
+        }
+        let (seq, sealed_through) = (seq.min(next_seq), first_batch.saturating_sub(1).min(sealed_through));
         tx.execute(
             "UPDATE streams SET next_seq = ?1, sealed_through = ?2, row_crc = ?3 WHERE id = ?4",
             (seq, sealed_through, rowcrc::stream(stream_id, &name, seq, sealed_through), stream_id),
         )
         .map_err(ctx("rewinding a stream past its lost chunks"))?;
-        chunks += n;
     }
-    tx.execute("DELETE FROM chunks WHERE last_batch >= ?1", [b]).map_err(ctx("deleting chunks over lost batches"))?;
+    let chunks = tx
+        .execute("DELETE FROM chunks WHERE last_batch >= ?1", [b])
+        .map_err(ctx("deleting chunks over lost batches"))?;
     tx.execute("DELETE FROM batches WHERE id >= ?1", [b]).map_err(ctx("deleting lost batches"))?;
-    let n = |v: i64| u64::try_from(v).unwrap_or(0);
-    Ok(Dropped { batches: n(batches), records: n(records), chunks: n(chunks) })
+    if damaged > 0 {
+        tracing::warn!(
+            chunks = damaged,
+            "chunk rows sealed over lost batches fail their checksums (damaged); deleted without rewinding their \
+             streams to them: their sequence numbers, never sent, are skipped"
+        );
+    }
+    Ok(Dropped { batches, records, chunks: u64::try_from(chunks).unwrap_or(u64::MAX) })
+}
+
+/// The batch rows from `b` on and the records in them, as open drops them and `spool check`
+/// reports them. A damaged count (negative, or not an integer) counts 0: `sum` would fail past
+/// i64 (failing the open), and a negative count would take from the others; `total` (a float,
+/// saturating as it becomes a `u64`) does neither.
+pub(crate) fn count_from(conn: &Connection, b: i64) -> Result<(u64, u64), SpoolError> {
+    let (batches, records): (i64, f64) = conn
+        .query_row(
+            "SELECT count(*), total(CASE WHEN typeof(records) = 'integer' AND records > 0 THEN records END)
+             FROM batches WHERE id >= ?1",
+            [b],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .map_err(ctx("counting the lost batches"))?;
+    Ok((u64::try_from(batches).unwrap_or(0), records as u64))
 }

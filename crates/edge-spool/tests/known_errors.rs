@@ -591,3 +591,125 @@ fn a_read_error_in_the_check_of_unsynced_batches_is_damage_not_a_lost_write() {
     assert!(matches!(reader.read(&chunks[0]), Err(SpoolError::Corrupt { .. })));
     assert_eq!(reader.read(&chunks[1]).expect("the later batch is kept"), noise(3, 16 << 10));
 }
+
+/// One flipped top bit in the row of an open (not yet sealed) batch, the only one in the file:
+/// a negative record count, time or length, or a count whose sum with the next batch's is past
+/// what SQLite's `sum` holds.
+const OPEN_BATCH_OUT_OF_RANGE: [&str; 4] = [
+    "UPDATE batches SET records = -1",
+    "UPDATE batches SET commit_ms = -1",
+    "UPDATE batches SET seg_len = -1",
+    "UPDATE batches SET records = 9223372036854775807",
+];
+
+/// A spool with one open batch of 1 KiB in stream "s" (appended at time 1), closed.
+fn spool_with_an_open_batch(opts: &SpoolOptions) {
+    let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+    append_one(&mut spool, "s", noise(1, 1024), 1);
+    assert_eq!(spool.stats().open_records, 1);
+}
+
+#[test]
+fn an_out_of_range_value_in_an_open_batch_row_fails_neither_the_open_nor_the_commits() {
+    // The open batch sums were read as unsigned (and summed with `sum`, which fails past
+    // i64): one damaged open batch row moved the whole file aside at open, and the same sums
+    // read by every seal would have failed every commit.
+    for sql in OPEN_BATCH_OUT_OF_RANGE {
+        let (dir, opts) = setup();
+        spool_with_an_open_batch(&opts);
+        damage(&opts, sql);
+        let (mut spool, report) = Spool::open(opts.clone()).unwrap_or_else(|e| panic!("{sql}: open: {e:?}"));
+        assert!(report.quarantined.is_none() && !report.created, "{sql}: {report:?}");
+        assert!(quarantined_files(dir.path()).is_empty(), "{sql}");
+        assert_eq!((report.open_batches, report.sealed_chunks), (1, 0), "{sql}");
+        // What the open batches hold is not known (a value that cannot be): the agent must not
+        // take the bytes it appends from now on for all of them (and send a chunk from memory
+        // without reading it). A count past the chunk limit is a count.
+        let unknown = !sql.contains("records = 9");
+        assert_eq!(spool.open_bytes("s"), if unknown { u64::MAX } else { 1024 }, "{sql}");
+        // Appends and seals go on; the chunk over the damaged batch is sealed (the seal
+        // checks the counters kept in memory against the rows) and reads as corrupt.
+        append_one(&mut spool, "s", noise(2, 1024), 2);
+        assert_eq!(spool.open_bytes("s"), if unknown { u64::MAX } else { 1024 }, "{sql}");
+        assert_eq!(spool.seal_all(3).unwrap_or_else(|e| panic!("{sql}: seal: {e:?}")), 1, "{sql}");
+        assert_eq!(spool.open_bytes("s"), 0, "{sql}");
+        append_one(&mut spool, "s", noise(3, 1024), 4);
+        assert_eq!(spool.open_bytes("s"), 1024, "{sql}");
+        assert_eq!(spool.seal_all(5).unwrap_or_else(|e| panic!("{sql}: seal: {e:?}")), 1, "{sql}");
+        let chunks = sealed(&spool);
+        // A record count past the chunk limit seals the damaged batch on its own, before the
+        // next batch joins it.
+        let (seqs, later) = if sql.contains("records = 9") {
+            (vec![1, 2, 3], vec![noise(2, 1024), noise(3, 1024)])
+        } else {
+            (vec![1, 2], vec![noise(3, 1024)])
+        };
+        assert_eq!(chunks.iter().map(|c| c.seq).collect::<Vec<_>>(), seqs, "{sql}");
+        let mut reader = spool.reader().expect("reader");
+        match reader.read(&chunks[0]) {
+            Err(SpoolError::Corrupt { chunk, .. }) => assert_eq!(chunk, chunks[0].id, "{sql}"),
+            other => panic!("{sql}: expected Corrupt, got {other:?}"),
+        }
+        for (chunk, data) in chunks[1..].iter().zip(later) {
+            assert_eq!(reader.read(chunk).expect("a later chunk reads"), data, "{sql}");
+        }
+        // What the writer counted is what the next open loads from the rows.
+        let counted = spool.stats();
+        drop((reader, spool));
+        let (mut spool, report) = Spool::open(opts.clone()).unwrap_or_else(|e| panic!("{sql}: reopen: {e:?}"));
+        assert!(report.quarantined.is_none(), "{sql}: {report:?}");
+        assert_eq!(spool.stats(), counted, "{sql}");
+        spool.quarantine(chunks[0].id, "test").unwrap_or_else(|e| panic!("{sql}: quarantine: {e:?}"));
+        let healthy = chunks[1..].iter().map(|c| c.id).collect::<Vec<_>>();
+        let acked = spool.ack(&healthy).unwrap_or_else(|e| panic!("{sql}: ack: {e:?}")).acked;
+        assert_eq!(acked as usize, healthy.len(), "{sql}");
+        let stats = spool.stats();
+        assert_eq!((stats.sealed_chunks, stats.total_bytes, stats.quarantined_chunks), (0, 0, 1), "{sql}: {stats:?}");
+    }
+}
+
+#[test]
+fn an_open_batch_whose_time_is_damaged_is_due_at_once_and_seals_on_its_own() {
+    // A negative time is no time: the batch cannot wait out `linger`, and left open it would
+    // wait for the next append to its stream; its chunk is quarantined when read.
+    let (dir, mut opts) = setup();
+    opts.linger = std::time::Duration::from_secs(3600);
+    spool_with_an_open_batch(&opts);
+    damage(&opts, "UPDATE batches SET commit_ms = -1");
+    let (mut spool, report) = Spool::open(opts.clone()).expect("open");
+    assert!(report.quarantined.is_none(), "{report:?}");
+    assert_eq!(spool.stats().oldest_ms, None);
+    assert_eq!(spool.seal_due(2).expect("seal"), 1, "due although its linger has not passed");
+    let chunks = sealed(&spool);
+    assert_eq!((chunks.len(), chunks[0].seq, chunks[0].first_ms), (1, 1, 2), "{chunks:?}");
+    assert!(matches!(spool.reader().expect("reader").read(&chunks[0]), Err(SpoolError::Corrupt { .. })));
+    assert!(quarantined_files(dir.path()).is_empty());
+}
+
+#[test]
+fn an_open_batch_length_past_every_sum_opens_and_leaves_the_counters_with_its_chunk() {
+    // `seg_offset + seg_len` past i64 is a float in SQLite: reading it as the segment's end
+    // failed the open. The length counts as it reads (as a chunk row's size does), until the
+    // chunk over it is quarantined; nothing of it may stay in the counters after that.
+    let (dir, opts) = setup();
+    spool_with_an_open_batch(&opts);
+    damage(&opts, "UPDATE batches SET seg_len = 9223372036854775807");
+    let (mut spool, report) = Spool::open(opts.clone()).unwrap_or_else(|e| panic!("open: {e:?}"));
+    assert!(report.quarantined.is_none() && report.open_batches == 1, "{report:?}");
+    assert!(quarantined_files(dir.path()).is_empty());
+    assert_eq!(spool.seal_all(2).expect("seal"), 1);
+    let damaged = sealed(&spool).remove(0);
+    assert!(matches!(spool.reader().expect("reader").read(&damaged), Err(SpoolError::Corrupt { .. })));
+    spool.quarantine(damaged.id, "test").expect("quarantine");
+    let stats = spool.stats();
+    assert_eq!((stats.sealed_chunks, stats.total_bytes), (0, 0), "{stats:?}");
+    append_one(&mut spool, "s", noise(2, 1024), 3);
+    assert_eq!(spool.seal_all(4).expect("seal"), 1);
+    let chunks = sealed(&spool);
+    assert_eq!((chunks.len(), chunks[0].seq), (1, 2), "{chunks:?}");
+    assert_eq!(spool.reader().expect("reader").read(&chunks[0]).expect("read"), noise(2, 1024));
+    let counted = spool.stats();
+    drop(spool);
+    let (spool, _) = Spool::open(opts.clone()).expect("reopen");
+    assert_eq!(spool.stats(), counted);
+}

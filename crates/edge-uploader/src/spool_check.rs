@@ -92,8 +92,7 @@ pub fn to_json(path: &Path, r: &CheckReport) -> serde_json::Value {
         })).collect::<Vec<_>>(),
         "damaged_streams": streams,
         "damaged_records": r.damaged_records(),
-        "damaged_bytes": r.damaged_chunks.iter().map(|c| c.bytes).sum::<i64>()
-            + r.damaged_open_batches.iter().map(|b| i64::try_from(b.bytes).unwrap_or(i64::MAX)).sum::<i64>(),
+        "damaged_bytes": damaged_bytes(r),
         "quarantined_damaged": r.quarantined_damaged.iter().map(chunk_json).collect::<Vec<_>>(),
         "quarantined_intact": r.quarantined_intact,
         "lost_tail": r.lost_tail.as_ref().map(|t| json!({
@@ -103,6 +102,14 @@ pub fn to_json(path: &Path, r: &CheckReport) -> serde_json::Value {
             "commits": t.commits, "records": t.records, "chunks": t.chunks,
         })),
     })
+}
+
+/// Payload bytes of the damaged live chunks and open batches. The sizes are the rows' own,
+/// which may be damaged too (a flipped top bit): a negative one counts 0, as the agent counts
+/// it, and the sum saturates (an `i64` sum of them overflowed, a panic in a debug build).
+fn damaged_bytes(r: &CheckReport) -> u64 {
+    let chunks = r.damaged_chunks.iter().map(|c| u64::try_from(c.bytes).unwrap_or(0));
+    chunks.chain(r.damaged_open_batches.iter().map(|b| b.bytes)).fold(0, u64::saturating_add)
 }
 
 /// The human-readable report.
@@ -199,6 +206,55 @@ mod tests {
         assert_eq!(doc["clean"], true);
         assert_eq!(doc["lost_tail"]["records"], 40);
         assert_eq!(doc["damaged_records"], 0);
+    }
+
+    fn damaged_chunk(id: i64, records: i64, bytes: i64) -> DamagedChunk {
+        DamagedChunk {
+            id,
+            stream: "s".into(),
+            seq: id,
+            records,
+            bytes,
+            quarantined: None,
+            bad_batches: 1,
+            salvageable_records: 0,
+            salvageable_bytes: 0,
+            detail: "chunk row fails its checksum".into(),
+        }
+    }
+
+    #[test]
+    fn damaged_sizes_past_i64_or_negative_are_summed_without_overflowing() {
+        // The sizes are the damaged rows' own: a flipped top bit makes one negative, two near
+        // i64::MAX overflowed the sum.
+        let open = |bytes| edge_spool::DamagedBatch {
+            id: 9,
+            stream: "s".into(),
+            records: i64::MAX,
+            bytes,
+            detail: "crc32c".into(),
+        };
+        let report = CheckReport {
+            damaged_chunks: vec![
+                damaged_chunk(1, i64::MAX, i64::MAX),
+                damaged_chunk(2, -1, -5),
+                damaged_chunk(3, 1, i64::MAX),
+            ],
+            damaged_open_batches: vec![open(u64::MAX)],
+            ..CheckReport::default()
+        };
+        let path = Path::new("/var/lib/edge-uploader/spool.db");
+        let doc = to_json(path, &report);
+        assert_eq!((doc["damaged_bytes"].clone(), doc["damaged_records"].clone()), (json!(u64::MAX), json!(u64::MAX)));
+        assert!(render(path, &report).contains(&format!("DAMAGE FOUND: {} records affected", u64::MAX)));
+        // A negative size takes nothing from the others.
+        let report = CheckReport {
+            damaged_chunks: vec![damaged_chunk(1, 10, 1000), damaged_chunk(2, -1, -5)],
+            damaged_open_batches: vec![edge_spool::DamagedBatch { records: 2, ..open(24) }],
+            ..CheckReport::default()
+        };
+        let doc = to_json(path, &report);
+        assert_eq!((doc["damaged_bytes"].clone(), doc["damaged_records"].clone()), (json!(1024), json!(12)));
     }
 
     #[test]
