@@ -53,10 +53,14 @@ pub fn server_endpoint(
 /// server cannot make valid resets, so every agent sits on its dead connection until its idle
 /// timeout (10 s by default) before it reconnects. With the same key across restarts, the new
 /// process resets the old connections at their next packet and the agents reconnect at once.
-/// The connection-id generator's key (quinn embeds a keyed hash in every connection id and drops
-/// packets whose id does not check) is derived the same way. Both come from a SHA-256 of a label
-/// and the secret: they reveal nothing of the secret, and a deployment that rotates the server
-/// key simply gets new ones.
+/// The connection-id generator's key (quinn embeds a hash keyed with it in every connection id
+/// and drops packets whose id does not check, before any reset is considered) must survive the
+/// restart too, so it also comes from the secret. The two keys are derived independently, each
+/// as a SHA-256 of its own label and the secret: neither is made of bytes
+/// of the other, and neither gives away the secret. The connection-id key is to be taken as
+/// public: quinn's id check is FxHash, not a keyed PRF, so the ids on the wire can give that key
+/// away; it only lets the server drop ids it never issued. The reset key is used for nothing
+/// else. A deployment that rotates the server key simply gets new keys.
 pub fn server_endpoint_with_reset_secret(
     listen: SocketAddr,
     config: quinn::ServerConfig,
@@ -64,20 +68,44 @@ pub fn server_endpoint_with_reset_secret(
     secret: &[u8],
 ) -> Result<Endpoint, TransportError> {
     let bound = bind_udp_socket(listen, tuning)?;
-    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
-    ctx.update(b"edge-ingest stateless reset key v1\0");
-    ctx.update(secret);
-    let derived = ctx.finish();
-    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, derived.as_ref());
+    let (reset_key, cid_key) = derive_keys(secret);
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &reset_key);
     let mut endpoint_config = EndpointConfig::new(Arc::new(key));
-    // quinn's connection ids carry a hash keyed per process, and a packet whose id does not
-    // check is dropped before any reset is considered: the key comes from the secret too.
-    let mut cid_key = [0u8; 8];
-    cid_key.copy_from_slice(&derived.as_ref()[..8]);
-    let cid_key = u64::from_le_bytes(cid_key);
     endpoint_config.cid_generator(move || Box::new(quinn_proto::HashedConnectionIdGenerator::from_key(cid_key)));
     Endpoint::new(endpoint_config, Some(config), bound.socket, Arc::new(TokioRuntime))
         .map_err(|source| TransportError::Socket { op: "register with the runtime", addr: listen, source })
+}
+
+/// Label of the stateless-reset key (HMAC-SHA256 key of the reset tokens).
+const RESET_KEY_LABEL: &[u8] = b"edge-ingest stateless reset key v1\0";
+
+/// Label of the connection-id generator's key.
+const CID_KEY_LABEL: &[u8] = b"edge-ingest connection id key v1\0";
+
+/// The stateless-reset key and the connection-id generator's key of
+/// [`server_endpoint_with_reset_secret`], both derived from `secret` alone, so a restarted server
+/// with the same secret gets the same pair.
+///
+/// Each is a SHA-256 of its own label and the secret, so the connection-id key, which the ids on
+/// the wire may reveal, says nothing of the reset key. The reset key is derived as in earlier
+/// releases. The connection-id key is not: it used to be the first 8 bytes of the reset key. So
+/// a process of this version cannot reset the connections of an earlier-version process it
+/// replaces (their ids no longer check, so their packets are dropped unanswered): across that
+/// one upgrade the agents reconnect at their idle timeout instead of at once.
+fn derive_keys(secret: &[u8]) -> ([u8; 32], u64) {
+    let digest = |label: &[u8]| {
+        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+        ctx.update(label);
+        ctx.update(secret);
+        let mut out = [0u8; 32];
+        out.copy_from_slice(ctx.finish().as_ref());
+        out
+    };
+    let reset_key = digest(RESET_KEY_LABEL);
+    let cid_digest = digest(CID_KEY_LABEL);
+    let mut cid_key = [0u8; 8];
+    cid_key.copy_from_slice(&cid_digest[..8]);
+    (reset_key, u64::from_le_bytes(cid_key))
 }
 
 /// Creates the agent's endpoint bound to `bind` (usually `0.0.0.0:0` or `[::]:0`).
@@ -149,6 +177,34 @@ fn effective(reported: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    #[test]
+    fn derived_keys_are_deterministic_and_the_cid_key_is_not_bytes_of_the_reset_key() {
+        let (reset, cid) = derive_keys(b"test secret");
+        assert_eq!(derive_keys(b"test secret"), (reset, cid), "same secret, same keys (a restart)");
+        let (other_reset, other_cid) = derive_keys(b"another secret");
+        assert_ne!(other_reset, reset, "the reset key depends on the secret");
+        assert_ne!(other_cid, cid, "the cid key depends on the secret");
+        // The cid key may leak through the ids on the wire: none of its 8 bytes, in either
+        // order, may be a window of the reset key.
+        for cid_bytes in [cid.to_le_bytes(), cid.to_be_bytes()] {
+            assert!(
+                !reset.windows(cid_bytes.len()).any(|w| w == cid_bytes),
+                "cid key {} is a slice of the reset key {}",
+                hex(&cid_bytes),
+                hex(&reset)
+            );
+        }
+        // Known answers (`printf '<label>\0test secret' | sha256sum`): the reset key must stay
+        // what earlier releases derived, and neither key may change silently, or a restart onto
+        // a new release could not reset its predecessor's connections.
+        assert_eq!(hex(&reset), "a966163cc70258e53e94d928deacab01473b1163a8f157ee0d28c24aa4c14ba6");
+        assert_eq!(hex(&cid.to_le_bytes()), "9e1a9246c7674254");
+    }
 
     #[test]
     fn socket_is_bound_to_an_ephemeral_port_with_buffers() {

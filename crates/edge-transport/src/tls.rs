@@ -323,8 +323,8 @@ pub enum RevocationError {
         /// The parser's complaint.
         detail: String,
     },
-    /// No client CA has the CRL's issuer as its subject, or the CRL's signature does not verify
-    /// with that CA's key: it is not ours, or it was tampered with.
+    /// No client CA has the CRL's issuer as its subject, or the CRL's signature verifies with the
+    /// key of none of the client CAs so named: it is not ours, or it was tampered with.
     #[error("certificate revocation list #{index} in {origin} is not signed by a client CA: {detail}")]
     NotIssuedByClientCa {
         /// Where the CRL came from.
@@ -402,12 +402,31 @@ impl RevocationList {
                 })?;
                 let not_ours =
                     |detail: String| RevocationError::NotIssuedByClientCa { origin: pem.origin.clone(), index, detail };
-                let issuer = cas
-                    .iter()
-                    .find(|ca| ca.subject().as_raw() == crl.issuer().as_raw())
-                    .ok_or_else(|| not_ours(format!("no client CA is named {:?}", crl.issuer().to_string())))?;
-                crl.verify_signature(issuer.public_key())
-                    .map_err(|e| not_ours(format!("its signature does not verify with the CA's key: {e}")))?;
+                // Several client CAs may share the CRL's issuer name (an outside CA rolled over
+                // under the same name): the CRL is theirs if the key of any of them verifies it.
+                let mut failures = Vec::new();
+                let mut verified = false;
+                for ca in cas.iter().filter(|ca| ca.subject().as_raw() == crl.issuer().as_raw()) {
+                    match crl.verify_signature(ca.public_key()) {
+                        Ok(()) => {
+                            verified = true;
+                            break;
+                        }
+                        Err(e) => failures.push(e.to_string()),
+                    }
+                }
+                if !verified {
+                    return Err(not_ours(match failures.as_slice() {
+                        [] => format!("no client CA is named {:?}", crl.issuer().to_string()),
+                        [e] => format!("its signature does not verify with the CA's key: {e}"),
+                        many => format!(
+                            "its signature verifies with the key of none of the {} client CAs named {:?}: {}",
+                            many.len(),
+                            crl.issuer().to_string(),
+                            many.join("; ")
+                        ),
+                    }));
+                }
                 if let Some(next) = crl.next_update()
                     && next <= now
                 {
@@ -598,6 +617,83 @@ mod tests {
         assert!(matches!(err, RevocationError::Transport(_)), "{err}");
         let err = RevocationList::from_pem(&pki.ca_pem, &[""]).expect_err("empty file");
         assert!(matches!(err, RevocationError::Transport(TransportError::NoCrl { .. })), "{err}");
+    }
+
+    /// A CA made with rcgen directly (the PKI module gives every CA a name of its own): all
+    /// of them are named alike, as an outside CA rolled over under the same name.
+    fn same_name_ca() -> (String, rcgen::Issuer<'static, rcgen::KeyPair>) {
+        let key = rcgen::KeyPair::generate().expect("CA key");
+        let mut params = rcgen::CertificateParams::default();
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        params.distinguished_name.push(rcgen::DnType::OrganizationName, "Outside Org");
+        params.distinguished_name.push(rcgen::DnType::CommonName, "Outside Device CA");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Constrained(0));
+        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
+        let cert = params.self_signed(&key).expect("CA certificate");
+        (cert.pem(), rcgen::Issuer::new(params, key))
+    }
+
+    fn device_of(ca: &rcgen::Issuer<'static, rcgen::KeyPair>, device: &str, serial: &[u8]) -> String {
+        let key = rcgen::KeyPair::generate().expect("device key");
+        let mut params = rcgen::CertificateParams::default();
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        params.distinguished_name.push(rcgen::DnType::CommonName, device);
+        params.serial_number = Some(rcgen::SerialNumber::from_slice(serial));
+        params.signed_by(&key, ca).expect("device certificate").pem()
+    }
+
+    fn crl_of(ca: &rcgen::Issuer<'static, rcgen::KeyPair>, revoked_serials: &[&[u8]]) -> String {
+        let params = rcgen::CertificateRevocationListParams {
+            this_update: rcgen::date_time_ymd(2020, 1, 1),
+            next_update: rcgen::date_time_ymd(2100, 1, 1),
+            crl_number: rcgen::SerialNumber::from_slice(&[1]),
+            issuing_distribution_point: None,
+            revoked_certs: revoked_serials
+                .iter()
+                .map(|serial| rcgen::RevokedCertParams {
+                    serial_number: rcgen::SerialNumber::from_slice(serial),
+                    revocation_time: rcgen::date_time_ymd(2020, 1, 1),
+                    reason_code: None,
+                    invalidity_date: None,
+                })
+                .collect(),
+            key_identifier_method: rcgen::KeyIdMethod::Sha256,
+        };
+        params.signed_by(ca).expect("CRL").pem().expect("CRL PEM")
+    }
+
+    #[test]
+    fn revocation_list_accepts_a_crl_of_any_client_ca_sharing_its_issuer_name() {
+        let (first_pem, first) = same_name_ca();
+        let (second_pem, second) = same_name_ca();
+        let (_, stranger) = same_name_ca();
+        let client_ca = format!("{first_pem}{second_pem}");
+        let revoked = device_of(&second, "dev-revoked", &[0x11, 0x22, 0x33]);
+        let kept = device_of(&second, "dev-kept", &[0x44, 0x55, 0x66]);
+
+        // Signed by the second CA of that name: the first one's key does not verify it.
+        let crl = crl_of(&second, &[&[0x11, 0x22, 0x33]]);
+        let list = RevocationList::from_pem(&client_ca, &[&crl]).expect("CRL of the second same-name CA");
+        assert_eq!((list.len(), list.crl_count()), (1, 1));
+        assert_eq!(list.revoked_serial(&der(&revoked)).as_deref(), Some("112233"));
+        assert_eq!(list.revoked_serial(&der(&kept)), None);
+
+        // Either order of the CA file, and a CRL from each CA at once.
+        let reversed = format!("{second_pem}{first_pem}");
+        let both = RevocationList::from_pem(&reversed, &[&crl, &crl_of(&first, &[])]).expect("CRLs of both CAs");
+        assert_eq!((both.len(), both.crl_count()), (1, 2));
+
+        // Signed by a third CA of the same name that is not a client CA: still refused.
+        let foreign = crl_of(&stranger, &[&[0x11, 0x22, 0x33]]);
+        let err = RevocationList::from_pem(&client_ca, &[&foreign]).expect_err("CRL of neither CA");
+        match &err {
+            RevocationError::NotIssuedByClientCa { index: 0, detail, .. } => {
+                assert!(detail.contains("none of the 2 client CAs"), "{err}");
+            }
+            other => panic!("expected NotIssuedByClientCa, got {other}"),
+        }
+        let err = RevocationList::from_pem(&first_pem, &[&crl]).expect_err("CRL of a CA not in the file");
+        assert!(matches!(err, RevocationError::NotIssuedByClientCa { index: 0, .. }), "{err}");
     }
 
     #[test]
