@@ -1,7 +1,8 @@
 //! The operator's commands against real daemons: `edge-uploader status` (text, `--json`, exit
-//! codes 0 healthy / 1 degraded / 3 not running, and degraded when the agent accepts but cannot
-//! answer on its socket, with its state from the metrics listener) and `edge-uploader push`;
-//! and the cipher suite order the agent logs when it starts.
+//! codes 0 healthy / 1 degraded / 3 not running / 4 unknown, degraded when the agent accepts but
+//! cannot answer on its socket, with its state from the metrics listener, and never "not
+//! running" for a user the socket is closed to) and `edge-uploader push`; and the cipher suite
+//! order the agent logs when it starts.
 
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -157,5 +158,89 @@ fn status_of_an_agent_with_every_connection_slot_taken_is_degraded_not_not_runni
     assert_eq!(doc["version"], 1, "{doc}");
     assert!(doc["degraded_reasons"][0].as_str().is_some_and(|r| r.contains("not connected")), "{doc}");
     assert!(agent.terminate(Duration::from_secs(30))?.success());
+    Ok(())
+}
+
+/// `edge-uploader status args...` as an operator who may not open the agent's socket, with a
+/// copy of the agent's config that operator can read in `config_dir`. As root (which no
+/// permission stops), the command runs as nobody (65534), who cannot enter the world's 0700
+/// directory; otherwise the socket's mode is 000 for the run.
+fn uploader_without_socket_access(
+    world: &World,
+    config_dir: &std::path::Path,
+    args: &[&str],
+) -> anyhow::Result<Output> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    use std::os::unix::process::CommandExt;
+    let cfg = config_dir.join("edge-uploader.toml");
+    std::fs::copy(&world.agent_config, &cfg)?;
+    std::fs::set_permissions(config_dir, std::fs::Permissions::from_mode(0o755))?;
+    std::fs::set_permissions(&cfg, std::fs::Permissions::from_mode(0o644))?;
+    let cfg = cfg.to_string_lossy().into_owned();
+    let mut all = args.to_vec();
+    all.extend(["--config", &cfg]);
+    let mut cmd = Command::new(bin("edge-uploader")?);
+    cmd.args(&all).env("NO_COLOR", "1");
+    let socket = world.intake_socket();
+    let root = std::fs::metadata(world.path())?.uid() == 0;
+    let mode = std::fs::metadata(&socket)?.permissions();
+    if root {
+        cmd.uid(65534).gid(65534);
+    } else {
+        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o000))?;
+    }
+    let out = cmd.output();
+    if !root {
+        std::fs::set_permissions(&socket, mode)?;
+    }
+    Ok(out?)
+}
+
+#[test]
+fn status_for_a_user_the_socket_is_closed_to_says_permission_denied_never_not_running() -> anyhow::Result<()> {
+    let world = World::new("gw-cli-03", "")?;
+    let config_dir = tempfile::Builder::new().prefix("edge-status-cfg-").tempdir()?;
+    let mut ingest = world.start_ingest()?;
+    let mut agent = world.start_agent()?;
+    wait_status(&world, "the agent healthy", |code, d| code == 0 && d["upload"]["connected"] == true)?;
+    let socket = world.intake_socket().to_string_lossy().into_owned();
+    let denied = format!("permission denied on {socket}: run as root or as a member of the group that owns it");
+
+    // The config names the metrics listener, which needs no permission on the socket: the
+    // agent's own state from there, healthy, with the socket's refusal as a note, not a reason.
+    let out = uploader_without_socket_access(&world, config_dir.path(), &["status"])?;
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(stdout.starts_with("edge-uploader: healthy\n"), "{stdout}");
+    assert!(
+        stdout
+            .contains(&format!("  note: {denied}; this status came from the metrics listener {}", world.agent_metrics)),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("not running") && !stderr.contains("not running"), "{stdout}{stderr}");
+    let out = uploader_without_socket_access(&world, config_dir.path(), &["status", "--json"])?;
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(out.status.code(), Some(0), "{doc}");
+    assert_eq!(
+        (&doc["healthy"], &doc["intake_socket_answered"], &doc["intake_socket_error"]),
+        (&true.into(), &false.into(), &denied.clone().into()),
+        "{doc}"
+    );
+    assert_eq!(doc["answered_on"], world.agent_metrics.to_string(), "{doc}");
+    assert_eq!(doc["degraded_reasons"], serde_json::json!([]), "{doc}");
+
+    // With the socket given by hand there is no metrics listener to ask: unknown (exit 4),
+    // not "not running".
+    let out = uploader_without_socket_access(&world, config_dir.path(), &["status", "--socket", &socket])?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{stderr}");
+    assert_eq!(stderr.trim_end(), format!("edge-uploader: status unknown: {denied}"));
+    let out = uploader_without_socket_access(&world, config_dir.path(), &["status", "--json", "--socket", &socket])?;
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(out.status.code(), Some(4), "{doc}");
+    assert_eq!((&doc["running"], &doc["error"]), (&serde_json::Value::Null, &denied.into()), "{doc}");
+
+    assert!(agent.terminate(Duration::from_secs(30))?.success());
+    assert!(ingest.terminate(Duration::from_secs(30))?.success());
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! `edge-ingest status` against a real server: exit 3 and `"running": false` when nothing
-//! answers, exit 0 with no devices when idle, and a connected agent listed with what it stored.
+//! answers, exit 0 with no devices when idle, and a connected agent listed with what it stored;
+//! and exit 1 (degraded) for a server that accepts the connection and never answers.
 
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -91,5 +92,33 @@ fn ingest_status_shows_not_running_idle_and_a_connected_device() -> anyhow::Resu
         code == 0 && d["devices"] == serde_json::json!([]) && d["connections"] == 0
     })?;
     assert!(ingest.terminate(Duration::from_secs(30))?.success());
+    Ok(())
+}
+
+#[test]
+fn ingest_status_of_a_server_that_accepts_and_never_answers_is_degraded() -> anyhow::Result<()> {
+    // A hung server: the kernel completes the connection into the listen backlog, and nothing
+    // answers. The listener stays open (and unaccepted) until the end of the test.
+    let hung = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = hung.local_addr()?.to_string();
+    let out = Command::new(bin("edge-ingest")?).args(["status", "--addr", &addr]).env("NO_COLOR", "1").output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(
+        stderr,
+        format!(
+            "edge-ingest: degraded\n  ! the server on {addr} accepted the connection but did not answer within 5s: it may \
+             be stuck\n"
+        )
+    );
+    let (code, doc) = json_output("edge-ingest", &["status", "--json", "--addr", &addr])?;
+    assert_eq!(code, 1, "{doc}");
+    assert_eq!(
+        (&doc["running"], &doc["answered"], &doc["healthy"]),
+        (&true.into(), &false.into(), &false.into()),
+        "{doc}"
+    );
+    assert!(doc["degraded_reasons"][0].as_str().is_some_and(|r| r.contains("did not answer within 5s")), "{doc}");
+    drop(hung);
     Ok(())
 }

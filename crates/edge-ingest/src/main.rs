@@ -42,7 +42,8 @@ enum Command {
         config: Option<PathBuf>,
     },
     /// Show the running server's connected devices, rates and sink health. Exit 0 healthy,
-    /// 1 degraded (sink unhealthy), 3 not running, 4 unknown (status disabled or not edge-ingest).
+    /// 1 degraded (sink unhealthy, or the server accepts but does not answer), 3 not running,
+    /// 4 unknown (status disabled or not edge-ingest).
     Status {
         /// Config file whose `[metrics] listen` names the status address (only that key is read).
         #[arg(long, short)]
@@ -326,6 +327,16 @@ fn status(config: Option<PathBuf>, addr: Option<String>, json: bool) -> ExitCode
                 eprintln!("edge-ingest is not running (nothing answers on {sock}: {why})");
             }
             ExitCode::from(status::EXIT_NOT_RUNNING)
+        }
+        Fetched::NoAnswer(why) => {
+            if json {
+                let doc = json!({"version": 1, "running": true, "answered": false, "addr": sock.to_string(),
+                    "healthy": false, "degraded_reasons": [why]});
+                println!("{doc}");
+            } else {
+                eprintln!("edge-ingest: degraded\n  ! {why}");
+            }
+            ExitCode::from(status::EXIT_DEGRADED)
         }
         Fetched::Unknown(why) => unknown(Some(&target), why),
     }

@@ -7,8 +7,9 @@
 //!
 //! Client side, [`fetch`] asks for it with a plain HTTP/1.1 GET, [`degraded_reasons`] decides
 //! health and [`render`] prints it for people. Exit codes: 0 healthy, 1 degraded (the sink is
-//! unhealthy, see [`sink_problems`]), 3 not running (nothing answers), 4 unknown (status
-//! disabled, or the answer is not an edge-ingest status).
+//! unhealthy, see [`sink_problems`], or the server accepts the connection but does not answer
+//! in time), 3 not running (nothing answers), 4 unknown (status disabled, or the answer is not
+//! an edge-ingest status).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -26,7 +27,8 @@ use crate::store::{StoreStats, StoreStatsView};
 
 /// Exit code: the server runs and its sink is healthy.
 pub const EXIT_HEALTHY: u8 = 0;
-/// Exit code: the server runs but its sink is unhealthy.
+/// Exit code: the server runs but its sink is unhealthy, or it accepts the status connection
+/// but does not answer in time.
 pub const EXIT_DEGRADED: u8 = 1;
 /// Exit code: nothing answers on the status address (LSB "not running").
 pub const EXIT_NOT_RUNNING: u8 = 3;
@@ -180,6 +182,9 @@ pub enum Fetched {
     Status(Value),
     /// Nothing answers (connection refused or not accepted in time).
     NotRunning(String),
+    /// The connection was accepted but no answer came in time: the server is there and stuck
+    /// (a hung process keeps accepting into its listen backlog). Why, for the operator.
+    NoAnswer(String),
     /// Something answered, but not with an edge-ingest status document.
     Unknown(String),
 }
@@ -193,7 +198,22 @@ pub fn fetch(addr: SocketAddr, timeout: Duration) -> Fetched {
     };
     let raw = match exchange(&mut stream, addr, deadline) {
         Ok(raw) => raw,
-        Err(e) => return Fetched::Unknown(format!("reading the answer from {addr}: {e}")),
+        // Silent, or an HTTP answer that stopped coming: stuck. Something else that spoke first
+        // and then waited (an SSH banner, say) is not edge-ingest.
+        Err((e, got)) if timed_out(&e) && (got.is_empty() || got.starts_with(b"HTTP/")) => {
+            let what = if got.is_empty() { "did not answer" } else { "did not finish its answer" };
+            return Fetched::NoAnswer(format!(
+                "the server on {addr} accepted the connection but {what} within {}: it may be stuck",
+                humantime::format_duration(timeout)
+            ));
+        }
+        Err((e, got)) if timed_out(&e) => {
+            return Fetched::Unknown(format!(
+                "{addr} answered something other than HTTP: {:?}",
+                String::from_utf8_lossy(&got[..got.len().min(64)])
+            ));
+        }
+        Err((e, _)) => return Fetched::Unknown(format!("reading the answer from {addr}: {e}")),
     };
     match parse_response(&raw) {
         Ok((200, body)) => match serde_json::from_slice::<Value>(&body) {
@@ -207,26 +227,31 @@ pub fn fetch(addr: SocketAddr, timeout: Duration) -> Fetched {
     }
 }
 
-/// Sends the request and reads the answer until the server closes, by `deadline`.
-fn exchange(stream: &mut TcpStream, addr: SocketAddr, deadline: Instant) -> std::io::Result<Vec<u8>> {
+/// A socket timeout (`WouldBlock` on Unix) or the deadline of [`exchange`].
+fn timed_out(e: &std::io::Error) -> bool {
+    matches!(e.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock)
+}
+
+/// Sends the request and reads the answer until the server closes, by `deadline`. On `Err`,
+/// what had arrived.
+fn exchange(stream: &mut TcpStream, addr: SocketAddr, deadline: Instant) -> Result<Vec<u8>, (std::io::Error, Vec<u8>)> {
     let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    stream.set_write_timeout(Some(left()))?;
     let req =
         format!("GET /v1/status HTTP/1.1\r\nHost: {addr}\r\nAccept: application/json\r\nConnection: close\r\n\r\n");
-    stream.write_all(req.as_bytes())?;
+    stream.set_write_timeout(Some(left())).and_then(|()| stream.write_all(req.as_bytes())).map_err(|e| (e, vec![]))?;
     let mut out = Vec::new();
     let mut buf = [0u8; 16 * 1024];
     loop {
         if Instant::now() >= deadline {
-            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "no complete answer in time"));
+            return Err((std::io::Error::new(std::io::ErrorKind::TimedOut, "no complete answer in time"), out));
         }
-        stream.set_read_timeout(Some(left()))?;
-        match stream.read(&mut buf)? {
-            0 => return Ok(out),
-            n => out.extend_from_slice(&buf[..n]),
+        match stream.set_read_timeout(Some(left())).and_then(|()| stream.read(&mut buf)) {
+            Ok(0) => return Ok(out),
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e) => return Err((e, out)),
         }
         if out.len() > 64 << 20 {
-            return Err(std::io::Error::other("answer larger than 64 MiB"));
+            return Err((std::io::Error::other("answer larger than 64 MiB"), out));
         }
     }
 }
@@ -481,6 +506,52 @@ mod tests {
         assert_eq!(addr_from_config(Some(&cfg)), None, "empty: status disabled");
         assert_eq!(addr_from_config(Some(&dir.path().join("missing.toml"))).as_deref(), Some(DEFAULT_ADDR));
         assert!(resolve("no port").is_err());
+    }
+
+    /// A listener that accepts one connection, writes `says` on it and then neither answers nor
+    /// closes until the returned sender is dropped.
+    fn accepting_server(says: &'static [u8]) -> (SocketAddr, std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (release, hold) = std::sync::mpsc::channel::<()>();
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().expect("accept");
+            conn.write_all(says).expect("write");
+            // Blocks until the test is done with the connection.
+            let _ = hold.recv();
+        });
+        (addr, release, server)
+    }
+
+    #[test]
+    fn a_server_that_accepts_and_never_answers_is_degraded_not_unknown() {
+        let timeout = Duration::from_millis(300);
+        let (addr, release, server) = accepting_server(b"");
+        let f = fetch(addr, timeout);
+        let Fetched::NoAnswer(why) = &f else { panic!("{f:?}") };
+        assert_eq!(
+            why,
+            &format!("the server on {addr} accepted the connection but did not answer within 300ms: it may be stuck")
+        );
+        drop(release);
+        server.join().expect("server");
+
+        // An answer that starts and stops coming: stuck too.
+        let (addr, release, server) = accepting_server(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n{");
+        let f = fetch(addr, timeout);
+        assert!(matches!(&f, Fetched::NoAnswer(why) if why.contains("did not finish its answer")), "{f:?}");
+        drop(release);
+        server.join().expect("server");
+
+        // Something else that speaks first and then waits for its own protocol: not edge-ingest.
+        let (addr, release, server) = accepting_server(b"SSH-2.0-OpenSSH_9.6\r\n");
+        let f = fetch(addr, timeout);
+        assert!(
+            matches!(&f, Fetched::Unknown(why) if why.contains("other than HTTP") && why.contains("SSH-2.0")),
+            "{f:?}"
+        );
+        drop(release);
+        server.join().expect("server");
     }
 
     #[tokio::test]

@@ -69,7 +69,8 @@ enum Command {
         /// Input file; stdin when absent or "-".
         file: Option<PathBuf>,
     },
-    /// Show the running agent's state. Exit 0 healthy, 1 degraded, 3 not running.
+    /// Show the running agent's state. Exit 0 healthy, 1 degraded, 3 not running, 4 unknown (the
+    /// socket cannot be asked, e.g. permission denied, and no metrics listener answered).
     Status {
         /// Print one JSON object (with "version": 1) instead of text.
         #[arg(long)]
@@ -185,27 +186,35 @@ fn main() -> ExitCode {
             let fetched = runtime().map(|rt| {
                 rt.block_on(async {
                     let timeout = edge_uploader::status::FETCH_TIMEOUT;
-                    match edge_uploader::status::fetch(&socket, timeout).await {
-                        // The intake socket did not answer: every connection slot may be taken.
-                        // The metrics listener is outside that limit; its status document is
-                        // shown, with the socket's silence as a reason to be degraded.
-                        Fetched::NoAnswer(why) => match metrics {
-                            Some(addr) => match edge_uploader::status::fetch_metrics(addr, timeout).await {
-                                Ok(doc) => (Fetched::Answer(doc), Some((why, addr))),
-                                Err(also) => (Fetched::NoAnswer(format!("{why}; {also}")), None),
-                            },
-                            None => (Fetched::NoAnswer(why), None),
-                        },
-                        other => (other, None),
+                    let first = edge_uploader::status::fetch(&socket, timeout).await;
+                    // The intake socket did not answer (every connection slot may be taken), or
+                    // could not be asked (permission denied). The metrics listener is outside
+                    // that limit and needs no permission on the socket; its status document is
+                    // shown, with the socket's silence (not this user's lack of permission) as a
+                    // reason to be degraded.
+                    let (why, silent) = match &first {
+                        Fetched::NoAnswer(why) => (why.clone(), true),
+                        Fetched::Unreachable(why) => (why.clone(), false),
+                        _ => return (first, None),
+                    };
+                    let Some(addr) = metrics else { return (first, None) };
+                    match edge_uploader::status::fetch_metrics(addr, timeout).await {
+                        Ok(doc) => (Fetched::Answer(doc), Some((why, addr, silent))),
+                        Err(also) if silent => (Fetched::NoAnswer(format!("{why}; {also}")), None),
+                        Err(also) => (Fetched::Unreachable(format!("{why}; {also}")), None),
                     }
                 })
             });
             match fetched {
-                Ok((Fetched::Answer(mut doc), silent)) => {
+                Ok((Fetched::Answer(mut doc), detour)) => {
                     let now = edge_uploader::status::now_ms();
                     let mut reasons = edge_uploader::status::degraded_reasons(&doc, max_backlog_age, now);
-                    if let Some((why, addr)) = silent {
-                        reasons.insert(0, format!("{why}; this status came from the metrics listener {addr}"));
+                    if let Some((why, addr, silent)) = detour {
+                        if silent {
+                            reasons.insert(0, format!("{why}; this status came from the metrics listener {addr}"));
+                        } else {
+                            doc["intake_socket_error"] = serde_json::json!(why);
+                        }
                         doc["intake_socket_answered"] = serde_json::Value::Bool(false);
                         doc["answered_on"] = serde_json::json!(addr.to_string());
                     }
@@ -213,6 +222,7 @@ fn main() -> ExitCode {
                         let mut doc = doc;
                         doc["healthy"] = serde_json::Value::Bool(reasons.is_empty());
                         doc["degraded_reasons"] = serde_json::json!(reasons);
+                        doc["notes"] = serde_json::json!(edge_uploader::status::notes(&doc));
                         println!("{doc}");
                     } else {
                         print!("{}", edge_uploader::status::render(&doc, &reasons, now));
@@ -240,6 +250,17 @@ fn main() -> ExitCode {
                         eprintln!("edge-uploader is not running (nothing answers on {})", socket.display());
                     }
                     ExitCode::from(edge_uploader::status::EXIT_NOT_RUNNING)
+                }
+                Ok((Fetched::Unreachable(why), _)) => {
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::json!({"version": 1, "running": null, "socket": socket, "error": why})
+                        );
+                    } else {
+                        eprintln!("edge-uploader: status unknown: {why}");
+                    }
+                    ExitCode::from(edge_uploader::status::EXIT_UNKNOWN)
                 }
                 Err(e) => report(Err(e)),
             }

@@ -1,5 +1,7 @@
 //! `edge-uploader status`: asks the running agent for its state and prints it for people (or as
-//! JSON), with an exit code scripts can use: 0 healthy, 1 degraded, 3 not running.
+//! JSON), with an exit code scripts can use: 0 healthy, 1 degraded, 3 not running, 4 unknown
+//! (the socket could not be asked, as when permission is denied, and no metrics listener
+//! answered for it).
 
 use std::io::IsTerminal;
 use std::path::Path;
@@ -16,6 +18,9 @@ pub const EXIT_HEALTHY: u8 = 0;
 pub const EXIT_DEGRADED: u8 = 1;
 /// Exit code: no agent answers on the socket (LSB convention for "not running").
 pub const EXIT_NOT_RUNNING: u8 = 3;
+/// Exit code: whether the agent runs cannot be told (LSB "unknown"): the socket could not be
+/// asked (permission denied, say) and no metrics listener answered in its place.
+pub const EXIT_UNKNOWN: u8 = 4;
 
 /// Wall-clock unix milliseconds (the agent reports ages as timestamps).
 pub fn now_ms() -> u64 {
@@ -87,6 +92,36 @@ pub enum Fetched {
     NotRunning,
     /// Something listens but gave no status document: why, for the operator.
     NoAnswer(String),
+    /// The socket could not be asked, which says nothing of whether the agent runs (permission
+    /// denied on the socket or its directory, say): why, for the operator.
+    Unreachable(String),
+}
+
+/// What a failed `connect` to the intake socket at `socket` means. Only a missing socket (or
+/// directory) and a refused connection show that no agent listens there.
+pub fn connect_failed(socket: &Path, e: &std::io::Error, timeout: Duration) -> Fetched {
+    use std::io::ErrorKind;
+    match e.kind() {
+        // The socket's backlog is full: the agent is there, and has not accepted for a while.
+        ErrorKind::WouldBlock => Fetched::NoAnswer(busy(socket, timeout)),
+        ErrorKind::NotFound | ErrorKind::ConnectionRefused | ErrorKind::NotADirectory => Fetched::NotRunning,
+        // The socket's directory (/run/edge-uploader, 0750) or the socket itself is closed to
+        // this user: the agent may well run behind it.
+        ErrorKind::PermissionDenied => Fetched::Unreachable(format!(
+            "permission denied on {}: run as root or as a member of the group that owns it",
+            socket.display()
+        )),
+        _ => Fetched::Unreachable(format!("connecting to {}: {e}", socket.display())),
+    }
+}
+
+fn busy(socket: &Path, timeout: Duration) -> String {
+    format!(
+        "the agent accepts connections on {} but did not answer within {}: every intake.max_connections slot may be \
+         taken (edge_uploader_intake_connections on /metrics), or the agent is stuck",
+        socket.display(),
+        humantime::format_duration(timeout)
+    )
 }
 
 /// Asks the agent behind `socket`, waiting at most `timeout` for its answer.
@@ -94,19 +129,10 @@ pub enum Fetched {
 /// An agent whose intake serves `intake.max_connections` connections already serves this one
 /// only once another closes: that is `NoAnswer`, not `NotRunning`.
 pub async fn fetch(socket: &Path, timeout: Duration) -> Fetched {
-    let busy = || {
-        format!(
-            "the agent accepts connections on {} but did not answer within {}: every intake.max_connections slot may be \
-             taken (edge_uploader_intake_connections on /metrics), or the agent is stuck",
-            socket.display(),
-            humantime::format_duration(timeout)
-        )
-    };
+    let busy = || busy(socket, timeout);
     let stream = match tokio::time::timeout(timeout, tokio::net::UnixStream::connect(socket)).await {
         Ok(Ok(stream)) => stream,
-        // The socket's backlog is full: the agent is there, and has not accepted for a while.
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::WouldBlock => return Fetched::NoAnswer(busy()),
-        Ok(Err(_)) => return Fetched::NotRunning,
+        Ok(Err(e)) => return connect_failed(socket, &e, timeout),
         Err(_) => return Fetched::NoAnswer(busy()),
     };
     let asked = async {
@@ -132,7 +158,9 @@ pub async fn fetch(socket: &Path, timeout: Duration) -> Fetched {
 
 /// Asks the agent's metrics listener at `addr` for its status document, within `timeout`:
 /// what `edge-uploader status` shows when the intake socket does not answer ([`Fetched::NoAnswer`]),
-/// since that listener is not under `intake.max_connections`. `Err` says why there is none.
+/// since that listener is not under `intake.max_connections`, or cannot be asked
+/// ([`Fetched::Unreachable`]), since it needs no permission on the socket. `Err` says why there
+/// is none.
 pub async fn fetch_metrics(addr: std::net::SocketAddr, timeout: Duration) -> Result<Value, String> {
     let asked = async {
         let stream = tokio::net::TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
@@ -149,19 +177,78 @@ pub async fn fetch_metrics(addr: std::net::SocketAddr, timeout: Duration) -> Res
     }
 }
 
-/// Why the agent is degraded, if it is.
+/// The spool counts as full from this share of `spool.max_bytes`: a request fits only while the
+/// spool's bytes and its own stay within the cap, so a spool at the cap stops short of it by
+/// less than a request.
+pub const SPOOL_FULL_RATIO: f64 = 0.95;
+
+/// Why the agent is degraded, if it is, from its status document: disconnected (with the last
+/// error, which says why); its backlog older than `max_backlog_age`; chunks in quarantine;
+/// records deleted unsent under `drop_oldest`; the spool at its cap.
+///
+/// The agent's `last_error` is set when a connection or an attempt fails and never cleared, so
+/// while connected it is the error of an earlier, ended connection: shown, not a reason.
 pub fn degraded_reasons(status: &Value, max_backlog_age: Duration, now_ms: u64) -> Vec<String> {
+    let (up, sp) = (&status["upload"], &status["spool"]);
     let mut reasons = Vec::new();
-    if status["upload"]["connected"] != true {
-        reasons.push("not connected to the ingest server".to_owned());
+    if up["connected"] != true {
+        reasons.push(match up["last_error"].as_str() {
+            Some(e) => format!("not connected to the ingest server (last error: {e})"),
+            None => "not connected to the ingest server".to_owned(),
+        });
     }
-    if let Some(oldest) = status["spool"]["oldest_ms"].as_u64() {
+    if let Some(oldest) = sp["oldest_ms"].as_u64() {
         let age = Duration::from_millis(now_ms.saturating_sub(oldest));
         if age > max_backlog_age {
             reasons.push(format!("oldest unacknowledged data is {} old", humantime::format_duration(round(age))));
         }
     }
+    let settings = &status["settings"];
+    if let (Some(total), Some(max)) = (sp["total_bytes"].as_u64(), settings["spool_max_bytes"].as_u64())
+        && max > 0
+        && total as f64 >= max as f64 * SPOOL_FULL_RATIO
+    {
+        let what = match settings["spool_full_policy"].as_str() {
+            Some("drop_oldest") => "to make room, the oldest chunks not yet uploaded are deleted",
+            Some("reject") => "producers whose records do not fit are refused (HTTP 507)",
+            _ => "records that do not fit are refused or older ones deleted, by spool.full_policy",
+        };
+        reasons.push(format!(
+            "the spool is full: {} of spool.max_bytes = {} ({:.0}%); {what}",
+            bytesize::ByteSize::b(total),
+            bytesize::ByteSize::b(max),
+            total as f64 * 100.0 / max as f64,
+        ));
+    }
     reasons
+}
+
+/// What the operator should know that is not a state the agent is in now, and so not a reason
+/// for `degraded`: both last as long as the spool file (the agent keeps quarantined chunks for
+/// inspection, and counts dropped records since the spool was created), and a status that
+/// stayed degraded for them could not say when something new goes wrong.
+pub fn notes(status: &Value) -> Vec<String> {
+    let sp = &status["spool"];
+    let mut notes = Vec::new();
+    if let Some(n) = sp["quarantined_chunks"].as_u64().filter(|n| *n > 0) {
+        notes.push(format!(
+            "{n} chunk{} in quarantine in the spool (found corrupt, or rejected by the ingest server): never uploaded",
+            plural(n)
+        ));
+    }
+    if let Some(n) = sp["dropped_records"].as_u64().filter(|n| *n > 0) {
+        let chunks = sp["dropped_chunks"].as_u64().map_or(String::new(), |c| format!(" in {c} chunk{}", plural(c)));
+        notes.push(format!(
+            "{n} record{}{chunks} deleted unsent to make room under spool.full_policy = \"drop_oldest\" \
+             (counted since the spool was created)",
+            plural(n),
+        ));
+    }
+    notes
+}
+
+fn plural(n: u64) -> &'static str {
+    if n == 1 { "" } else { "s" }
 }
 
 fn round(d: Duration) -> Duration {
@@ -179,6 +266,17 @@ pub fn render(status: &Value, reasons: &[String], now_ms: u64) -> String {
     out.push_str(&format!("edge-uploader: {state}\n"));
     for r in reasons {
         out.push_str(&format!("  ! {r}\n"));
+    }
+    for n in notes(status) {
+        out.push_str(&format!("  note: {n}\n"));
+    }
+    // Asked on the metrics listener because this user may not open the socket: not the agent's
+    // problem, so a note rather than a reason.
+    if let Some(e) = status["intake_socket_error"].as_str() {
+        out.push_str(&format!(
+            "  note: {e}; this status came from the metrics listener {}\n",
+            status["answered_on"].as_str().unwrap_or("?")
+        ));
     }
     let conn = &status["connection"];
     let since = conn["since_ms"].as_u64().map_or("-".to_owned(), |t| {
@@ -272,6 +370,7 @@ mod tests {
             "rates": {"window_s": 60.0, "intake_records_per_s": 10.0, "intake_bytes_per_s": 1000.0,
                       "acked_records_per_s": 20.0, "acked_bytes_per_s": 2000.0},
             "drain_eta_s": 5.0,
+            "settings": {"spool_max_bytes": 1000, "spool_full_policy": "reject"},
             "upload": {"connected": connected, "connects_total": 1, "in_flight": 0, "chunks_acked_total": 5,
                        "records_acked_total": 50, "bytes_acked_total": 500, "latency_p50_ms": 3, "latency_p99_ms": null,
                        "last_error": null},
@@ -290,6 +389,116 @@ mod tests {
         assert_eq!(r.len(), 2, "{r:?}");
         assert!(r[0].contains("not connected"));
         assert!(r[1].contains("2m"), "{r:?}");
+    }
+
+    #[test]
+    fn a_full_spool_is_degraded_and_quarantine_and_drops_are_notes() {
+        let now = 100_000;
+        let age = Duration::from_secs(60);
+        let reasons = |d: &Value| degraded_reasons(d, age, now);
+
+        // Quarantine and drops last as long as the spool file: shown, never a reason.
+        let mut q = doc(true, Some(99_000));
+        q["spool"]["quarantined_chunks"] = json!(2);
+        q["spool"]["dropped_records"] = json!(1);
+        q["spool"]["dropped_chunks"] = json!(1);
+        assert!(reasons(&q).is_empty(), "{:?}", reasons(&q));
+        let n = notes(&q);
+        assert_eq!(
+            n,
+            [
+                "2 chunks in quarantine in the spool (found corrupt, or rejected by the ingest server): never uploaded",
+                "1 record in 1 chunk deleted unsent to make room under spool.full_policy = \"drop_oldest\" \
+                 (counted since the spool was created)"
+            ]
+        );
+        let text = render(&q, &[], now);
+        assert!(text.starts_with("edge-uploader: healthy\n"), "{text}");
+        for note in &n {
+            assert!(text.contains(&format!("  note: {note}\n")), "{note:?} not in {text}");
+        }
+
+        // 950 of 1000 bytes: at the cap, as near as a request's size.
+        let mut full = doc(true, Some(99_000));
+        full["spool"]["total_bytes"] = json!(950);
+        let r = reasons(&full);
+        assert_eq!(r.len(), 1, "{r:?}");
+        assert!(r[0].starts_with("the spool is full: 950 B of spool.max_bytes = 1000 B (95%)"), "{r:?}");
+        assert!(r[0].contains("refused (HTTP 507)"), "{r:?}");
+        full["settings"]["spool_full_policy"] = json!("drop_oldest");
+        assert!(reasons(&full)[0].contains("the oldest chunks not yet uploaded are deleted"), "{full}");
+        full["spool"]["total_bytes"] = json!(949);
+        assert!(reasons(&full).is_empty(), "below 95%: {:?}", reasons(&full));
+        // An older agent without settings: nothing to compare with, no reason.
+        full["spool"]["total_bytes"] = json!(1000);
+        full["settings"] = Value::Null;
+        assert!(reasons(&full).is_empty(), "{full}");
+
+        // Every reason at once, in a stable order, printed as listed.
+        let mut all = doc(false, Some(0));
+        all["upload"]["last_error"] = json!("connect to ingest:4433: timed out");
+        all["spool"]["total_bytes"] = json!(1000);
+        let r = reasons(&all);
+        assert_eq!(r.len(), 3, "{r:?}");
+        assert_eq!(r[0], "not connected to the ingest server (last error: connect to ingest:4433: timed out)");
+        assert!(r[1].starts_with("oldest unacknowledged data is") && r[2].starts_with("the spool is full"), "{r:?}");
+        let text = render(&all, &r, now);
+        assert!(text.starts_with("edge-uploader: degraded\n"), "{text}");
+        for reason in &r {
+            assert!(text.contains(&format!("  ! {reason}\n")), "{reason:?} not in {text}");
+        }
+    }
+
+    #[test]
+    fn a_last_error_of_an_ended_connection_is_shown_but_not_a_reason_while_connected() {
+        let mut d = doc(true, Some(99_000));
+        d["upload"]["last_error"] = json!("connection lost: timed out");
+        let r = degraded_reasons(&d, Duration::from_secs(60), 100_000);
+        assert!(r.is_empty(), "{r:?}");
+        assert!(render(&d, &r, 100_000).contains("last error: connection lost: timed out"));
+    }
+
+    #[test]
+    fn only_a_missing_socket_or_a_refused_connection_is_not_running() {
+        use std::io::{Error, ErrorKind};
+        let socket = Path::new("/run/edge-uploader/intake.sock");
+        let t = FETCH_TIMEOUT;
+        let denied = connect_failed(socket, &Error::from(ErrorKind::PermissionDenied), t);
+        let Fetched::Unreachable(why) = denied else { panic!("{denied:?}") };
+        assert_eq!(
+            why,
+            "permission denied on /run/edge-uploader/intake.sock: run as root or as a member of the group that owns it"
+        );
+        let odd = connect_failed(socket, &Error::other("out of buffers"), t);
+        assert!(matches!(&odd, Fetched::Unreachable(why) if why.contains("out of buffers")), "{odd:?}");
+        let busy = connect_failed(socket, &Error::from(ErrorKind::WouldBlock), t);
+        assert!(matches!(&busy, Fetched::NoAnswer(why) if why.contains("intake.max_connections")), "{busy:?}");
+        for kind in [ErrorKind::NotFound, ErrorKind::ConnectionRefused, ErrorKind::NotADirectory] {
+            let f = connect_failed(socket, &Error::from(kind), t);
+            assert!(matches!(f, Fetched::NotRunning), "{kind:?}: {f:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn fetch_says_not_running_for_a_missing_or_stale_socket() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let missing = dir.path().join("missing.sock");
+        let f = fetch(&missing, FETCH_TIMEOUT).await;
+        assert!(matches!(f, Fetched::NotRunning), "{f:?}");
+        // A socket file left behind by an agent that is gone: the connection is refused.
+        let stale = dir.path().join("stale.sock");
+        drop(std::os::unix::net::UnixListener::bind(&stale).expect("bind"));
+        let f = fetch(&stale, FETCH_TIMEOUT).await;
+        assert!(matches!(f, Fetched::NotRunning), "{f:?}");
+    }
+
+    #[test]
+    fn a_status_read_on_the_metrics_listener_for_lack_of_permission_says_so_in_a_note() {
+        let mut d = doc(true, Some(99_000));
+        d["intake_socket_error"] = json!("permission denied on /run/edge-uploader/intake.sock: run as root");
+        d["answered_on"] = json!("127.0.0.1:9171");
+        let text = render(&d, &[], 100_000);
+        assert!(text.starts_with("edge-uploader: healthy\n  note: permission denied on /run/edge-uploader/intake.sock: run as root; this status came from the metrics listener 127.0.0.1:9171\n"), "{text}");
     }
 
     #[test]
