@@ -21,8 +21,8 @@ fn check_with(config: &std::path::Path, envs: &[(&str, &str)]) -> (i32, String) 
     (out.status.code().unwrap_or(-1), text)
 }
 
-#[test]
-fn a_server_key_that_does_not_load_is_a_configuration_error_naming_the_file() {
+/// A valid config in a temp dir, with freshly generated server TLS files.
+fn valid_config() -> (tempfile::TempDir, edge_transport::pki::ServerPaths, std::path::PathBuf) {
     let dir = tempfile::tempdir().expect("tempdir");
     let pki = edge_transport::pki::InMemoryPki::generate(&["localhost"]).expect("pki");
     let tls = pki.write_server_files(&dir.path().join("tls")).expect("server files");
@@ -35,6 +35,12 @@ fn a_server_key_that_does_not_load_is_a_configuration_error_naming_the_file() {
         dir.path().join("data")
     );
     std::fs::write(&config, body).expect("write config");
+    (dir, tls, config)
+}
+
+#[test]
+fn a_server_key_that_does_not_load_is_a_configuration_error_naming_the_file() {
+    let (_dir, tls, config) = valid_config();
     let (code, text) = check(&config);
     assert_eq!(code, 0, "the config as written is valid: {text}");
 
@@ -47,18 +53,7 @@ fn a_server_key_that_does_not_load_is_a_configuration_error_naming_the_file() {
 /// Every key can be set from the environment, lists too: comma-separated.
 #[test]
 fn list_keys_take_comma_separated_values_from_the_environment() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let pki = edge_transport::pki::InMemoryPki::generate(&["localhost"]).expect("pki");
-    let tls = pki.write_server_files(&dir.path().join("tls")).expect("server files");
-    let config = dir.path().join("edge-ingest.toml");
-    let body = format!(
-        "[tls]\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n[store]\ndata_dir = {:?}\n",
-        tls.cert,
-        tls.key,
-        tls.client_ca,
-        dir.path().join("data")
-    );
-    std::fs::write(&config, body).expect("write config");
+    let (dir, tls, config) = valid_config();
     let missing = dir.path().join("no-such-crl.pem");
     let crls = format!("{},{}", tls.client_ca.display(), missing.display());
     let (code, text) = check_with(&config, &[("EDGE_INGEST__TLS__CRLS", &crls)]);
