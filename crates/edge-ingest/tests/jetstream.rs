@@ -38,6 +38,21 @@ fn chunk(device: &str, stream: &str, seq: u64, records: &[Vec<u8>]) -> IncomingC
     }
 }
 
+/// A stream made by an operator with the settings the sink needs (one message per subject,
+/// discard new per subject, limits retention, file storage).
+fn operators_stream(stream: &str, prefix: &str) -> StreamConfig {
+    StreamConfig {
+        name: stream.into(),
+        subjects: vec![format!("{prefix}.>")],
+        storage: StorageType::File,
+        retention: RetentionPolicy::Limits,
+        discard: DiscardPolicy::New,
+        discard_new_per_subject: true,
+        max_messages_per_subject: 1,
+        ..StreamConfig::default()
+    }
+}
+
 fn records(n: usize, size: usize, tag: u8) -> Vec<Vec<u8>> {
     (0..n).map(|i| vec![tag.wrapping_add(u8::try_from(i % 200).expect("small")); size]).collect()
 }
@@ -76,15 +91,8 @@ async fn a_resend_after_the_dedup_window_is_still_a_duplicate() {
     let js = nats::context(&nats::url()).await.expect("NATS");
     // The operator's stream, with a dedup window far shorter than an agent's outage can be.
     js.create_stream(StreamConfig {
-        name: stream.clone(),
-        subjects: vec![format!("{prefix}.>")],
-        storage: StorageType::File,
-        retention: RetentionPolicy::Limits,
-        discard: DiscardPolicy::New,
-        discard_new_per_subject: true,
-        max_messages_per_subject: 1,
         duplicate_window: Duration::from_millis(100),
-        ..StreamConfig::default()
+        ..operators_stream(&stream, &prefix)
     })
     .await
     .expect("create stream");
@@ -163,19 +171,9 @@ async fn servers_that_would_cut_a_chunk_differently_cannot_share_a_stream() {
     // A stream created by hand (or by an edge-ingest from before the record) gets it from the
     // first server that sets it up, and holds the next ones to it.
     let (stream, prefix) = nats::unique("cutlater");
-    js.create_stream(StreamConfig {
-        name: stream.clone(),
-        description: Some("the operator's".into()),
-        subjects: vec![format!("{prefix}.>")],
-        storage: StorageType::File,
-        retention: RetentionPolicy::Limits,
-        discard: DiscardPolicy::New,
-        discard_new_per_subject: true,
-        max_messages_per_subject: 1,
-        ..StreamConfig::default()
-    })
-    .await
-    .expect("create stream");
+    js.create_stream(StreamConfig { description: Some("the operator's".into()), ..operators_stream(&stream, &prefix) })
+        .await
+        .expect("create stream");
     let first = JetStreamSink::start(opts(&stream, &prefix)).await.expect("adopts the stream");
     let mut other = opts(&stream, &prefix);
     other.max_message_bytes = 4096;

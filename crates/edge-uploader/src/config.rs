@@ -309,6 +309,13 @@ pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
         .map_err(|e| anyhow::anyhow!("{origin}: {}", edge_telemetry::logging::error_chain(e.as_ref())))
 }
 
+/// [`load`], then [`check_tls`]: what `check-config` and `run` accept.
+pub fn load_checked(path: Option<&Path>) -> anyhow::Result<Config> {
+    let cfg = load(path)?;
+    check_tls(&cfg)?;
+    Ok(cfg)
+}
+
 /// Reads and parses the TLS files of `cfg` as `run` will, as the user this runs as: a key the
 /// service account cannot read, or a file that is not PEM, is then a configuration error (exit
 /// 78, which systemd does not restart) rather than a failure at start restarted for ever.

@@ -149,23 +149,21 @@ fn main() -> ExitCode {
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
     match cli.command {
-        Command::CheckConfig { config } => {
-            match config::load(config.as_deref()).and_then(|c| config::check_tls(&c).map(|()| c)) {
-                Ok(c) => {
-                    println!("config ok{}", c.source.map(|p| format!(": {}", p.display())).unwrap_or_default());
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("edge-uploader: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
-                    ExitCode::from(EXIT_CONFIG as u8)
-                }
+        Command::CheckConfig { config } => match config::load_checked(config.as_deref()) {
+            Ok(c) => {
+                println!("config ok{}", c.source.map(|p| format!(": {}", p.display())).unwrap_or_default());
+                ExitCode::SUCCESS
             }
-        }
+            Err(e) => {
+                eprintln!("edge-uploader: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
+                ExitCode::from(EXIT_CONFIG as u8)
+            }
+        },
         Command::Spool { command: SpoolCommand::Check { config, spool, json } } => {
             ExitCode::from(edge_uploader::spool_check::run(config.as_deref(), spool, json))
         }
         Command::Run { config } => {
-            let cfg = match config::load(config.as_deref()).and_then(|c| config::check_tls(&c).map(|()| c)) {
+            let cfg = match config::load_checked(config.as_deref()) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("edge-uploader: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
