@@ -1,15 +1,16 @@
 //! The operator's commands against real daemons: `edge-uploader status` (text, `--json`, exit
 //! codes 0 healthy / 1 degraded / 3 not running / 4 unknown, degraded when the agent accepts but
 //! cannot answer on its socket, with its state from the metrics listener, and never "not
-//! running" for a user the socket is closed to) and `edge-uploader push`; and the cipher suite
-//! order the agent logs when it starts.
+//! running" for a user the socket is closed to) and `edge-uploader push`; the cipher suite
+//! order the agent logs when it starts; and a second agent refused the spool the first one has.
 
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use edge_testkit::bin;
+use anyhow::Context;
+use edge_testkit::{Daemon, bin};
 
-use crate::common::{World, json_output, rewrite, status_json, wait_json};
+use crate::common::{READY_TIMEOUT, World, free_tcp_port, json_output, rewrite, status_json, wait_json};
 
 fn uploader(world: &World, args: &[&str]) -> anyhow::Result<Output> {
     let cfg = world.agent_config.to_string_lossy().into_owned();
@@ -242,5 +243,36 @@ fn status_for_a_user_the_socket_is_closed_to_says_permission_denied_never_not_ru
 
     assert!(agent.terminate(Duration::from_secs(30))?.success());
     assert!(ingest.terminate(Duration::from_secs(30))?.success());
+    Ok(())
+}
+
+#[test]
+fn a_second_agent_on_the_same_spool_is_refused_naming_the_first_which_goes_on() -> anyhow::Result<()> {
+    let world = World::new("gw-cli-05", "")?;
+    let mut first = world.start_agent()?;
+    let pid = first.pid().context("first agent's pid")?;
+    crate::common::push(&world, "temperature", &crate::common::readings("temperature", 3))?;
+    wait_status(&world, "the pushed records in the spool", |_, d| d["spool"]["open_records"] == 3)?;
+
+    // Another config naming the same spool, with its own socket and metrics port, as an
+    // operator's `edge-uploader run` by hand next to the service would.
+    let second = world.path().join("second.toml");
+    std::fs::copy(&world.agent_config, &second)?;
+    rewrite(&second, "agent/intake.sock", "second.sock")?;
+    rewrite(&second, &world.agent_metrics.to_string(), &format!("127.0.0.1:{}", free_tcp_port()?))?;
+    let cfg = second.to_string_lossy().into_owned();
+    let mut other = Daemon::spawn("agent2", &bin("edge-uploader")?, &["run", "--config", &cfg], world.path(), &[])?;
+    let refused = other.wait_ready(READY_TIMEOUT).expect_err("a second writer of the spool must not start");
+    let log = std::fs::read_to_string(other.log_path())?;
+    assert!(log.contains(&format!("is in use by process {pid}")), "{refused:#}");
+    assert!(!world.path().join("second.sock").exists(), "{log}");
+
+    // The first agent never noticed: what it holds is delivered, once.
+    let mut ingest = world.start_ingest()?;
+    wait_status(&world, "drained", |code, d| code == 0 && d["upload"]["records_acked_total"] == 3)?;
+    assert!(first.terminate(Duration::from_secs(30))?.success());
+    assert!(ingest.terminate(Duration::from_secs(30))?.success());
+    let want: Vec<Vec<u8>> = crate::common::readings("temperature", 3).into_iter().map(String::into_bytes).collect();
+    assert_eq!(world.export_raw("temperature")?, want);
     Ok(())
 }

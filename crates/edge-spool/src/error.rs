@@ -47,6 +47,16 @@ pub enum SpoolError {
         #[source]
         source: std::io::Error,
     },
+    /// Another process (or another [`Spool`](crate::Spool) of this one) has the spool open.
+    /// Nothing was read or changed.
+    #[error("spool {} is in use by {}; it has one writer at a time (stop the agent first)", path.display(),
+        holder.map_or_else(|| "another process".to_owned(), |pid| format!("process {pid}")))]
+    Locked {
+        /// The database path.
+        path: PathBuf,
+        /// The holder's process id, as it wrote it in the lock file (when readable).
+        holder: Option<u32>,
+    },
     /// The file was written by a newer version of this crate. It is left untouched.
     #[error("spool schema version {found} is newer than the supported version {supported}")]
     UnsupportedSchema {

@@ -10,7 +10,9 @@
 //! [`Spool::ack`] once the server says a chunk is durable; only then are its rows deleted.
 //!
 //! The API is synchronous; the agent runs it on a blocking thread. There is one writer
-//! ([`Spool`]) per file and any number of readers ([`SpoolReader`]).
+//! ([`Spool`]) per file, across processes too: [`Spool::open`] takes an exclusive `flock` on
+//! `<path>-lock` and fails with [`SpoolError::Locked`] while another holds it (`lock.rs`); and
+//! any number of readers ([`SpoolReader`]).
 //!
 //! # On-disk format (`PRAGMA user_version = 4`)
 //!
@@ -206,6 +208,7 @@
 //! * `journal.rs`: the commit records in the payload segments, and their replay at open.
 //! * `segment.rs`: payload segment files: the writer's active segment, deletion, the sweep at
 //!   open, reading.
+//! * `lock.rs`: the one-writer lock on `<path>-lock`.
 //! * `recovery.rs`: opening a file, quick check, quarantine of a bad file.
 //! * `check.rs`: [`check`], the read-only audit behind `edge-uploader spool check`.
 //! * `reserve.rs`: the disk reserve that keeps acks working on a full file system.
@@ -233,6 +236,7 @@ mod check;
 mod crc;
 mod error;
 mod journal;
+mod lock;
 mod reader;
 mod recovery;
 mod reserve;

@@ -11,6 +11,7 @@ use rusqlite::{OptionalExtension, Transaction, TransactionBehavior};
 
 use crate::error::ctx;
 use crate::journal;
+use crate::lock::SpoolLock;
 use crate::reader::SpoolReader;
 use crate::recovery;
 use crate::reserve::Reserve;
@@ -46,6 +47,9 @@ pub struct Spool {
     /// Unit tests: the next writer transaction fails at `COMMIT`, after its segment write.
     #[cfg(test)]
     fail_next_commit: bool,
+    /// Held for as long as this writer lives (`lock.rs`); declared last, so released after
+    /// the connection and the segment files are closed.
+    _lock: SpoolLock,
 }
 
 impl Spool {
@@ -58,10 +62,13 @@ impl Spool {
     /// after a restart.
     ///
     /// # Errors
+    /// [`SpoolError::Locked`] while another process (or another `Spool`) has the file open;
     /// [`SpoolError::UnsupportedSchema`] for a file from a newer version (left untouched);
     /// [`SpoolError::Io`] / [`SpoolError::Sqlite`] when the file cannot be opened at all (locks,
     /// permissions); [`SpoolError::Unrecoverable`] if even a fresh file is unusable.
     pub fn open(opts: SpoolOptions) -> Result<(Spool, OpenReport), SpoolError> {
+        // Before anything is read: recovery may move a damaged file aside, and replay writes.
+        let lock = SpoolLock::acquire(&opts.path)?;
         let (opened, quarantined) = recovery::open(&opts)?;
         let report = OpenReport {
             created: opened.created,
@@ -106,6 +113,7 @@ impl Spool {
             known_synced: 0,
             #[cfg(test)]
             fail_next_commit: false,
+            _lock: lock,
         };
         Ok((spool, report))
     }
@@ -2503,10 +2511,48 @@ mod tests {
     }
 
     #[test]
+    fn a_second_writer_is_refused_before_it_touches_the_file_and_the_first_goes_on() {
+        let (dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"first")])], 1).expect("append");
+        let files = |d: &std::path::Path| {
+            let mut v: Vec<_> = std::fs::read_dir(d)
+                .expect("dir")
+                .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+                .collect();
+            v.sort();
+            v
+        };
+        let before = files(dir.path());
+        match Spool::open(opts.clone()) {
+            Err(e @ SpoolError::Locked { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains(&format!("in use by process {}", std::process::id())), "{text}");
+                assert!(text.contains(&opts.path.display().to_string()), "{text}");
+            }
+            other => panic!("a second writer must be refused, got {:?}", other.map(|(_, r)| r)),
+        }
+        assert_eq!(files(dir.path()), before, "the refused open created or moved nothing");
+        spool.append(&[req(vec![batch("a", b"second")])], 2).expect("the first writer goes on");
+        spool.seal_all(3).expect("seal");
+        let chunk = all_sealed(&spool).remove(0);
+        assert_eq!(read(&spool, &chunk).expect("read"), b"firstsecond");
+        drop(spool);
+        let (spool, report) = open(&opts);
+        assert_eq!(report.sealed_chunks, 1, "open once the first writer is gone");
+        drop(spool);
+    }
+
+    #[test]
     fn the_spare_survives_a_restart_and_is_reused_but_a_new_database_deletes_it() {
         let (_dir, opts, spool, spare) = spool_with_a_spare();
         assert!(spare.exists());
-        // A crash (no clean close): the spare is still there and still the spare.
+        // A crash (no clean close): the spare is still there and still the spare. A crash
+        // releases the spool's lock (the kernel closes the process's files): swap in a lock of
+        // another file for the one leaked with the rest.
+        let mut spool = spool;
+        let other = crate::lock::SpoolLock::acquire(&_dir.path().join("elsewhere.db")).expect("lock");
+        drop(std::mem::replace(&mut spool._lock, other));
         std::mem::forget(spool);
         let (mut spool, _) = open(&opts);
         assert!(spare.exists());

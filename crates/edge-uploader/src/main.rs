@@ -84,7 +84,7 @@ enum Command {
         #[arg(long, short)]
         config: Option<PathBuf>,
     },
-    /// Inspect the spool file.
+    /// Inspect or maintain the spool file.
     Spool {
         #[command(subcommand)]
         command: SpoolCommand,
@@ -112,17 +112,26 @@ enum SpoolCommand {
     /// Reports damaged chunks and streams with the records and bytes affected. Safe while the
     /// agent runs. Exit 0 clean (quarantined chunks do not count), 1 damage found, 78 usage or
     /// configuration error (e.g. no such file).
-    Check {
-        /// Config file naming the spool (default /etc/edge-uploader/edge-uploader.toml).
-        #[arg(long, short, conflicts_with = "spool")]
-        config: Option<PathBuf>,
-        /// The spool database file (instead of --config).
-        #[arg(long)]
-        spool: Option<PathBuf>,
-        /// Print one JSON object (with "version": 1) instead of text.
-        #[arg(long)]
-        json: bool,
-    },
+    Check(SpoolTarget),
+    /// Delete the chunks held in quarantine (found corrupt, or rejected by the ingest server),
+    /// listing each. Needs the agent stopped: the spool has one writer at a time. Exit 0 done,
+    /// 1 the spool could not be opened or written (e.g. the agent runs), 78 usage or
+    /// configuration error.
+    PurgeQuarantined(SpoolTarget),
+}
+
+/// Which spool a `spool` subcommand works on, and how it reports.
+#[derive(clap::Args, Debug)]
+struct SpoolTarget {
+    /// Config file naming the spool (default /etc/edge-uploader/edge-uploader.toml).
+    #[arg(long, short, conflicts_with = "spool")]
+    config: Option<PathBuf>,
+    /// The spool database file (instead of --config).
+    #[arg(long)]
+    spool: Option<PathBuf>,
+    /// Print one JSON object (with "version": 1) instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Caps glibc's malloc arenas at two. Rust's allocations go to jemalloc (above), but the C code
@@ -159,8 +168,11 @@ fn main() -> ExitCode {
                 ExitCode::from(EXIT_CONFIG as u8)
             }
         },
-        Command::Spool { command: SpoolCommand::Check { config, spool, json } } => {
+        Command::Spool { command: SpoolCommand::Check(SpoolTarget { config, spool, json }) } => {
             ExitCode::from(edge_uploader::spool_check::run(config.as_deref(), spool, json))
+        }
+        Command::Spool { command: SpoolCommand::PurgeQuarantined(SpoolTarget { config, spool, json }) } => {
+            ExitCode::from(edge_uploader::spool_purge::run(config.as_deref(), spool, json))
         }
         Command::Run { config } => {
             let cfg = match config::load_checked(config.as_deref()) {
