@@ -48,6 +48,17 @@ fn status_reports_not_running_degraded_and_healthy_with_its_exit_codes() -> anyh
     assert!(doc["connection"]["remote"].is_null(), "{doc}");
     assert!(doc["degraded_reasons"][0].as_str().is_some_and(|r| r.contains("not connected")), "{doc}");
 
+    // Environment overrides apply to `status` as they do to the agent: pointed at another socket
+    // and no metrics listener, it finds no agent there.
+    let cfg = world.agent_config.to_string_lossy().into_owned();
+    let out = Command::new(bin("edge-uploader")?)
+        .args(["status", "--config", &cfg])
+        .env("EDGE_UPLOADER__INTAKE__SOCKET", world.path().join("nowhere.sock"))
+        .env("EDGE_UPLOADER__METRICS__LISTEN", "")
+        .output()?;
+    assert_eq!(out.status.code(), Some(3), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nowhere.sock"), "{}", String::from_utf8_lossy(&out.stderr));
+
     // The agent logs the cipher suites it offers, first the one this CPU is fastest at.
     agent.wait_log("TLS 1.3 cipher suites offered in this order", Duration::from_secs(10))?;
     let first = edge_transport::cipher_suite_preference(edge_transport::cpu_has_aes_instructions())[0];

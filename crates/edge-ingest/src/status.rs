@@ -152,12 +152,27 @@ pub fn document(
 /// Environment override of `[metrics] listen`, as the daemon reads it.
 pub const LISTEN_ENV: &str = "EDGE_INGEST__METRICS__LISTEN";
 
+/// Where the packaged unit reads environment overrides from (`EnvironmentFile=`).
+pub const SERVICE_ENV_FILE: &str = "/etc/default/edge-ingest";
+
 /// The status address from the environment or the config file's `[metrics] listen` (or the
 /// default): `None` when it is empty, i.e. metrics and status are disabled. Only that key is
 /// read, so neither the TLS files nor the rest of the file need to be valid; an unreadable file
-/// means the default.
+/// means the default. For the packaged config (no `--config`, or the default path) the
+/// environment is the one the service sees: [`SERVICE_ENV_FILE`]'s overrides under this
+/// process's own.
 pub fn addr_from_config(config: Option<&Path>) -> Option<String> {
-    let listen = std::env::var(LISTEN_ENV).ok().or_else(|| {
+    addr_from(config, Path::new(SERVICE_ENV_FILE))
+}
+
+fn addr_from(config: Option<&Path>, env_file: &Path) -> Option<String> {
+    let packaged = config.is_none_or(|p| p == Path::new(crate::config::DEFAULT_CONFIG_PATH));
+    let from_env = if packaged {
+        edge_telemetry::service_env::overrides(env_file, crate::config::ENV_PREFIX).remove(LISTEN_ENV)
+    } else {
+        std::env::var(LISTEN_ENV).ok()
+    };
+    let listen = from_env.or_else(|| {
         let path = config.unwrap_or_else(|| Path::new(crate::config::DEFAULT_CONFIG_PATH));
         let text = std::fs::read_to_string(path).ok()?;
         let table: toml::Table = toml::from_str(&text).ok()?;
@@ -506,6 +521,19 @@ mod tests {
         assert_eq!(addr_from_config(Some(&cfg)), None, "empty: status disabled");
         assert_eq!(addr_from_config(Some(&dir.path().join("missing.toml"))).as_deref(), Some(DEFAULT_ADDR));
         assert!(resolve("no port").is_err());
+    }
+
+    #[test]
+    fn the_units_environment_file_moves_the_packaged_services_address_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let env_file = dir.path().join("edge-ingest");
+        std::fs::write(&env_file, format!("{LISTEN_ENV}=127.0.0.1:9444\n")).expect("write");
+        let cfg = dir.path().join("edge-ingest.toml");
+        std::fs::write(&cfg, "[metrics]\nlisten = \"127.0.0.1:9555\"\n").expect("write");
+        assert_eq!(addr_from(Some(&cfg), &env_file).as_deref(), Some("127.0.0.1:9555"), "not the packaged config");
+        let packaged = Path::new(crate::config::DEFAULT_CONFIG_PATH);
+        assert_eq!(addr_from(Some(packaged), &env_file).as_deref(), Some("127.0.0.1:9444"));
+        assert_eq!(addr_from(None, &env_file).as_deref(), Some("127.0.0.1:9444"));
     }
 
     /// A listener that accepts one connection, writes `says` on it and then neither answers nor

@@ -8,3 +8,4 @@
 pub mod logging;
 pub mod metrics;
 pub mod notify;
+pub mod service_env;

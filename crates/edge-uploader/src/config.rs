@@ -281,6 +281,37 @@ pub struct Config {
 /// Reads the file (if given or present at the default path), applies environment overrides and
 /// validates. `explicit` = the operator named the file, so its absence is an error.
 pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
+    load_with_env(path, None)
+}
+
+/// Where the packaged unit reads environment overrides from (`EnvironmentFile=`).
+pub const SERVICE_ENV_FILE: &str = "/etc/default/edge-uploader";
+
+/// The overrides the commands that look at the running service apply: for the packaged
+/// service's config (no `--config`, or the default path), those of [`SERVICE_ENV_FILE`] under
+/// this process's own, as the service sees them; for another config, this process's own
+/// (`None`).
+pub fn service_overrides(path: Option<&Path>) -> Option<std::collections::HashMap<String, String>> {
+    service_overrides_in(path, Path::new(SERVICE_ENV_FILE))
+}
+
+fn service_overrides_in(path: Option<&Path>, env_file: &Path) -> Option<std::collections::HashMap<String, String>> {
+    let packaged = path.is_none_or(|p| p == Path::new(DEFAULT_CONFIG_PATH));
+    packaged.then(|| edge_telemetry::service_env::overrides(env_file, ENV_PREFIX))
+}
+
+/// [`load`] for the commands that look at the running service (`spool check`, `spool
+/// purge-quarantined`): with the overrides of [`service_overrides`].
+pub fn load_as_service(path: Option<&Path>) -> anyhow::Result<Config> {
+    load_with_env(path, service_overrides(path))
+}
+
+/// The file's keys with environment overrides on top, not validated: from `env` when given,
+/// else from this process's environment.
+pub fn raw_with_env(
+    path: Option<&Path>,
+    env_vars: Option<std::collections::HashMap<String, String>>,
+) -> anyhow::Result<(RawConfig, Option<PathBuf>)> {
     let (path, explicit) = match path {
         Some(p) => (p.to_path_buf(), true),
         None => (PathBuf::from(DEFAULT_CONFIG_PATH), false),
@@ -298,15 +329,22 @@ pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
             .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.to_string().trim_end()))?;
         builder = builder.add_source(config::File::from(path.as_path()).format(config::FileFormat::Toml));
     }
-    builder = builder.add_source(
-        config::Environment::with_prefix(ENV_PREFIX).prefix_separator("__").separator("__").try_parsing(false),
-    );
+    let env = config::Environment::with_prefix(ENV_PREFIX).prefix_separator("__").separator("__").try_parsing(false);
+    builder = builder.add_source(env.source(env_vars.map(|m| m.into_iter().collect())));
     let raw: RawConfig = builder.build().and_then(|c| c.try_deserialize()).map_err(|e| {
         anyhow::anyhow!("{}: {e}", if exists { path.display().to_string() } else { "environment".into() })
     })?;
-    let origin = if exists { path.display().to_string() } else { "built-in defaults and environment".into() };
-    validate(raw, exists.then_some(path))
-        .map_err(|e| anyhow::anyhow!("{origin}: {}", edge_telemetry::logging::error_chain(e.as_ref())))
+    Ok((raw, exists.then_some(path)))
+}
+
+fn load_with_env(
+    path: Option<&Path>,
+    env: Option<std::collections::HashMap<String, String>>,
+) -> anyhow::Result<Config> {
+    let (raw, source) = raw_with_env(path, env)?;
+    let origin =
+        source.as_ref().map_or_else(|| "built-in defaults and environment".into(), |p| p.display().to_string());
+    validate(raw, source).map_err(|e| anyhow::anyhow!("{origin}: {}", edge_telemetry::logging::error_chain(e.as_ref())))
 }
 
 /// [`load`], then [`check_tls`]: what `check-config` and `run` accept.
@@ -585,5 +623,33 @@ mod tests {
         assert_eq!(raw.spool.linger, Duration::from_millis(500));
         let err = toml::from_str::<RawConfig>("[spool]\nlinger = \"soon\"\n").expect_err("bad duration");
         assert!(err.to_string().contains("linger") || err.to_string().contains("soon"), "{err}");
+    }
+
+    #[test]
+    fn the_units_environment_file_applies_to_the_packaged_config_over_its_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let env_file = dir.path().join("edge-uploader");
+        std::fs::write(
+            &env_file,
+            "EDGE_UPLOADER__INTAKE__SOCKET=/run/elsewhere/intake.sock\nEDGE_UPLOADER__SPOOL__PATH='/data/spool.db'\n",
+        )
+        .expect("write");
+        let other = dir.path().join("edge-uploader.toml");
+        std::fs::write(&other, "[intake]\nsocket = \"/run/from-file.sock\"\n").expect("write");
+        // Another config than the packaged one: the service's file does not apply to it.
+        assert!(service_overrides_in(Some(&other), &env_file).is_none());
+        let vars = service_overrides_in(None, &env_file).expect("the packaged config");
+        assert_eq!(
+            service_overrides_in(Some(Path::new(DEFAULT_CONFIG_PATH)), &env_file).as_ref(),
+            Some(&vars),
+            "naming the default path is the packaged config too"
+        );
+        // The overrides win over the file's keys, as they do for the service.
+        let (raw, source) = raw_with_env(Some(&other), Some(vars)).expect("parses");
+        assert_eq!(source.as_deref(), Some(other.as_path()));
+        assert_eq!(raw.intake.socket, Path::new("/run/elsewhere/intake.sock"));
+        assert_eq!(raw.spool.path, Path::new("/data/spool.db"));
+        let (raw, _) = raw_with_env(Some(&other), Some(std::collections::HashMap::new())).expect("parses");
+        assert_eq!(raw.intake.socket, Path::new("/run/from-file.sock"));
     }
 }

@@ -394,8 +394,14 @@ fn read_config_for_status(config: Option<PathBuf>) -> StatusAddrs {
     StatusAddrs { socket: raw.intake.socket, metrics }
 }
 
-/// The config file at `config` (or the default path), or the defaults where it cannot be read.
+/// The keys of the config file at `config` (or the default path) with the overrides the service
+/// sees (`config::service_overrides`: for the packaged config, `/etc/default/edge-uploader`'s
+/// too); where those do not parse, the file's alone; where it cannot be read, the defaults. Not
+/// validated: `status` and `push` need a socket path, not a config `run` would accept.
 fn raw_config_or_default(config: Option<PathBuf>) -> config::RawConfig {
+    if let Ok((raw, _)) = config::raw_with_env(config.as_deref(), config::service_overrides(config.as_deref())) {
+        return raw;
+    }
     let path = config.unwrap_or_else(|| PathBuf::from(config::DEFAULT_CONFIG_PATH));
     std::fs::read_to_string(&path)
         .ok()

@@ -26,7 +26,7 @@ pub const EXIT_DAMAGE: u8 = 1;
 pub fn run(config: Option<&Path>, spool: Option<PathBuf>, json: bool) -> u8 {
     let path = match spool {
         Some(p) => p,
-        None => match crate::config::load(config) {
+        None => match crate::config::load_as_service(config) {
             Ok(c) => c.spool.path,
             Err(e) => {
                 eprintln!("edge-uploader: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));

@@ -38,7 +38,7 @@ pub struct Purged {
 pub fn run(config: Option<&Path>, spool: Option<PathBuf>, json: bool) -> u8 {
     let opts = match spool {
         Some(p) => SpoolOptions::new(p),
-        None => match crate::config::load(config) {
+        None => match crate::config::load_as_service(config) {
             Ok(c) => c.spool,
             Err(e) => {
                 eprintln!("edge-uploader: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
