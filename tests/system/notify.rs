@@ -1,12 +1,14 @@
 //! systemd readiness protocol: both daemons, run with `NOTIFY_SOCKET` pointing at a socket of
 //! the test and a watchdog interval, send READY=1, then WATCHDOG=1, then STOPPING=1 on SIGTERM,
-//! in that order, and exit 0.
+//! in that order, and exit 0. The agent withholds WATCHDOG=1 while its spool is stuck in one
+//! commit, and says so in `status`.
 
 use std::time::Duration;
 
 use edge_testkit::{Daemon, bin};
 
-use crate::common::{READY_TIMEOUT, World};
+use crate::common::{READY_TIMEOUT, World, push, readings, status_json, wait_json};
+use crate::crash_loop::spawn_agent;
 
 fn check_sequence(name: &str, mut daemon: Daemon) -> anyhow::Result<()> {
     daemon.wait_notify("READY=1", READY_TIMEOUT)?;
@@ -36,4 +38,45 @@ fn both_daemons_send_ready_then_watchdog_then_stopping() -> anyhow::Result<()> {
     let agent =
         Daemon::spawn("agent", &bin("edge-uploader")?, &["run", "--config", &agent_cfg], world.path(), &watchdog)?;
     check_sequence("edge-uploader", agent)
+}
+
+#[test]
+fn a_spool_stuck_in_one_commit_withholds_the_watchdog_ping_and_makes_status_degraded() -> anyhow::Result<()> {
+    let world = World::new("gw-notify-02", "")?;
+    // The first commit with records sleeps 15 s on the spool's writer thread, as on a disk that
+    // stopped answering; the runtime, and the loop that pings, carry on meanwhile.
+    let envs = [("WATCHDOG_USEC", "1000000"), ("FAILPOINTS", "spool::append::before_commit=1*sleep(15000)")];
+    let mut agent = spawn_agent(&world, &envs)?;
+    agent.wait_ready(READY_TIMEOUT)?;
+    agent.wait_notify("WATCHDOG=1", Duration::from_secs(10))?;
+    let records = readings("stuck", 3);
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        agent.drain_notify();
+        let producer = s.spawn(|| push(&world, "stuck", &records));
+        let doc = wait_json(
+            "status degraded by the stuck commit",
+            || status_json(&world),
+            |code, d| {
+                code == 1
+                    && d["degraded_reasons"].as_array().is_some_and(|r| {
+                        r.iter().any(|r| r.as_str().is_some_and(|r| r.starts_with("the spool has been in one commit")))
+                    })
+            },
+        )?;
+        assert!(doc["spool"]["busy"]["ms"].as_u64().is_some_and(|ms| ms >= 10_000), "{doc}");
+        // Ten seconds and more into the commit, with a ping due every half second: at most the
+        // ones sent before the commit had lasted a ping interval.
+        let pings = agent.drain_notify().iter().filter(|m| m.lines().any(|l| l == "WATCHDOG=1")).count();
+        assert!(pings <= 2, "{pings} watchdog pings while the spool was stuck");
+        agent.wait_log("withholding the watchdog ping", Duration::from_secs(5))?;
+        producer.join().map_err(|_| anyhow::anyhow!("producer panicked"))??;
+        Ok(())
+    })?;
+    // Once the commit returns, the records are stored and the pings come again.
+    agent.wait_notify("WATCHDOG=1", Duration::from_secs(10))?;
+    agent.wait_log("the spool thread is back", Duration::from_secs(5))?;
+    let (_, doc) = status_json(&world)?;
+    assert_eq!(doc["spool"]["open_records"], 3, "{doc}");
+    assert!(agent.terminate(Duration::from_secs(30))?.success());
+    Ok(())
 }

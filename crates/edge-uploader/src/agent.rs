@@ -317,6 +317,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     let mut hangup =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).context("listening for SIGHUP")?;
     let mut running = config;
+    let mut withheld = false;
     loop {
         tokio::select! {
             () = &mut shutdown => break,
@@ -339,7 +340,24 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
                 }
             }
             () = async { match watchdog { Some(i) => tokio::time::sleep(i).await, None => std::future::pending().await } } => {
-                edge_telemetry::notify::watchdog();
+                // A spool thread stuck in one commit or fsync for a whole ping interval stops
+                // every producer and ack while this loop runs on: the ping is withheld, so that
+                // systemd restarts the agent if it stays stuck (after `WatchdogSec`).
+                match agent.spool.busy().filter(|(_, d)| watchdog.is_some_and(|i| *d >= i)) {
+                    Some((kind, d)) => {
+                        if !withheld {
+                            error!(busy_s = d.as_secs_f64(), "the spool has been in {} for {}: producers and acks wait; withholding the watchdog ping, so systemd restarts the agent if it stays stuck", kind.doing(), humantime::format_duration(Duration::from_secs(d.as_secs())));
+                        }
+                        withheld = true;
+                    }
+                    None => {
+                        if withheld {
+                            warn!("the spool thread is back; sending the watchdog ping again");
+                        }
+                        withheld = false;
+                        edge_telemetry::notify::watchdog();
+                    }
+                }
             }
         }
     }

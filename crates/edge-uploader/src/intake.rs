@@ -767,6 +767,7 @@ pub fn status_json(intake: &Intake) -> serde_json::Value {
             "dropped_records": s.dropped_records,
             "dropped_chunks": s.dropped_chunks,
             "quarantined_chunks": s.quarantined_chunks,
+            "busy": intake.spool.busy().map(|(kind, d)| json!({"doing": kind.doing(), "ms": d.as_millis() as u64})),
             "streams": s.streams.iter().map(|st| json!({
                 "name": st.name, "next_seq": st.next_seq, "sealed_chunks": st.sealed_chunks,
                 "bytes": st.bytes, "oldest_ms": st.oldest_ms,

@@ -108,9 +108,11 @@ pub const UPLOAD_CHUNKS_FROM_MEMORY_TOTAL: &str = "edge_uploader_upload_chunks_f
 pub const UPLOAD_WIRE_BYTES_TOTAL: &str = "edge_uploader_upload_wire_bytes_total";
 /// Histogram: a spool commit that producers or seals wait for, from its start to settled.
 pub const SPOOL_COMMIT_SECONDS: &str = "edge_uploader_spool_commit_seconds";
+/// How long the spool thread busy the longest has been at its current commit or fsync.
+pub const SPOOL_BUSY_SECONDS: &str = "edge_uploader_spool_busy_seconds";
 
 /// Every metric name above.
-pub const ALL: [&str; 34] = [
+pub const ALL: [&str; 35] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
@@ -123,6 +125,7 @@ pub const ALL: [&str; 34] = [
     SPOOL_DISK_BYTES,
     SPOOL_CHUNKS,
     SPOOL_OLDEST_UNACKED_AGE_SECONDS,
+    SPOOL_BUSY_SECONDS,
     UPLOAD_BYTES_TOTAL,
     UPLOAD_CHUNKS_TOTAL,
     CHUNK_UPLOAD_LATENCY_SECONDS,
@@ -415,6 +418,13 @@ const LIVE_SPOOL_DISK_BYTES: Live = Live::gauge(
            the payload segment files (whole, dead bytes of partly acked segments included) and the spare \
            segment; not the disk reserve. Can exceed edge_uploader_spool_bytes and spool.max_bytes.",
 );
+const LIVE_SPOOL_BUSY: Live = Live::gauge(
+    SPOOL_BUSY_SECONDS,
+    "How long the spool thread busy the longest (the writer in one commit, or the sync thread in one fsync) has \
+           been at it, at scrape time; 0 while both wait for work. Milliseconds on a healthy disk; seconds mean \
+           producers and acks wait on a disk that does not answer (status is degraded from 10 s, the watchdog \
+           ping withheld from half of WatchdogSec).",
+);
 const LIVE_SPOOL_CHUNKS: Live =
     Live::gauge(SPOOL_CHUNKS, "Sealed chunks in the spool waiting for the server's ack (quarantine excluded).");
 const LIVE_OLDEST_AGE: Live = Live::gauge(
@@ -488,7 +498,7 @@ const LIVE_WIRE_BYTES: Live = Live::counter(
            counted on every attempt, so a chunk sent again counts again. Against \
            edge_uploader_upload_bytes_total it shows what compression saves on the uplink.",
 );
-const LIVE_ALL: [&Live; 24] = [
+const LIVE_ALL: [&Live; 25] = [
     &LIVE_STREAM_BUFFER,
     &LIVE_REQUEST_BUFFER,
     &LIVE_REQUESTS_WAITING,
@@ -498,6 +508,7 @@ const LIVE_ALL: [&Live; 24] = [
     &LIVE_SPOOL_DISK_BYTES,
     &LIVE_SPOOL_CHUNKS,
     &LIVE_OLDEST_AGE,
+    &LIVE_SPOOL_BUSY,
     &LIVE_DROPPED,
     &LIVE_UPLOAD_CHUNKS,
     &LIVE_UPLOAD_BYTES,
@@ -539,6 +550,7 @@ fn live_families(spool: &SpoolStatsView, intake: &IntakeCounters, u: &UploadCoun
         LIVE_SPOOL_DISK_BYTES.family(&[("", spool.disk_bytes().map_or(f64::NAN, |n| n as f64))]),
         LIVE_SPOOL_CHUNKS.family(&[("", s.sealed_chunks as f64)]),
         LIVE_OLDEST_AGE.family(&[("", age)]),
+        LIVE_SPOOL_BUSY.family(&[("", spool.busy().map_or(0.0, |(_, d)| d.as_secs_f64()))]),
         LIVE_DROPPED.family(&[("spool_full", s.dropped_records as f64)]),
         LIVE_UPLOAD_CHUNKS.family(&results(crate::uploader::AckCounter::chunks)),
         LIVE_UPLOAD_BYTES.family(&results(crate::uploader::AckCounter::bytes)),

@@ -113,6 +113,7 @@ pub struct SpoolHandle {
     handoff: Arc<Handoff>,
     /// See [`crate::metrics::SPOOL_COMMIT_SECONDS`].
     commit_seconds: Histogram,
+    busy: Arc<Busy>,
 }
 
 /// Joins the spool thread when the last handle is gone.
@@ -149,6 +150,7 @@ impl SpoolHandle {
         let path: Arc<std::path::Path> = Arc::from(spool.options().path.as_path());
         let handoff = Arc::new(Handoff::default());
         let commit_seconds = crate::metrics::spool_commit_histogram();
+        let busy = Arc::new(Busy::new());
         let handle = SpoolHandle {
             tx,
             stats: stats.clone(),
@@ -159,13 +161,14 @@ impl SpoolHandle {
             path,
             handoff: handoff.clone(),
             commit_seconds: commit_seconds.clone(),
+            busy: busy.clone(),
         };
         let settler = Settler { sealed, handoff, settling: Arc::new(AtomicU64::new(0)), commit_seconds };
         let syncer = match wal_sync {
-            Some(wal) => Some(Syncer::spawn(wal, settler.clone())?),
+            Some(wal) => Some(Syncer::spawn(wal, settler.clone(), busy.clone())?),
             None => None,
         };
-        let shared = Shared { stats, uploader_idle, pending_acks, settler };
+        let shared = Shared { stats, uploader_idle, pending_acks, settler, busy };
         let join = std::thread::Builder::new()
             .name("edge-spool".into())
             .spawn(move || writer_loop(spool, rx, shared, syncer))?;
@@ -240,6 +243,7 @@ impl SpoolHandle {
             stats: self.stats.clone(),
             path: self.path.clone(),
             commit_seconds: self.commit_seconds.clone(),
+            busy: self.busy.clone(),
         }
     }
 
@@ -247,6 +251,12 @@ impl SpoolHandle {
     /// directory cannot be read.
     pub fn disk_bytes(&self) -> Option<u64> {
         disk_bytes(&self.path)
+    }
+
+    /// The spool thread that has been at its current work the longest, and for how long;
+    /// `None` while both wait for work (see [`Busy`]).
+    pub fn busy(&self) -> Option<(SpoolThreadKind, Duration)> {
+        self.busy.longest()
     }
 
     /// The queue of sealed chunks handed to the uploader in memory.
@@ -280,9 +290,15 @@ pub struct SpoolStatsView {
     stats: Arc<Mutex<SpoolStats>>,
     path: Arc<std::path::Path>,
     commit_seconds: Histogram,
+    busy: Arc<Busy>,
 }
 
 impl SpoolStatsView {
+    /// As [`SpoolHandle::busy`].
+    pub fn busy(&self) -> Option<(SpoolThreadKind, Duration)> {
+        self.busy.longest()
+    }
+
     /// The latest statistics snapshot, as [`SpoolHandle::stats`].
     pub fn get(&self) -> SpoolStats {
         crate::lock(&self.stats).clone()
@@ -340,6 +356,74 @@ struct Shared {
     uploader_idle: Arc<AtomicBool>,
     pending_acks: Arc<Mutex<Vec<ChunkId>>>,
     settler: Settler,
+    busy: Arc<Busy>,
+}
+
+/// How long each spool thread has been at what it is doing now: the writer at one iteration (a
+/// commit, a quarantine), the sync thread at one sync round. Both come back within
+/// milliseconds on a healthy disk; one that does not (a flash card that stopped answering, an
+/// fsync that never returns) stops every producer and every ack while the runtime, and the
+/// watchdog ping it sends, carry on. The agent withholds that ping and `status` says degraded
+/// (see [`SpoolHandle::busy`]).
+#[derive(Debug)]
+pub struct Busy {
+    base: Instant,
+    /// Milliseconds since `base`, plus one, when the thread started; 0 while it waits for work.
+    writer: AtomicU64,
+    sync: AtomicU64,
+}
+
+/// Which spool thread [`SpoolHandle::busy`] is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpoolThreadKind {
+    /// `edge-spool`: commits (appends, acks, seals), quarantines.
+    Writer,
+    /// `edge-spool-sync`: the fsyncs of the WAL and the payload segments.
+    Sync,
+}
+
+impl SpoolThreadKind {
+    /// What the thread is doing while busy, for messages.
+    pub fn doing(self) -> &'static str {
+        match self {
+            SpoolThreadKind::Writer => "one commit (thread edge-spool)",
+            SpoolThreadKind::Sync => "one fsync of the WAL and payload segments (thread edge-spool-sync)",
+        }
+    }
+}
+
+impl Busy {
+    fn new() -> Busy {
+        Busy { base: Instant::now(), writer: AtomicU64::new(0), sync: AtomicU64::new(0) }
+    }
+
+    fn slot(&self, kind: SpoolThreadKind) -> &AtomicU64 {
+        match kind {
+            SpoolThreadKind::Writer => &self.writer,
+            SpoolThreadKind::Sync => &self.sync,
+        }
+    }
+
+    fn start(&self, kind: SpoolThreadKind) {
+        let at = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
+        self.slot(kind).store(at, Ordering::Relaxed);
+    }
+
+    fn idle(&self, kind: SpoolThreadKind) {
+        self.slot(kind).store(0, Ordering::Relaxed);
+    }
+
+    /// The thread busy the longest, and for how long; `None` while both wait for work.
+    fn longest(&self) -> Option<(SpoolThreadKind, Duration)> {
+        let now = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
+        [SpoolThreadKind::Writer, SpoolThreadKind::Sync]
+            .into_iter()
+            .filter_map(|k| match self.slot(k).load(Ordering::Relaxed) {
+                0 => None,
+                at => Some((k, Duration::from_millis(now.saturating_sub(at)))),
+            })
+            .max_by_key(|(_, d)| *d)
+    }
 }
 
 /// What one commit promised, kept until it is durable.
@@ -435,7 +519,7 @@ struct Syncer {
 }
 
 impl Syncer {
-    fn spawn(mut wal: WalSync, settler: Settler) -> std::io::Result<Syncer> {
+    fn spawn(mut wal: WalSync, settler: Settler, busy: Arc<Busy>) -> std::io::Result<Syncer> {
         let (tx, rx) = mpsc::channel::<Settle>();
         let join = std::thread::Builder::new().name("edge-spool-sync".into()).spawn(move || {
             while let Ok(first) = rx.recv() {
@@ -443,7 +527,10 @@ impl Syncer {
                 let mut group = vec![first];
                 group.extend(rx.try_iter());
                 let through = group.iter().filter_map(|s| s.sealed_through).max();
-                let synced = wal.sync(through).map_err(|e| {
+                busy.start(SpoolThreadKind::Sync);
+                let synced = wal.sync(through);
+                busy.idle(SpoolThreadKind::Sync);
+                let synced = synced.map_err(|e| {
                     let failure = AppendFailure::Storage(edge_telemetry::logging::error_chain(&e));
                     error!(error = %failure, "could not fsync the spool's WAL or payload segments: the last commits may not survive a power cut; exiting");
                     failure
@@ -466,7 +553,7 @@ impl Syncer {
 }
 
 fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer: Option<Syncer>) {
-    let Shared { stats, uploader_idle, pending_acks, settler } = shared;
+    let Shared { stats, uploader_idle, pending_acks, settler, busy } = shared;
     let Settler { sealed, handoff, settling, .. } = settler.clone();
     let mut retained = Retained::default();
     let mut dropped_chunks = spool.stats().dropped_chunks;
@@ -503,7 +590,10 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
             (None, Some(t)) => tick.min(ACK_LINGER.saturating_sub(t.elapsed())),
             (None, None) => tick,
         };
-        match rx.recv_timeout(wait) {
+        busy.idle(SpoolThreadKind::Writer);
+        let got = rx.recv_timeout(wait);
+        busy.start(SpoolThreadKind::Writer);
+        match got {
             Ok(cmd) => take(cmd, &mut spool, &mut group_bytes),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => open = false,

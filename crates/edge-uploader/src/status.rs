@@ -182,9 +182,13 @@ pub async fn fetch_metrics(addr: std::net::SocketAddr, timeout: Duration) -> Res
 /// less than a request.
 pub const SPOOL_FULL_RATIO: f64 = 0.95;
 
+/// A spool thread at one commit or fsync this long makes the agent degraded: producers and acks
+/// wait for it, and on a healthy disk it takes milliseconds.
+pub const SPOOL_BUSY_DEGRADED: Duration = Duration::from_secs(10);
+
 /// Why the agent is degraded, if it is, from its status document: disconnected (with the last
-/// error, which says why); its backlog older than `max_backlog_age`; chunks in quarantine;
-/// records deleted unsent under `drop_oldest`; the spool at its cap.
+/// error, which says why); its backlog older than `max_backlog_age`; the spool at its cap; a
+/// spool thread stuck in one commit or fsync for [`SPOOL_BUSY_DEGRADED`].
 ///
 /// The agent's `last_error` is set when a connection or an attempt fails and never cleared, so
 /// while connected it is the error of an earlier, ended connection: shown, not a reason.
@@ -218,6 +222,15 @@ pub fn degraded_reasons(status: &Value, max_backlog_age: Duration, now_ms: u64) 
             bytesize::ByteSize::b(total),
             bytesize::ByteSize::b(max),
             total as f64 * 100.0 / max as f64,
+        ));
+    }
+    if let Some(ms) = sp["busy"]["ms"].as_u64()
+        && Duration::from_millis(ms) >= SPOOL_BUSY_DEGRADED
+    {
+        reasons.push(format!(
+            "the spool has been in {} for {}: producers and acks wait (a disk that does not answer?)",
+            sp["busy"]["doing"].as_str().unwrap_or("one operation"),
+            humantime::format_duration(Duration::from_secs(ms / 1000)),
         ));
     }
     reasons
@@ -391,6 +404,23 @@ mod tests {
         assert_eq!(r.len(), 2, "{r:?}");
         assert!(r[0].contains("not connected"));
         assert!(r[1].contains("2m"), "{r:?}");
+    }
+
+    #[test]
+    fn a_spool_thread_stuck_in_one_commit_for_10_s_is_degraded_and_a_short_one_is_not() {
+        let now = 100_000;
+        let reasons = |d: &Value| degraded_reasons(d, Duration::from_secs(60), now);
+        let mut d = doc(true, Some(99_000));
+        d["spool"]["busy"] = json!({"doing": "one commit (thread edge-spool)", "ms": 9_999});
+        assert!(reasons(&d).is_empty(), "{:?}", reasons(&d));
+        d["spool"]["busy"] = json!({"doing": "one commit (thread edge-spool)", "ms": 12_345});
+        assert_eq!(
+            reasons(&d),
+            [
+                "the spool has been in one commit (thread edge-spool) for 12s: producers and acks wait (a disk that does \
+              not answer?)"
+            ]
+        );
     }
 
     #[test]
