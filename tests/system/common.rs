@@ -23,6 +23,8 @@ pub struct World {
     pub agent_metrics: SocketAddr,
     /// The ingest server's `/metrics` address.
     pub ingest_metrics: SocketAddr,
+    /// The certificate files the two configs name.
+    pub pki: PkiFixture,
 }
 
 impl World {
@@ -72,7 +74,7 @@ impl World {
                 dev.key,
             ),
         )?;
-        Ok(World { dir, agent_config, ingest_config, agent_metrics, ingest_metrics })
+        Ok(World { dir, agent_config, ingest_config, agent_metrics, ingest_metrics, pki })
     }
 
     pub fn path(&self) -> &Path {

@@ -1,12 +1,15 @@
 //! SIGHUP reloads what can change at run time; an invalid new file is refused and the running
-//! configuration stays in force, on both daemons.
+//! configuration stays in force, on both daemons. A device certificate renewed on disk is used
+//! from the agent's next connection, without a restart or a reload.
 
+use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use edge_testkit::bin;
+use edge_transport::pki::InMemoryPki;
 
-use crate::common::World;
+use crate::common::{World, push, readings, status_json, wait_json};
 
 fn settings(world: &World) -> anyhow::Result<serde_json::Value> {
     // By socket, not by config: the test breaks the config file on purpose.
@@ -70,5 +73,61 @@ fn sighup_applies_a_valid_config_and_refuses_a_broken_one() -> anyhow::Result<()
     std::fs::write(&world.agent_config, &changed)?;
     assert!(agent.terminate(Duration::from_secs(30))?.success(), "agent died after the refused reload");
     assert!(ingest.terminate(Duration::from_secs(30))?.success(), "ingest died after the refused reload");
+    Ok(())
+}
+
+/// Replaces `path` as provisioning tools do: a new file renamed over the old one.
+fn replace(path: &Path, text: &str) -> anyhow::Result<()> {
+    let tmp = path.with_extension("renewed");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+#[test]
+fn a_device_certificate_renewed_on_disk_is_used_from_the_next_connection_without_a_restart() -> anyhow::Result<()> {
+    let device = "gw-renew-01";
+    let world = World::new(device, "")?;
+    // The world's files from a CA whose key the test keeps, the device's certificate ending
+    // in 15 s.
+    let pki = InMemoryPki::generate(&["localhost", "127.0.0.1"])?;
+    let server_dir = world.pki.server.cert.parent().expect("server dir");
+    pki.write_server_files(server_dir)?;
+    let files = world.pki.devices[0].1.clone();
+    let now = SystemTime::now();
+    let expiry = now + Duration::from_secs(15);
+    let (cert, key) = pki.issue_device_with_validity(device, now - Duration::from_secs(3600), expiry)?;
+    replace(&files.cert, &cert)?;
+    replace(&files.key, &key)?;
+    replace(&files.ca, &pki.ca_pem)?;
+
+    let mut ingest = world.start_ingest()?;
+    let mut agent = world.start_agent()?;
+    let first = readings("renewal", 6);
+    push(&world, "renewal", &first[..3])?;
+    wait_json("the first records acked", || status_json(&world), |_, d| d["upload"]["records_acked_total"] == 3)?;
+
+    // The ingest goes away and the certificate expires meanwhile (X.509 times have whole
+    // seconds; the end is a time on the clock, not an event).
+    assert!(ingest.terminate(Duration::from_secs(30))?.success());
+    let left = expiry.duration_since(SystemTime::now()).unwrap_or_default();
+    std::thread::sleep(left + Duration::from_millis(1100));
+    // Renewed on disk, as a provisioning tool does it; the agent is neither restarted nor told.
+    let (cert, key) = pki.issue_device(device)?;
+    replace(&files.cert, &cert)?;
+    replace(&files.key, &key)?;
+
+    let mut ingest = world.start_ingest()?;
+    push(&world, "renewal", &first[3..])?;
+    wait_json(
+        "every record acked over a connection with the renewed certificate",
+        || status_json(&world),
+        |_, d| d["upload"]["records_acked_total"] == 6,
+    )?;
+    agent.wait_log("device TLS files read", Duration::from_secs(5))?;
+    assert!(agent.terminate(Duration::from_secs(30))?.success());
+    assert!(ingest.terminate(Duration::from_secs(30))?.success());
+    let want: Vec<Vec<u8>> = first.into_iter().map(String::into_bytes).collect();
+    assert_eq!(world.export_raw("renewal")?, want);
     Ok(())
 }

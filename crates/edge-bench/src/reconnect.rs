@@ -181,7 +181,7 @@ impl Uploader {
         let opts = UploaderOptions {
             server: server.to_string(),
             server_name: "localhost".into(),
-            client_config,
+            tls: Arc::new(edge_uploader::client_tls::ClientTls::fixed(client_config)),
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             max_in_flight: Arc::new(AtomicU32::new(32)),
             max_in_flight_bytes: Arc::new(AtomicU64::new(8 << 20)),

@@ -39,6 +39,8 @@ pub struct Agent {
     uploader: tokio::task::JoinHandle<anyhow::Result<()>>,
     /// Socket files to remove at shutdown.
     intake_sockets: Vec<PathBuf>,
+    /// Shared with the uploader; its files are read again by a configuration reload.
+    tls: Arc<crate::client_tls::ClientTls>,
     /// Shared with the uploader; changed by a configuration reload.
     max_in_flight: Arc<AtomicU32>,
     /// Shared with the uploader; changed by a configuration reload.
@@ -120,8 +122,9 @@ impl Agent {
         }
         info!(socket = %config.intake.socket.display(), tcp = ?config.intake.tcp, stream_socket = ?config.intake.stream_socket, stream_tcp = ?config.intake.stream_tcp, "intake listening");
 
-        let client_config = edge_transport::client_config(&config.upload.tls, &config.upload.tuning)
+        let tls = crate::client_tls::ClientTls::from_files(config.upload.tls.clone(), config.upload.tuning.clone())
             .context("loading the agent's TLS files (upload.ca, upload.cert, upload.key)")?;
+        let tls = Arc::new(tls);
         // The order of the provider every connection uses, not a second computation of it.
         let suites = edge_transport::crypto_provider()
             .cipher_suites
@@ -140,7 +143,7 @@ impl Agent {
         let uopts = UploaderOptions {
             server: config.upload.server.clone(),
             server_name: config.upload.server_name.clone(),
-            client_config,
+            tls: tls.clone(),
             bind: config.upload.bind,
             max_in_flight: max_in_flight.clone(),
             max_in_flight_bytes: max_in_flight_bytes.clone(),
@@ -169,6 +172,7 @@ impl Agent {
             intake_sockets: std::iter::once(config.intake.socket.clone())
                 .chain(config.intake.stream_socket.clone())
                 .collect(),
+            tls,
             max_in_flight,
             max_in_flight_bytes,
             stream_tcp_addr,
@@ -224,8 +228,15 @@ impl Agent {
         self.max_in_flight.store(new.upload.max_in_flight, Ordering::Relaxed);
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
+        // The device's TLS files, at the new paths: a renewed certificate without a restart.
+        match self.tls.reload(new.upload.tls.clone()) {
+            Ok(()) => {
+                info!(cert = %new.upload.tls.cert.display(), "device TLS files read again; the next connection uses them")
+            }
+            Err(e) => error!(error = %e, "device TLS files do not load; the previous ones stay in use"),
+        }
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 24] = [
+        let fixed: [(&'static str, bool); 23] = [
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
             (
@@ -250,12 +261,6 @@ impl Agent {
             ("spool.chunk_target", a.spool.chunk_target_bytes != b.spool.chunk_target_bytes),
             ("spool.linger", a.spool.linger != b.spool.linger),
             ("upload.server", a.upload.server != b.upload.server || a.upload.server_name != b.upload.server_name),
-            (
-                "upload.tls",
-                a.upload.tls.cert != b.upload.tls.cert
-                    || a.upload.tls.key != b.upload.tls.key
-                    || a.upload.tls.server_ca != b.upload.tls.server_ca,
-            ),
             (
                 "upload.backoff",
                 a.upload.backoff_min != b.upload.backoff_min || a.upload.backoff_max != b.upload.backoff_max,

@@ -7,6 +7,7 @@
 
 pub mod agent;
 pub mod client;
+pub mod client_tls;
 pub mod compress;
 pub mod config;
 pub mod demo;

@@ -59,7 +59,8 @@ pub struct UploaderOptions {
     pub server: String,
     /// Name checked against the server certificate.
     pub server_name: String,
-    pub client_config: quinn::ClientConfig,
+    /// The TLS configuration, read again from its files when they change (`client_tls`).
+    pub tls: Arc<crate::client_tls::ClientTls>,
     pub bind: SocketAddr,
     /// Chunks in flight at most; shared so a configuration reload applies to a live connection.
     pub max_in_flight: Arc<std::sync::atomic::AtomicU32>,
@@ -377,6 +378,11 @@ pub async fn run(
                         silent = e.went_silent();
                         warn!(server = %opts.server, error = %e, "connection ended");
                         counters.set_error(e.to_string());
+                        if closed_for_certificate(conn.close_reason().as_ref()) {
+                            // Resuming would carry the same certificate again: the next
+                            // handshake is a full one, with the files as they are now.
+                            opts.tls.forget_sessions();
+                        }
                         if let ConnError::Protocol(p) = &e {
                             conn.close(p.code().to_u32().into(), p.to_string().as_bytes());
                         } else if e.made_progress() {
@@ -499,8 +505,16 @@ async fn resolve(opts: &UploaderOptions) -> anyhow::Result<SocketAddr> {
 
 async fn connect(endpoint: &quinn::Endpoint, opts: &UploaderOptions) -> anyhow::Result<quinn::Connection> {
     let addr = resolve(opts).await?;
-    let connecting = endpoint.connect_with(opts.client_config.clone(), addr, &opts.server_name)?;
+    let connecting = endpoint.connect_with(opts.tls.for_connect(), addr, &opts.server_name)?;
     Ok(connecting.await?)
+}
+
+/// Whether the server closed the connection for the device certificate: expired since the
+/// handshake (`Unauthorized`), or revoked.
+fn closed_for_certificate(reason: Option<&quinn::ConnectionError>) -> bool {
+    let Some(quinn::ConnectionError::ApplicationClosed(close)) = reason else { return false };
+    let code = u32::try_from(close.error_code.into_inner()).ok().and_then(ErrorCode::from_u32);
+    matches!(code, Some(ErrorCode::Unauthorized | ErrorCode::Revoked))
 }
 
 /// Exponential backoff with full jitter.
@@ -1163,6 +1177,22 @@ fn ack_outcome(acked: Result<AckStatus, tokio::sync::oneshot::error::RecvError>)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_close_for_the_certificate_makes_the_agent_forget_its_sessions() {
+        let closed = |code: ErrorCode| {
+            quinn::ConnectionError::ApplicationClosed(quinn::ApplicationClose {
+                error_code: code.to_u32().into(),
+                reason: bytes::Bytes::from_static(b"why"),
+            })
+        };
+        assert!(closed_for_certificate(Some(&closed(ErrorCode::Unauthorized))));
+        assert!(closed_for_certificate(Some(&closed(ErrorCode::Revoked))));
+        assert!(!closed_for_certificate(Some(&closed(ErrorCode::NoError))));
+        assert!(!closed_for_certificate(Some(&closed(ErrorCode::ProtocolViolation))));
+        assert!(!closed_for_certificate(Some(&quinn::ConnectionError::TimedOut)));
+        assert!(!closed_for_certificate(None));
+    }
 
     #[test]
     fn older_chunks_get_higher_send_priority() {

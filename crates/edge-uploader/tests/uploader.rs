@@ -70,7 +70,7 @@ impl AgentSide {
         UploaderOptions {
             server: server.to_string(),
             server_name: "localhost".into(),
-            client_config: self.client_config.clone(),
+            tls: Arc::new(edge_uploader::client_tls::ClientTls::fixed(self.client_config.clone())),
             bind: localhost(),
             max_in_flight: Arc::new(AtomicU32::new(8)),
             max_in_flight_bytes: Arc::new(AtomicU64::new(4 << 20)),

@@ -1,0 +1,212 @@
+//! The agent's TLS client configuration, kept in step with its files.
+//!
+//! Device certificates expire, and on ten thousand gateways they are renewed by a provisioning
+//! tool that writes new files over the old ones, not by an operator restarting each agent. So
+//! the agent does not keep what it read at start for its whole life: before every connection
+//! attempt it looks at the three files (`upload.cert`, `upload.key`, `upload.ca`: modification
+//! time, size, inode, so a file renamed into place counts), and reads them again when one
+//! changed. A SIGHUP reads them at once, at the paths of the new configuration. A set of files
+//! that does not load (a key written but not its certificate yet, a broken PEM) is logged and
+//! the previous configuration stays in use; it is tried again when a file changes next.
+//!
+//! A connection already open keeps the certificate it was made with: the ingest accepts it
+//! until that certificate expires, then closes it (`Unauthorized`), and the next attempt
+//! picks up the files. After such a close, or a `Revoked` one, the agent also forgets its TLS
+//! sessions ([`ClientTls::forget_sessions`]): resuming one would only carry the old
+//! certificate again, where a full handshake shows the new one, or gets the server's TLS alert
+//! naming what is wrong with the old.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+use tracing::{error, info, warn};
+
+/// What identifies a file's contents without reading it: modification time, size, inode.
+type Stamp = Option<(SystemTime, u64, u64)>;
+
+fn stamp(path: &Path) -> Stamp {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.modified().ok()?, m.len(), m.ino()))
+}
+
+/// The configuration every connection attempt takes (see the module doc).
+#[derive(Debug)]
+pub struct ClientTls {
+    tuning: edge_transport::Tuning,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// The files; `None` for a configuration given in memory (benchmarks, tests).
+    files: Option<edge_transport::ClientTls>,
+    config: quinn::ClientConfig,
+    /// The files' stamps when `config` was read, or when they last failed to load (so a broken
+    /// set is tried again only once it changes).
+    seen: [Stamp; 3],
+    /// Times the files were read into a new configuration after the first.
+    reloads: u64,
+}
+
+impl State {
+    fn stamps(&self) -> [Stamp; 3] {
+        self.files.as_ref().map_or([None, None, None], |f| [stamp(&f.cert), stamp(&f.key), stamp(&f.server_ca)])
+    }
+}
+
+impl ClientTls {
+    /// Reads the files of `tls`.
+    ///
+    /// # Errors
+    /// When they do not load (as [`edge_transport::client_config`]).
+    pub fn from_files(
+        tls: edge_transport::ClientTls,
+        tuning: edge_transport::Tuning,
+    ) -> Result<ClientTls, edge_transport::TransportError> {
+        let mut state =
+            State { files: None, config: edge_transport::client_config(&tls, &tuning)?, seen: [None; 3], reloads: 0 };
+        state.files = Some(tls);
+        // Stamped after the read: a change during it is seen at the next attempt.
+        state.seen = state.stamps();
+        Ok(ClientTls { tuning, state: Mutex::new(state) })
+    }
+
+    /// A configuration that never changes (no files behind it).
+    pub fn fixed(config: quinn::ClientConfig) -> ClientTls {
+        let state = State { files: None, config, seen: [None; 3], reloads: 0 };
+        ClientTls { tuning: edge_transport::Tuning::default(), state: Mutex::new(state) }
+    }
+
+    /// The configuration for the next connection attempt: the files read again first if one
+    /// changed since they were last read.
+    pub fn for_connect(&self) -> quinn::ClientConfig {
+        let mut st = crate::lock(&self.state);
+        let now = st.stamps();
+        if now != st.seen {
+            st.seen = now;
+            self.read_files(&mut st, true);
+        }
+        st.config.clone()
+    }
+
+    /// Drops the TLS sessions kept for resumption, so the next handshake is a full one (the
+    /// files are read again for it).
+    pub fn forget_sessions(&self) {
+        let mut st = crate::lock(&self.state);
+        st.seen = st.stamps();
+        self.read_files(&mut st, false);
+    }
+
+    /// SIGHUP: the files of `tls` (the paths may have changed) are read now, and used from the
+    /// next connection attempt.
+    ///
+    /// # Errors
+    /// When they do not load; the previous configuration stays in use.
+    pub fn reload(&self, tls: edge_transport::ClientTls) -> Result<(), edge_transport::TransportError> {
+        let config = edge_transport::client_config(&tls, &self.tuning)?;
+        let mut st = crate::lock(&self.state);
+        st.files = Some(tls);
+        st.seen = st.stamps();
+        st.config = config;
+        st.reloads += 1;
+        Ok(())
+    }
+
+    /// Times the files were read into a new configuration since the first.
+    pub fn reloads(&self) -> u64 {
+        crate::lock(&self.state).reloads
+    }
+
+    /// The certificate file in use (for logs); `None` for a fixed configuration.
+    pub fn cert_path(&self) -> Option<PathBuf> {
+        crate::lock(&self.state).files.as_ref().map(|f| f.cert.clone())
+    }
+
+    /// Reads the files into a new configuration (a new resumption store); `changed`: because
+    /// a file changed, not because the sessions are to be forgotten.
+    fn read_files(&self, st: &mut State, changed: bool) {
+        let Some(files) = &st.files else { return };
+        match edge_transport::client_config(files, &self.tuning) {
+            Ok(config) => {
+                let why = if changed { "a file changed" } else { "sessions forgotten" };
+                info!(cert = %files.cert.display(), why, "device TLS files read; the next connection uses them");
+                st.config = config;
+                st.reloads += 1;
+            }
+            Err(e) if changed => {
+                error!(cert = %files.cert.display(), error = %e, "device TLS files changed and do not load; the previous ones stay in use until they change again");
+            }
+            Err(e) => {
+                warn!(cert = %files.cert.display(), error = %e, "device TLS files do not load; the previous ones stay in use");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use edge_transport::pki::InMemoryPki;
+
+    fn files(pki: &InMemoryPki, dir: &Path) -> edge_transport::ClientTls {
+        let dev = pki.write_device_files("gw-tls-01", dir).expect("device files");
+        edge_transport::ClientTls {
+            cert: dev.cert,
+            key: dev.key,
+            server_ca: dev.ca_cert,
+            server_name: "localhost".into(),
+        }
+    }
+
+    /// Replaces `path` the way provisioning tools do: a new file renamed over the old one.
+    fn replace(path: &Path, text: &str) {
+        let tmp = path.with_extension("new");
+        std::fs::write(&tmp, text).expect("write");
+        std::fs::rename(&tmp, path).expect("rename");
+    }
+
+    #[test]
+    fn changed_files_are_read_at_the_next_attempt_and_broken_ones_leave_the_last_good_in_use() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+        let tls = files(&pki, dir.path());
+        let source = ClientTls::from_files(tls.clone(), edge_transport::Tuning::default()).expect("loads");
+        let _ = source.for_connect();
+        assert_eq!(source.reloads(), 0, "nothing changed");
+
+        // A renewal: certificate and key replaced.
+        let (cert, key) = pki.issue_device("gw-tls-01").expect("renewed");
+        replace(&tls.cert, &cert);
+        replace(&tls.key, &key);
+        let _ = source.for_connect();
+        assert_eq!(source.reloads(), 1, "read again once");
+        let _ = source.for_connect();
+        assert_eq!(source.reloads(), 1, "and not again while unchanged");
+
+        // Half a renewal that does not parse: the last good configuration stays, and the
+        // broken file is not read at every attempt.
+        replace(&tls.cert, "-----BEGIN CERTIFICATE-----\nnot base64\n");
+        let _ = source.for_connect();
+        let _ = source.for_connect();
+        assert_eq!(source.reloads(), 1);
+        // Fixed: read.
+        replace(&tls.cert, &cert);
+        let _ = source.for_connect();
+        assert_eq!(source.reloads(), 2);
+
+        // Forgetting the sessions reads the files (a new resumption store) even unchanged.
+        source.forget_sessions();
+        assert_eq!(source.reloads(), 3);
+
+        // SIGHUP with files elsewhere; a set that does not load is refused and changes nothing.
+        let other = files(&pki, &dir.path().join("other"));
+        source.reload(other.clone()).expect("reload");
+        assert_eq!(source.cert_path(), Some(other.cert.clone()));
+        let missing = edge_transport::ClientTls { cert: dir.path().join("missing.pem"), ..other.clone() };
+        assert!(source.reload(missing).is_err());
+        assert_eq!(source.cert_path(), Some(other.cert), "the refused paths are not taken");
+        assert_eq!(source.reloads(), 4);
+    }
+}
