@@ -168,7 +168,11 @@ pub fn addr_from_config(config: Option<&Path>) -> Option<String> {
 fn addr_from(config: Option<&Path>, env_file: &Path) -> Option<String> {
     let packaged = config.is_none_or(|p| p == Path::new(crate::config::DEFAULT_CONFIG_PATH));
     let from_env = if packaged {
-        edge_telemetry::service_env::overrides(env_file, crate::config::ENV_PREFIX).remove(LISTEN_ENV)
+        let mut found = edge_telemetry::service_env::overrides(env_file, crate::config::ENV_PREFIX);
+        if let Some(why) = found.unreadable {
+            eprintln!("edge-ingest: {why}; the service's overrides in it are not applied here");
+        }
+        found.vars.remove(LISTEN_ENV)
     } else {
         std::env::var(LISTEN_ENV).ok()
     };

@@ -40,8 +40,12 @@ impl SpoolLock {
         }
         let path = lock_path(db);
         let io = |source| SpoolError::Io { path: path.clone(), source };
-        let mut file =
-            OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io)?;
+        // Read-only where it may not be written (left by a run as another user): `flock` needs
+        // no write access, and the pid is for messages only.
+        let mut file = match OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => File::open(&path).map_err(io)?,
+            other => other.map_err(io)?,
+        };
         match file.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {

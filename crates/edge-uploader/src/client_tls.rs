@@ -4,10 +4,12 @@
 //! tool that writes new files over the old ones, not by an operator restarting each agent. So
 //! the agent does not keep what it read at start for its whole life: before every connection
 //! attempt it looks at the three files (`upload.cert`, `upload.key`, `upload.ca`: modification
-//! time, size, inode, so a file renamed into place counts), and reads them again when one
-//! changed. A SIGHUP reads them at once, at the paths of the new configuration. A set of files
-//! that does not load (a key written but not its certificate yet, a broken PEM) is logged and
-//! the previous configuration stays in use; it is tried again when a file changes next.
+//! and change times, size, inode, so a file renamed into place counts, and so does a `chmod`
+//! or `chown` that makes it readable), and reads them again when one changed. A SIGHUP reads
+//! them at once, at the paths of the new configuration. A set of files that does not load (a
+//! key written but not its certificate yet, a broken PEM, a key the agent may not read) is
+//! logged and the previous configuration stays in use; it is tried again when a file changes,
+//! and at the first attempt a minute after it failed.
 //!
 //! A connection already open keeps the certificate it was made with: the ingest accepts it
 //! until that certificate expires, then closes it (`Unauthorized`), and the next attempt
@@ -18,18 +20,23 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use tracing::{error, info, warn};
 
-/// What identifies a file's contents without reading it: modification time, size, inode.
-type Stamp = Option<(SystemTime, u64, u64)>;
+/// What identifies a file's contents and access without reading it: modification time, change
+/// time (owner and mode too), size, inode.
+type Stamp = Option<(SystemTime, (i64, i64), u64, u64)>;
 
 fn stamp(path: &Path) -> Stamp {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(path).ok()?;
-    Some((m.modified().ok()?, m.len(), m.ino()))
+    Some((m.modified().ok()?, (m.ctime(), m.ctime_nsec()), m.len(), m.ino()))
 }
+
+/// After a set of files failed to load, it is tried again at the first attempt this long after,
+/// even unchanged (a failure the stamp does not show, such as a directory's permissions).
+const RETRY_FAILED: Duration = Duration::from_secs(60);
 
 /// The configuration every connection attempt takes (see the module doc).
 #[derive(Debug)]
@@ -44,8 +51,10 @@ struct State {
     files: Option<edge_transport::ClientTls>,
     config: quinn::ClientConfig,
     /// The files' stamps when `config` was read, or when they last failed to load (so a broken
-    /// set is tried again only once it changes).
+    /// set is tried again once it changes, or after [`RETRY_FAILED`]).
     seen: [Stamp; 3],
+    /// When the files last failed to load, if they did after the last good read.
+    failed_at: Option<Instant>,
     /// Times the files were read into a new configuration after the first.
     reloads: u64,
 }
@@ -65,17 +74,16 @@ impl ClientTls {
         tls: edge_transport::ClientTls,
         tuning: edge_transport::Tuning,
     ) -> Result<ClientTls, edge_transport::TransportError> {
-        let mut state =
-            State { files: None, config: edge_transport::client_config(&tls, &tuning)?, seen: [None; 3], reloads: 0 };
-        state.files = Some(tls);
-        // Stamped after the read: a change during it is seen at the next attempt.
-        state.seen = state.stamps();
+        // Stamped before the read: a change during it is seen at the next attempt.
+        let seen = [stamp(&tls.cert), stamp(&tls.key), stamp(&tls.server_ca)];
+        let config = edge_transport::client_config(&tls, &tuning)?;
+        let state = State { files: Some(tls), config, seen, failed_at: None, reloads: 0 };
         Ok(ClientTls { tuning, state: Mutex::new(state) })
     }
 
     /// A configuration that never changes (no files behind it).
     pub fn fixed(config: quinn::ClientConfig) -> ClientTls {
-        let state = State { files: None, config, seen: [None; 3], reloads: 0 };
+        let state = State { files: None, config, seen: [None; 3], failed_at: None, reloads: 0 };
         ClientTls { tuning: edge_transport::Tuning::default(), state: Mutex::new(state) }
     }
 
@@ -84,7 +92,8 @@ impl ClientTls {
     pub fn for_connect(&self) -> quinn::ClientConfig {
         let mut st = crate::lock(&self.state);
         let now = st.stamps();
-        if now != st.seen {
+        let retry = st.failed_at.is_some_and(|t| t.elapsed() >= RETRY_FAILED);
+        if now != st.seen || retry {
             st.seen = now;
             self.read_files(&mut st, true);
         }
@@ -105,11 +114,13 @@ impl ClientTls {
     /// # Errors
     /// When they do not load; the previous configuration stays in use.
     pub fn reload(&self, tls: edge_transport::ClientTls) -> Result<(), edge_transport::TransportError> {
+        let seen = [stamp(&tls.cert), stamp(&tls.key), stamp(&tls.server_ca)];
         let config = edge_transport::client_config(&tls, &self.tuning)?;
         let mut st = crate::lock(&self.state);
         st.files = Some(tls);
-        st.seen = st.stamps();
+        st.seen = seen;
         st.config = config;
+        st.failed_at = None;
         st.reloads += 1;
         Ok(())
     }
@@ -133,12 +144,15 @@ impl ClientTls {
                 let why = if changed { "a file changed" } else { "sessions forgotten" };
                 info!(cert = %files.cert.display(), why, "device TLS files read; the next connection uses them");
                 st.config = config;
+                st.failed_at = None;
                 st.reloads += 1;
             }
             Err(e) if changed => {
-                error!(cert = %files.cert.display(), error = %e, "device TLS files changed and do not load; the previous ones stay in use until they change again");
+                st.failed_at = Some(Instant::now());
+                error!(cert = %files.cert.display(), error = %e, "device TLS files changed and do not load; the previous ones stay in use (tried again when a file changes, or in a minute)");
             }
             Err(e) => {
+                st.failed_at = Some(Instant::now());
                 warn!(cert = %files.cert.display(), error = %e, "device TLS files do not load; the previous ones stay in use");
             }
         }
@@ -196,9 +210,15 @@ mod tests {
         let _ = source.for_connect();
         assert_eq!(source.reloads(), 2);
 
+        // A change of mode alone (a key made readable by `chmod` or `chown`) counts too.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&tls.cert, std::fs::Permissions::from_mode(0o640)).expect("chmod");
+        let _ = source.for_connect();
+        assert_eq!(source.reloads(), 3);
+
         // Forgetting the sessions reads the files (a new resumption store) even unchanged.
         source.forget_sessions();
-        assert_eq!(source.reloads(), 3);
+        assert_eq!(source.reloads(), 4);
 
         // SIGHUP with files elsewhere; a set that does not load is refused and changes nothing.
         let other = files(&pki, &dir.path().join("other"));
@@ -207,6 +227,6 @@ mod tests {
         let missing = edge_transport::ClientTls { cert: dir.path().join("missing.pem"), ..other.clone() };
         assert!(source.reload(missing).is_err());
         assert_eq!(source.cert_path(), Some(other.cert), "the refused paths are not taken");
-        assert_eq!(source.reloads(), 4);
+        assert_eq!(source.reloads(), 5);
     }
 }

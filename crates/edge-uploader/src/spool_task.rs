@@ -704,6 +704,7 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
             None => settler.settle(settle, Ok(())),
         }
     }
+    busy.idle(SpoolThreadKind::Writer);
     if let Some(Syncer { tx, join }) = syncer {
         // The sync thread settles what is queued, then ends; the spool closes after it.
         drop(tx);

@@ -30,7 +30,7 @@ fn append(spool: &mut Spool, stream: &str, record: &[u8], now: u64) {
 }
 
 #[test]
-fn purge_waits_for_the_writer_then_deletes_only_the_quarantined_chunks() {
+fn purge_is_refused_while_the_spool_is_open_then_deletes_only_the_quarantined_chunks() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("spool.db");
     let (mut spool, _) = Spool::open(SpoolOptions::new(path.clone())).expect("open");
