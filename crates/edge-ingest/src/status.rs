@@ -166,18 +166,20 @@ pub fn addr_from_config(config: Option<&Path>) -> Option<String> {
 }
 
 fn addr_from(config: Option<&Path>, env_file: &Path) -> Option<String> {
-    let packaged = config.is_none_or(|p| p == Path::new(crate::config::DEFAULT_CONFIG_PATH));
-    let from_env = if packaged {
-        let mut found = edge_telemetry::service_env::overrides(env_file, crate::config::ENV_PREFIX);
-        if let Some(why) = found.unreadable {
-            eprintln!("edge-ingest: {why}; the service's overrides in it are not applied here");
-        }
-        found.vars.remove(LISTEN_ENV)
-    } else {
-        std::env::var(LISTEN_ENV).ok()
+    let packaged = Path::new(crate::config::DEFAULT_CONFIG_PATH);
+    let service = edge_telemetry::service_env::for_packaged_config(
+        config,
+        packaged,
+        env_file,
+        crate::config::ENV_PREFIX,
+        "edge-ingest",
+    );
+    let from_env = match service {
+        Some(mut vars) => vars.remove(LISTEN_ENV),
+        None => std::env::var(LISTEN_ENV).ok(),
     };
     let listen = from_env.or_else(|| {
-        let path = config.unwrap_or_else(|| Path::new(crate::config::DEFAULT_CONFIG_PATH));
+        let path = config.unwrap_or(packaged);
         let text = std::fs::read_to_string(path).ok()?;
         let table: toml::Table = toml::from_str(&text).ok()?;
         table.get("metrics")?.get("listen")?.as_str().map(str::to_owned)

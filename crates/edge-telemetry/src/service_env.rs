@@ -47,6 +47,27 @@ pub fn overrides(env_file: &Path, prefix: &str) -> Overrides {
     out
 }
 
+/// The service's overrides (see [`overrides`]) for a command given `config`, when that is the
+/// packaged config (none given, or `packaged_config`); `None` for another config, to which the
+/// unit's file does not apply. An unreadable file is said on stderr, as `program: ...`: these
+/// are the operator's commands, the daemon gets the file from systemd.
+pub fn for_packaged_config(
+    config: Option<&Path>,
+    packaged_config: &Path,
+    env_file: &Path,
+    prefix: &str,
+    program: &str,
+) -> Option<HashMap<String, String>> {
+    if config.is_some_and(|p| p != packaged_config) {
+        return None;
+    }
+    let found = overrides(env_file, prefix);
+    if let Some(why) = found.unreadable {
+        eprintln!("{program}: {why}; the service's overrides in it are not applied here");
+    }
+    Some(found.vars)
+}
+
 /// The assignments of an `EnvironmentFile=`, in order, by systemd's rules (module doc). A later
 /// assignment of a key replaces an earlier one when collected into a map, as in systemd.
 pub fn parse_env_file(text: &str) -> Vec<(String, String)> {

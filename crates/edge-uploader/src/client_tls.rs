@@ -28,6 +28,11 @@ use tracing::{error, info, warn};
 /// time (owner and mode too), size, inode.
 type Stamp = Option<(SystemTime, (i64, i64), u64, u64)>;
 
+/// The stamps of the three files of `tls`.
+fn stamps(tls: &edge_transport::ClientTls) -> [Stamp; 3] {
+    [stamp(&tls.cert), stamp(&tls.key), stamp(&tls.server_ca)]
+}
+
 fn stamp(path: &Path) -> Stamp {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(path).ok()?;
@@ -61,7 +66,7 @@ struct State {
 
 impl State {
     fn stamps(&self) -> [Stamp; 3] {
-        self.files.as_ref().map_or([None, None, None], |f| [stamp(&f.cert), stamp(&f.key), stamp(&f.server_ca)])
+        self.files.as_ref().map_or([None, None, None], stamps)
     }
 }
 
@@ -75,7 +80,7 @@ impl ClientTls {
         tuning: edge_transport::Tuning,
     ) -> Result<ClientTls, edge_transport::TransportError> {
         // Stamped before the read: a change during it is seen at the next attempt.
-        let seen = [stamp(&tls.cert), stamp(&tls.key), stamp(&tls.server_ca)];
+        let seen = stamps(&tls);
         let config = edge_transport::client_config(&tls, &tuning)?;
         let state = State { files: Some(tls), config, seen, failed_at: None, reloads: 0 };
         Ok(ClientTls { tuning, state: Mutex::new(state) })
@@ -114,7 +119,7 @@ impl ClientTls {
     /// # Errors
     /// When they do not load; the previous configuration stays in use.
     pub fn reload(&self, tls: edge_transport::ClientTls) -> Result<(), edge_transport::TransportError> {
-        let seen = [stamp(&tls.cert), stamp(&tls.key), stamp(&tls.server_ca)];
+        let seen = stamps(&tls);
         let config = edge_transport::client_config(&tls, &self.tuning)?;
         let mut st = crate::lock(&self.state);
         st.files = Some(tls);

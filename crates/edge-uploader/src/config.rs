@@ -296,15 +296,13 @@ pub fn service_overrides(path: Option<&Path>) -> Option<std::collections::HashMa
 }
 
 fn service_overrides_in(path: Option<&Path>, env_file: &Path) -> Option<std::collections::HashMap<String, String>> {
-    let packaged = path.is_none_or(|p| p == Path::new(DEFAULT_CONFIG_PATH));
-    packaged.then(|| {
-        let found = edge_telemetry::service_env::overrides(env_file, ENV_PREFIX);
-        if let Some(why) = found.unreadable {
-            // The operator's commands only: the daemon gets the file from systemd.
-            eprintln!("edge-uploader: {why}; the service's overrides in it are not applied here");
-        }
-        found.vars
-    })
+    edge_telemetry::service_env::for_packaged_config(
+        path,
+        Path::new(DEFAULT_CONFIG_PATH),
+        env_file,
+        ENV_PREFIX,
+        "edge-uploader",
+    )
 }
 
 /// [`load`] for the commands that look at the running service (`spool check`, `spool

@@ -21,23 +21,34 @@ pub const EXIT_CLEAN: u8 = 0;
 /// Exit code when damage was found.
 pub const EXIT_DAMAGE: u8 = 1;
 
-/// Resolves the spool path (`--spool` wins over the config), runs the check, prints the result
-/// and returns the exit code.
-pub fn run(config: Option<&Path>, spool: Option<PathBuf>, json: bool) -> u8 {
-    let path = match spool {
-        Some(p) => p,
+/// The spool the `spool` subcommands work on: `--spool` (default options) wins over the
+/// config (its spool options, with the service's overrides). `Err` is the exit code, the reason
+/// printed: an invalid config, or no spool file there (opening would create one).
+pub(crate) fn existing_spool(config: Option<&Path>, spool: Option<PathBuf>) -> Result<edge_spool::SpoolOptions, u8> {
+    let opts = match spool {
+        Some(p) => edge_spool::SpoolOptions::new(p),
         None => match crate::config::load_as_service(config) {
-            Ok(c) => c.spool.path,
+            Ok(c) => c.spool,
             Err(e) => {
                 eprintln!("edge-uploader: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
-                return config_exit();
+                return Err(config_exit());
             }
         },
     };
-    if !path.is_file() {
-        eprintln!("edge-uploader: spool file {} does not exist", path.display());
-        return config_exit();
+    if !opts.path.is_file() {
+        eprintln!("edge-uploader: spool file {} does not exist", opts.path.display());
+        return Err(config_exit());
     }
+    Ok(opts)
+}
+
+/// Resolves the spool path ([`existing_spool`]), runs the check, prints the result and returns
+/// the exit code.
+pub fn run(config: Option<&Path>, spool: Option<PathBuf>, json: bool) -> u8 {
+    let path = match existing_spool(config, spool) {
+        Ok(opts) => opts.path,
+        Err(code) => return code,
+    };
     let report = match edge_spool::check(&path) {
         Ok(r) => r,
         Err(e) => {
@@ -57,7 +68,7 @@ pub fn run(config: Option<&Path>, spool: Option<PathBuf>, json: bool) -> u8 {
     if report.has_damage() { EXIT_DAMAGE } else { EXIT_CLEAN }
 }
 
-fn config_exit() -> u8 {
+pub(crate) fn config_exit() -> u8 {
     u8::try_from(EXIT_CONFIG).unwrap_or(78)
 }
 

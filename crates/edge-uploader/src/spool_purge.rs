@@ -19,8 +19,6 @@ use anyhow::Context;
 use edge_spool::{QuarantinedChunk, Spool, SpoolOptions};
 use serde_json::json;
 
-use crate::EXIT_CONFIG;
-
 /// Exit code when the spool could not be opened or written.
 pub const EXIT_FAILED: u8 = 1;
 
@@ -33,27 +31,16 @@ pub struct Purged {
     pub disk_bytes: (u64, u64),
 }
 
-/// Resolves the spool (`--spool` wins over the config, whose spool options apply otherwise),
-/// purges, prints what was deleted and returns the exit code.
+/// Resolves the spool ([`crate::spool_check::existing_spool`]), purges, prints what was
+/// deleted and returns the exit code.
 pub fn run(config: Option<&Path>, spool: Option<PathBuf>, json: bool) -> u8 {
-    let opts = match spool {
-        Some(p) => SpoolOptions::new(p),
-        None => match crate::config::load_as_service(config) {
-            Ok(c) => c.spool,
-            Err(e) => {
-                eprintln!("edge-uploader: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
-                return u8::try_from(EXIT_CONFIG).unwrap_or(78);
-            }
-        },
+    let opts = match crate::spool_check::existing_spool(config, spool) {
+        Ok(opts) => opts,
+        Err(code) => return code,
     };
-    // Opening creates a spool where there is none: that is not what an operator asked for.
-    if !opts.path.is_file() {
-        eprintln!("edge-uploader: spool file {} does not exist", opts.path.display());
-        return u8::try_from(EXIT_CONFIG).unwrap_or(78);
-    }
     if let Err(why) = same_owner(&opts.path) {
         eprintln!("edge-uploader: {why}");
-        return u8::try_from(EXIT_CONFIG).unwrap_or(78);
+        return crate::spool_check::config_exit();
     }
     let path = opts.path.clone();
     match purge(opts) {

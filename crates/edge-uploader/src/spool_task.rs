@@ -404,9 +404,13 @@ impl Busy {
         }
     }
 
+    /// Milliseconds since `base`, plus one (0 means idle).
+    fn now(&self) -> u64 {
+        u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1
+    }
+
     fn start(&self, kind: SpoolThreadKind) {
-        let at = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
-        self.slot(kind).store(at, Ordering::Relaxed);
+        self.slot(kind).store(self.now(), Ordering::Relaxed);
     }
 
     fn idle(&self, kind: SpoolThreadKind) {
@@ -415,7 +419,7 @@ impl Busy {
 
     /// The thread busy the longest, and for how long; `None` while both wait for work.
     fn longest(&self) -> Option<(SpoolThreadKind, Duration)> {
-        let now = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
+        let now = self.now();
         [SpoolThreadKind::Writer, SpoolThreadKind::Sync]
             .into_iter()
             .filter_map(|k| match self.slot(k).load(Ordering::Relaxed) {
