@@ -1,7 +1,7 @@
 //! systemd readiness protocol: both daemons, run with `NOTIFY_SOCKET` pointing at a socket of
 //! the test and a watchdog interval, send READY=1, then WATCHDOG=1, then STOPPING=1 on SIGTERM,
-//! in that order, and exit 0. The agent withholds WATCHDOG=1 while its spool is stuck in one
-//! commit, and says so in `status`.
+//! in that order, and exit 0. The agent withholds WATCHDOG=1 while its spool has been stuck in
+//! one commit for a ping interval and at least 10 s, and says so in `status`.
 
 use std::time::Duration;
 
@@ -43,19 +43,25 @@ fn both_daemons_send_ready_then_watchdog_then_stopping() -> anyhow::Result<()> {
 #[test]
 fn a_spool_stuck_in_one_commit_withholds_the_watchdog_ping_and_makes_status_degraded() -> anyhow::Result<()> {
     let world = World::new("gw-notify-02", "")?;
-    // The first commit with records sleeps 15 s on the spool's writer thread, as on a disk that
+    // The first commit with records sleeps 18 s on the spool's writer thread, as on a disk that
     // stopped answering; the runtime, and the loop that pings, carry on meanwhile.
-    let envs = [("WATCHDOG_USEC", "1000000"), ("FAILPOINTS", "spool::append::before_commit=1*sleep(15000)")];
+    let envs = [("WATCHDOG_USEC", "1000000"), ("FAILPOINTS", "spool::append::before_commit=1*sleep(18000)")];
     let mut agent = spawn_agent(&world, &envs)?;
     agent.wait_ready(READY_TIMEOUT)?;
     agent.wait_notify("WATCHDOG=1", Duration::from_secs(10))?;
     let records = readings("stuck", 3);
+    let pings =
+        |agent: &mut Daemon| agent.drain_notify().iter().filter(|m| m.lines().any(|l| l == "WATCHDOG=1")).count();
     std::thread::scope(|s| -> anyhow::Result<()> {
         let producer = s.spawn(|| push(&world, "stuck", &records));
         let busy_for = |ms: u64| move |_: i32, d: &serde_json::Value| d["spool"]["busy"]["ms"].as_u64() >= Some(ms);
-        // Two seconds into the commit, four ping intervals: every ping from now on is withheld.
+        // A ping interval of 0.5 s, but a commit slow for less than the 10 s at which the spool
+        // counts as stuck withholds nothing: a short WatchdogSec must not restart the agent over
+        // one slow fsync.
         wait_json("the commit stuck for 2 s", || status_json(&world), busy_for(2_000))?;
         agent.drain_notify();
+        wait_json("the commit stuck for 8 s", || status_json(&world), busy_for(8_000))?;
+        assert!(pings(&mut agent) > 0, "the ping was withheld for a commit slow for less than 10 s");
         let doc = wait_json(
             "status degraded by the stuck commit",
             || status_json(&world),
@@ -67,8 +73,11 @@ fn a_spool_stuck_in_one_commit_withholds_the_watchdog_ping_and_makes_status_degr
             },
         )?;
         assert!(doc["spool"]["busy"]["ms"].as_u64() >= Some(10_000), "{doc}");
-        let pings = agent.drain_notify().iter().filter(|m| m.lines().any(|l| l == "WATCHDOG=1")).count();
-        assert_eq!(pings, 0, "watchdog pings while the spool was stuck");
+        // From 10 s on, every ping is withheld (a check runs each 0.5 s).
+        wait_json("the commit stuck for 11 s", || status_json(&world), busy_for(11_000))?;
+        agent.drain_notify();
+        wait_json("the commit stuck for 14 s", || status_json(&world), busy_for(14_000))?;
+        assert_eq!(pings(&mut agent), 0, "watchdog pings while the spool was stuck");
         agent.wait_log("withholding the watchdog ping", Duration::from_secs(5))?;
         producer.join().map_err(|_| anyhow::anyhow!("producer panicked"))??;
         Ok(())

@@ -37,6 +37,9 @@ pub(crate) const BATCH_LEN: &str = "CASE WHEN segment IS NULL THEN length(data) 
 /// How long a connection waits for a lock held by another connection.
 pub(crate) const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long a best-effort truncating checkpoint waits for readers to move off an old snapshot.
+pub(crate) const CHECKPOINT_WAIT: Duration = Duration::from_millis(100);
+
 /// Upper bound SQLite keeps the WAL at after a checkpoint (bytes).
 const JOURNAL_SIZE_LIMIT: i64 = 64 << 20;
 

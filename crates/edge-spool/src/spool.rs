@@ -648,10 +648,24 @@ impl Spool {
     /// `PRAGMA wal_checkpoint(TRUNCATE)`, best effort: copies the WAL into the main file and
     /// cuts the WAL to zero bytes. Fails harmlessly (logged at debug) when a reader holds an old
     /// snapshot or the main file cannot grow.
+    ///
+    /// A truncating checkpoint waits for every reader through the busy handler. On a full disk
+    /// one commit may run it up to four times, and a long reader (a `spool check` of a large
+    /// spool) would make each wait the whole [`crate::schema::BUSY_TIMEOUT`] while producers and acks
+    /// stand still; so it waits [`crate::schema::CHECKPOINT_WAIT`] at most and gives up.
     fn checkpoint_truncate(&mut self) {
+        if let Err(e) = self.conn.busy_timeout(crate::schema::CHECKPOINT_WAIT) {
+            tracing::debug!(error = %e, "WAL checkpoint skipped: setting its busy timeout failed");
+            return;
+        }
         let r = self.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
             Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?))
         });
+        if let Err(e) = self.conn.busy_timeout(crate::schema::BUSY_TIMEOUT) {
+            // sqlite3_busy_timeout cannot fail on an open connection; were it to, the next
+            // writes would give up on a lock at once and say so, losing nothing.
+            tracing::warn!(error = %e, "restoring the spool's busy timeout failed");
+        }
         match r {
             Ok((0, _, _)) => {}
             Ok((busy, log, done)) => tracing::debug!(busy, log, done, "WAL checkpoint did not complete"),
@@ -1437,6 +1451,37 @@ mod tests {
         spool.simulate_full_segments(false);
         drop(spool);
         assert_eq!(open(&opts).0.stats(), stats);
+    }
+
+    #[test]
+    fn a_long_reader_does_not_hold_a_commit_on_a_full_disk_for_the_busy_timeout() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", &[1; 3_000])])], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        let acked = all_sealed(&spool)[0].id;
+        // A reader in the middle of a long read (a `spool check` of a large spool): its read
+        // transaction blocks every truncating checkpoint until it ends.
+        let reader = rusqlite::Connection::open(&opts.path).expect("reader");
+        reader.execute_batch("BEGIN").expect("begin");
+        let n: i64 = reader.query_row("SELECT count(*) FROM chunks", [], |r| r.get(0)).expect("read");
+        assert_eq!(n, 1);
+        let pages = count(&spool, "PRAGMA page_count");
+        spool.conn().pragma_update(None, "max_page_count", pages).expect("cap pages");
+        spool.simulate_full_segments(true);
+        let started = std::time::Instant::now();
+        let r = spool.commit(&[req(vec![batch("c", &[3; 100_000])])], &[acked], SealWhat::All, 3).expect("acks commit");
+        let waited = started.elapsed();
+        assert!(matches!(r.appends, Err(SpoolError::DiskFull)), "{:?}", r.appends);
+        assert_eq!(r.acks.acked, 1);
+        // Up to four checkpoints ran behind the reader; each waiting out the busy timeout, the
+        // commit would take at least 5 s, all of it with producers and acks standing still.
+        assert!(waited < crate::schema::BUSY_TIMEOUT, "the commit waited {waited:?} for the reader");
+        // Ordinary writes wait for locks as long as before.
+        assert_eq!(count(&spool, "PRAGMA busy_timeout"), 5_000);
+        drop(reader);
+        spool.conn().pragma_update(None, "max_page_count", 1_000_000).expect("uncap");
+        spool.simulate_full_segments(false);
     }
 
     #[test]
