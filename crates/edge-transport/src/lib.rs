@@ -91,8 +91,9 @@ pub use endpoint::{BoundSocket, bind_udp_socket, client_endpoint, server_endpoin
 pub use error::{PemOrigin, TransportError};
 pub use peer::{IdentityError, certificate_valid_until, device_id_from_cert_der, peer_device_id, tls_alert};
 pub use tls::{
-    ClientTls, ServerTls, client_config, client_config_from_pem, quic_client_config, rustls_client_config_from_pem,
-    server_config, server_config_from_pem, server_config_from_pem_with_crls,
+    ClientTls, ServerTls, client_config, client_config_from_pem, quic_client_config, rustls_client_config,
+    rustls_client_config_from_pem, server_config, server_config_from_pem, server_config_from_pem_with_crls,
+    without_sessions,
 };
 pub use tuning::{CongestionController, Tuning};
 

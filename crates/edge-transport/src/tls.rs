@@ -109,12 +109,25 @@ pub fn server_config_from_pem_with_crls(
 ///
 /// Reuse the returned config for reconnects: the resumption store lives in it.
 pub fn client_config(tls: &ClientTls, tuning: &Tuning) -> Result<quinn::ClientConfig, TransportError> {
+    quic_client_config(rustls_client_config(tls)?, tuning)
+}
+
+/// The rustls half of [`client_config`], for a caller that keeps it to make a config with an
+/// empty session store later ([`without_sessions`]) without reading the files again.
+pub fn rustls_client_config(tls: &ClientTls) -> Result<rustls::ClientConfig, TransportError> {
     check_server_name(&tls.server_name)?;
     let cert = Pem::from_file("device certificate chain", &tls.cert)?;
     let key = Pem::from_file("device private key", &tls.key)?;
     let server_ca = Pem::from_file("server CA certificates", &tls.server_ca)?;
-    let rustls_config = build_rustls_client_config(&cert, &key, &server_ca)?;
-    quic_client_config(rustls_config, tuning)
+    build_rustls_client_config(&cert, &key, &server_ca)
+}
+
+/// A copy of `config` with a new, empty resumption store: the first handshake made with it is
+/// a full one, showing the client certificate.
+pub fn without_sessions(config: &rustls::ClientConfig) -> rustls::ClientConfig {
+    let mut fresh = config.clone();
+    fresh.resumption = Resumption::in_memory_sessions(CLIENT_SESSION_CACHE_ENTRIES);
+    fresh
 }
 
 /// Like [`client_config`], from PEM text in memory. The server name is given to

@@ -16,7 +16,8 @@
 //! picks up the files. After such a close, or a `Revoked` one, the agent also forgets its TLS
 //! sessions ([`ClientTls::forget_sessions`]): resuming one would only carry the old
 //! certificate again, where a full handshake shows the new one, or gets the server's TLS alert
-//! naming what is wrong with the old.
+//! naming what is wrong with the old. Sessions are forgotten even when the files do not load at
+//! that moment: the last good identity is used with an empty session store.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -55,6 +56,9 @@ struct State {
     /// The files; `None` for a configuration given in memory (benchmarks, tests).
     files: Option<edge_transport::ClientTls>,
     config: quinn::ClientConfig,
+    /// The TLS half of `config` as read from the files, without its sessions' life since: what
+    /// [`ClientTls::forget_sessions`] starts again from when the files do not load.
+    identity: Option<rustls::ClientConfig>,
     /// The files' stamps when `config` was read, or when they last failed to load (so a broken
     /// set is tried again once it changes, or after [`RETRY_FAILED`]).
     seen: [Stamp; 3],
@@ -81,14 +85,15 @@ impl ClientTls {
     ) -> Result<ClientTls, edge_transport::TransportError> {
         // Stamped before the read: a change during it is seen at the next attempt.
         let seen = stamps(&tls);
-        let config = edge_transport::client_config(&tls, &tuning)?;
-        let state = State { files: Some(tls), config, seen, failed_at: None, reloads: 0 };
+        let identity = edge_transport::rustls_client_config(&tls)?;
+        let config = edge_transport::quic_client_config(identity.clone(), &tuning)?;
+        let state = State { files: Some(tls), config, identity: Some(identity), seen, failed_at: None, reloads: 0 };
         Ok(ClientTls { tuning, state: Mutex::new(state) })
     }
 
     /// A configuration that never changes (no files behind it).
     pub fn fixed(config: quinn::ClientConfig) -> ClientTls {
-        let state = State { files: None, config, seen: [None; 3], failed_at: None, reloads: 0 };
+        let state = State { files: None, config, identity: None, seen: [None; 3], failed_at: None, reloads: 0 };
         ClientTls { tuning: edge_transport::Tuning::default(), state: Mutex::new(state) }
     }
 
@@ -105,12 +110,21 @@ impl ClientTls {
         st.config.clone()
     }
 
-    /// Drops the TLS sessions kept for resumption, so the next handshake is a full one (the
-    /// files are read again for it).
+    /// Drops the TLS sessions kept for resumption, so the next handshake is a full one: with
+    /// the files read again, or, when they do not load, with the identity last read from them.
     pub fn forget_sessions(&self) {
         let mut st = crate::lock(&self.state);
         st.seen = st.stamps();
-        self.read_files(&mut st, false);
+        if self.read_files(&mut st, false) {
+            return;
+        }
+        let Some(identity) = &st.identity else { return };
+        match edge_transport::quic_client_config(edge_transport::without_sessions(identity), &self.tuning) {
+            Ok(config) => st.config = config,
+            // The same tuning built the config in use, so this does not happen; if it did, the
+            // sessions would be kept and the next attempt resume one, as before this call.
+            Err(e) => warn!(error = %e, "TLS sessions not forgotten"),
+        }
     }
 
     /// SIGHUP: the files of `tls` (the paths may have changed) are read now, and used from the
@@ -120,11 +134,13 @@ impl ClientTls {
     /// When they do not load; the previous configuration stays in use.
     pub fn reload(&self, tls: edge_transport::ClientTls) -> Result<(), edge_transport::TransportError> {
         let seen = stamps(&tls);
-        let config = edge_transport::client_config(&tls, &self.tuning)?;
+        let identity = edge_transport::rustls_client_config(&tls)?;
+        let config = edge_transport::quic_client_config(identity.clone(), &self.tuning)?;
         let mut st = crate::lock(&self.state);
         st.files = Some(tls);
         st.seen = seen;
         st.config = config;
+        st.identity = Some(identity);
         st.failed_at = None;
         st.reloads += 1;
         Ok(())
@@ -141,24 +157,30 @@ impl ClientTls {
     }
 
     /// Reads the files into a new configuration (a new resumption store); `changed`: because
-    /// a file changed, not because the sessions are to be forgotten.
-    fn read_files(&self, st: &mut State, changed: bool) {
-        let Some(files) = &st.files else { return };
-        match edge_transport::client_config(files, &self.tuning) {
-            Ok(config) => {
+    /// a file changed, not because the sessions are to be forgotten. Whether they loaded.
+    fn read_files(&self, st: &mut State, changed: bool) -> bool {
+        let Some(files) = &st.files else { return false };
+        let read = edge_transport::rustls_client_config(files)
+            .and_then(|identity| Ok((edge_transport::quic_client_config(identity.clone(), &self.tuning)?, identity)));
+        match read {
+            Ok((config, identity)) => {
                 let why = if changed { "a file changed" } else { "sessions forgotten" };
                 info!(cert = %files.cert.display(), why, "device TLS files read; the next connection uses them");
                 st.config = config;
+                st.identity = Some(identity);
                 st.failed_at = None;
                 st.reloads += 1;
+                true
             }
             Err(e) if changed => {
                 st.failed_at = Some(Instant::now());
                 error!(cert = %files.cert.display(), error = %e, "device TLS files changed and do not load; the previous ones stay in use (tried again when a file changes, or in a minute)");
+                false
             }
             Err(e) => {
                 st.failed_at = Some(Instant::now());
-                warn!(cert = %files.cert.display(), error = %e, "device TLS files do not load; the previous ones stay in use");
+                warn!(cert = %files.cert.display(), error = %e, "device TLS files do not load; the previous ones stay in use, without their sessions");
+                false
             }
         }
     }
@@ -233,5 +255,66 @@ mod tests {
         assert!(source.reload(missing).is_err());
         assert_eq!(source.cert_path(), Some(other.cert), "the refused paths are not taken");
         assert_eq!(source.reloads(), 5);
+    }
+
+    /// Connects with `config` and makes one round trip (so the session ticket arrives before
+    /// the close). Whether the connection could send 0-RTT data, which only a stored session
+    /// allows.
+    async fn round_trip(server: &quinn::Endpoint, config: quinn::ClientConfig) -> bool {
+        let tuning = edge_transport::Tuning::default();
+        let client = edge_transport::client_endpoint("127.0.0.1:0".parse().expect("addr"), &tuning).expect("client");
+        let connecting = client.connect_with(config, server.local_addr().expect("addr"), "localhost").expect("connect");
+        let (conn, resumed) = match connecting.into_0rtt() {
+            Ok((conn, _)) => (Ok(conn), true),
+            Err(connecting) => (Err(connecting), false),
+        };
+        let accept = async {
+            let conn = server.accept().await.expect("incoming").await.expect("server handshake");
+            let (mut send, mut recv) = conn.accept_bi().await.expect("stream");
+            let data = recv.read_to_end(16).await.expect("read");
+            send.write_all(&data).await.expect("echo");
+            send.finish().expect("finish");
+            conn.closed().await;
+        };
+        let connect = async {
+            let conn = match conn {
+                Ok(conn) => conn,
+                Err(connecting) => connecting.await.expect("full handshake"),
+            };
+            let (mut send, mut recv) = conn.open_bi().await.expect("open");
+            send.write_all(b"ping").await.expect("write");
+            send.finish().expect("finish");
+            assert_eq!(recv.read_to_end(16).await.expect("echo"), b"ping");
+            conn.close(0u32.into(), b"done");
+        };
+        tokio::time::timeout(Duration::from_secs(20), async { tokio::join!(connect, accept) })
+            .await
+            .expect("round trip within 20 s");
+        resumed
+    }
+
+    #[tokio::test]
+    async fn sessions_are_forgotten_even_when_the_files_do_not_load() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+        let tuning = edge_transport::Tuning::default();
+        let server_config =
+            edge_transport::server_config_from_pem(&pki.server_cert_pem, &pki.server_key_pem, &pki.ca_pem, &tuning)
+                .expect("server config");
+        let server = edge_transport::server_endpoint("127.0.0.1:0".parse().expect("addr"), server_config, &tuning)
+            .expect("server endpoint");
+        let tls = files(&pki, dir.path());
+        let source = ClientTls::from_files(tls.clone(), tuning).expect("loads");
+
+        assert!(!round_trip(&server, source.for_connect()).await, "the first handshake is a full one");
+        // The session from it would be resumed (0-RTT is possible only then) ...
+        let resumable = source.for_connect();
+        // ... but the ingest closed the connection for the certificate while a renewal is half
+        // written: the files do not load, and the sessions must go all the same.
+        std::fs::write(&tls.key, "-----BEGIN PRIVATE KEY-----\nnot base64\n").expect("break key");
+        source.forget_sessions();
+        assert!(!round_trip(&server, source.for_connect()).await, "a session was resumed after forget_sessions");
+        assert!(round_trip(&server, resumable).await, "the session existed: the test shows nothing otherwise");
+        assert_eq!(source.reloads(), 0, "the broken files were not taken");
     }
 }
