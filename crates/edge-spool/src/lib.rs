@@ -143,7 +143,10 @@
 //!   The one exception was never visible: after [`Spool::defer_wal_sync`], a chunk sealed over
 //!   batches whose bytes a power cut lost before their sync is deleted at open and its sequence
 //!   number used again; readers list a chunk only after a sync that covers its bytes, so it
-//!   was never sent.
+//!   was never sent. Under [`Durability::Normal`] a power cut may roll back a seal too: one made
+//!   in a commit that appended nothing (so without a commit record to add it back from) is
+//!   listed only after a sync of the WAL that follows it, so a chunk that was sent keeps its
+//!   sequence number and contents ([`Spool::seals_wait_for_sync`]).
 //!   Sealing writes the chunk row and the stream row only; batch rows are written once, at
 //!   append.
 //! * Rows are deleted only (a) by [`Spool::ack`], chunk and batches in one transaction;

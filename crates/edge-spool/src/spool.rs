@@ -44,9 +44,17 @@ pub struct Spool {
     unsynced: VecDeque<(u64, i64)>,
     /// The newest batch id whose bytes are known to be durable (with deferred segment syncs).
     known_synced: i64,
+    /// Under [`Durability::Normal`](crate::Durability::Normal): chunks sealed without a commit
+    /// record wait for a sync of the WAL that failed, and readers do not list them yet.
+    seals_unsynced: bool,
+    /// The last of those syncs failed (logged once until one succeeds).
+    wal_sync_failing: bool,
     /// Unit tests: the next writer transaction fails at `COMMIT`, after its segment write.
     #[cfg(test)]
     fail_next_commit: bool,
+    /// Unit tests: syncs of the WAL under `Normal` fail.
+    #[cfg(test)]
+    fail_wal_syncs: bool,
     /// Held for as long as this writer lives (`lock.rs`); declared last, so released after
     /// the connection and the segment files are closed.
     _lock: SpoolLock,
@@ -100,7 +108,7 @@ impl Spool {
             opts.durability,
             tail,
         )?;
-        let spool = Spool {
+        let mut spool = Spool {
             conn: opened.conn,
             id: opened.id,
             opts,
@@ -111,10 +119,21 @@ impl Spool {
             syncs: None,
             unsynced: VecDeque::new(),
             known_synced: 0,
+            seals_unsynced: false,
+            wal_sync_failing: false,
             #[cfg(test)]
             fail_next_commit: false,
+            #[cfg(test)]
+            fail_wal_syncs: false,
             _lock: lock,
         };
+        if spool.opts.durability == crate::Durability::Normal {
+            // The last run's seals may still be in the WAL alone (a process crash leaves them
+            // in the page cache): durable before they are sent again.
+            spool.visible.set(0);
+            spool.seals_unsynced = spool.newest_chunk().is_some();
+            spool.sync_normal_seals();
+        }
         Ok((spool, report))
     }
 
@@ -255,12 +274,13 @@ impl Spool {
             }
         };
         self.segments.committed();
+        // Seals in a commit that appended nothing, so without a commit record: durable only
+        // with the WAL.
+        let unrecorded_seals = st.next_batch_id == self.state.next_batch_id && !done.2.is_empty();
         if let Some(syncs) = &self.syncs
-            && st.next_batch_id == self.state.next_batch_id
-            && !done.2.is_empty()
+            && unrecorded_seals
         {
-            // Seals in a commit without appends, so without a commit record: durable only with
-            // the WAL (after `COMMIT`, so that a sync already running does not take the need).
+            // After `COMMIT`, so that a sync already running does not take the need.
             syncs.need_wal();
         }
         if self.syncs.is_some() && st.next_batch_id > self.state.next_batch_id {
@@ -269,7 +289,65 @@ impl Spool {
         // Segments whose last row this commit deleted.
         self.segments.collect(self.state.segments.keys(), &st.segments, self.reserve.is_present());
         self.state = st;
+        if self.syncs.is_none() && self.opts.durability == crate::Durability::Normal {
+            self.seals_unsynced |= unrecorded_seals;
+            if self.seals_unsynced {
+                self.sync_normal_seals();
+            } else {
+                self.visible.set(self.newest_chunk().map_or(0, |c| c.0));
+            }
+        }
         Ok(done)
+    }
+
+    /// Under [`Durability::Normal`](crate::Durability::Normal), `COMMIT` does not sync the WAL.
+    /// A chunk sealed by a commit without a commit record (seals on their own: linger, shutdown)
+    /// and sent before the WAL reached the disk could be stored by the ingest and then rolled
+    /// back by a power cut: sealed again under the same sequence number, with records accepted
+    /// after the restart, it would be taken for the duplicate and those records lost. So such
+    /// seals are made durable with a sync of the WAL before readers list them (and before the
+    /// caller hands them over: [`Spool::seals_wait_for_sync`]). Seals in a commit record are
+    /// durable at `COMMIT`, with the segment's sync. A failed sync is tried again after every
+    /// commit; until one succeeds, the chunks sealed since stay unlisted.
+    fn sync_normal_seals(&mut self) {
+        let wal = recovery::with_suffix(&self.opts.path, "-wal");
+        #[cfg(test)]
+        let failed = self.fail_wal_syncs;
+        #[cfg(not(test))]
+        let failed = false;
+        let synced = if failed {
+            Err(std::io::Error::other("WAL sync failed (simulated)"))
+        } else {
+            match std::fs::File::open(&wal) {
+                Ok(f) => f.sync_data(),
+                // No WAL: everything is in the main file, synced by the checkpoint that removed it.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(e),
+            }
+        };
+        match synced {
+            Ok(()) => {
+                if std::mem::take(&mut self.wal_sync_failing) {
+                    tracing::warn!(wal = %wal.display(), "the spool's WAL synced again; its sealed chunks are sent");
+                }
+                self.seals_unsynced = false;
+                self.visible.set(self.newest_chunk().map_or(0, |c| c.0));
+            }
+            Err(e) => {
+                if !std::mem::replace(&mut self.wal_sync_failing, true) {
+                    tracing::error!(wal = %wal.display(), error = %e, "could not fsync the spool's WAL: the chunks sealed since its last sync are not sent until one succeeds (tried again after every commit)");
+                }
+                self.seals_unsynced = true;
+            }
+        }
+    }
+
+    /// Whether chunks sealed so far wait for a sync of the WAL before they may be sent (under
+    /// [`Durability::Normal`](crate::Durability::Normal), after a failed one; readers do not list
+    /// them meanwhile). Always `false` with `Full`, and with [`Spool::defer_wal_sync`], whose
+    /// [`WalSync`] the caller waits for instead.
+    pub fn seals_wait_for_sync(&self) -> bool {
+        self.seals_unsynced
     }
 
     /// The transaction of [`Spool::commit_once`]: returns the counters to swap in. The
@@ -1482,6 +1560,33 @@ mod tests {
         drop(reader);
         spool.conn().pragma_update(None, "max_page_count", 1_000_000).expect("uncap");
         spool.simulate_full_segments(false);
+    }
+
+    #[test]
+    fn under_normal_seals_without_a_commit_record_are_listed_only_after_a_wal_sync() {
+        let (_dir, mut opts) = setup();
+        opts.durability = Durability::Normal;
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"one")])], 1).expect("append");
+        spool.fail_wal_syncs = true;
+        // A seal on its own: no commit record, durable only with the WAL, whose sync fails.
+        assert_eq!(spool.seal_all(2).expect("seal"), 1);
+        assert!(spool.seals_wait_for_sync());
+        assert!(all_sealed(&spool).is_empty(), "a chunk listed before its seal was durable");
+        // A commit whose seal is in its record does not list the earlier one either.
+        spool.commit(&[req(vec![batch("b", b"two")])], &[], SealWhat::All, 3).expect("commit");
+        assert!(all_sealed(&spool).is_empty());
+        // Once a sync succeeds (after the next commit), every chunk is listed.
+        spool.fail_wal_syncs = false;
+        spool.append(&[req(vec![batch("c", b"three")])], 4).expect("append");
+        assert!(!spool.seals_wait_for_sync());
+        let listed: Vec<_> = all_sealed(&spool).into_iter().map(|c| (c.stream, c.seq)).collect();
+        assert_eq!(listed, [("a".to_owned(), 1), ("b".to_owned(), 1)]);
+        // A reopen syncs first: nothing is hidden.
+        drop(spool);
+        let (spool, _) = open(&opts);
+        assert!(!spool.seals_wait_for_sync());
+        assert_eq!(all_sealed(&spool).len(), 2);
     }
 
     #[test]

@@ -674,7 +674,14 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
         // The committed batches are kept for the chunks they will be sealed into, and the
         // chunks sealed now are handed to the uploader if it follows (once settled).
         let accepted = answer.as_deref().unwrap_or_default();
-        let handed = retained.committed(reqs, accepted, &sealed_now, &spool);
+        let mut handed = retained.committed(reqs, accepted, &sealed_now, &spool);
+        if !handed.is_empty() && spool.seals_wait_for_sync() {
+            // `durability = "normal"` after a failed sync of the WAL: these seals may not be
+            // durable, and are not to be sent before they are. The uploader reads the spool,
+            // which lists them once a sync succeeds.
+            handed.clear();
+            handoff.stop();
+        }
         settling.fetch_add(handed.len() as u64, Ordering::AcqRel);
         if dropped_chunks != dropped_before {
             // The cap dropped chunks the handoff may hold: the uploader reads the spool again.
