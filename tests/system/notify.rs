@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use edge_testkit::{Daemon, bin};
 
-use crate::common::{READY_TIMEOUT, World, push, readings, status_json, wait_json};
+use crate::common::{READY_TIMEOUT, World, json_output, push, readings, status_json, wait_json};
 use crate::crash_loop::spawn_agent;
 
 fn check_sequence(name: &str, mut daemon: Daemon) -> anyhow::Result<()> {
@@ -88,5 +88,56 @@ fn a_spool_stuck_in_one_commit_withholds_the_watchdog_ping_and_makes_status_degr
     let (_, doc) = status_json(&world)?;
     assert_eq!(doc["spool"]["open_records"], 3, "{doc}");
     assert!(agent.terminate(Duration::from_secs(30))?.success());
+    Ok(())
+}
+
+#[test]
+fn a_store_stuck_in_one_commit_withholds_the_ingests_watchdog_ping_and_makes_status_degraded() -> anyhow::Result<()> {
+    let world = World::new("gw-notify-03", "")?;
+    // The store's first commit sleeps 18 s between its write and its fdatasync, as on a disk that
+    // stopped answering; the server's runtime, and the loop that pings, carry on meanwhile.
+    let envs = [("WATCHDOG_USEC", "1000000"), ("FAILPOINTS", "ingest::commit::written=1*sleep(18000)")];
+    let cfg = world.ingest_config.to_string_lossy().into_owned();
+    let mut ingest = Daemon::spawn("ingest", &bin("edge-ingest")?, &["run", "--config", &cfg], world.path(), &envs)?;
+    ingest.wait_ready(READY_TIMEOUT)?;
+    ingest.wait_notify("WATCHDOG=1", Duration::from_secs(10))?;
+    let mut agent = world.start_agent()?;
+    push(&world, "stuck", &readings("stuck", 3))?;
+    let status = || json_output("edge-ingest", &["status", "--config", &cfg, "--json"]);
+    let busy_for = |ms: u64| move |_: i32, d: &serde_json::Value| d["sink"]["busy_ms"].as_u64() >= Some(ms);
+    let pings = |d: &mut Daemon| d.drain_notify().iter().filter(|m| m.lines().any(|l| l == "WATCHDOG=1")).count();
+    // Below 10 s a slow commit withholds nothing.
+    wait_json("the commit stuck for 2 s", status, busy_for(2_000))?;
+    ingest.drain_notify();
+    wait_json("the commit stuck for 8 s", status, busy_for(8_000))?;
+    assert!(pings(&mut ingest) > 0, "the ping was withheld for a commit slow for less than 10 s");
+    let doc = wait_json("status degraded by the stuck commit", status, |code, d| {
+        code == 1
+            && d["sink"]["problems"].as_array().is_some_and(|p| {
+                p.iter().any(|p| p.as_str().is_some_and(|p| p.starts_with("the store has been in one batch")))
+            })
+    })?;
+    assert!(doc["sink"]["busy_ms"].as_u64() >= Some(10_000), "{doc}");
+    // From 10 s on, every ping is withheld (a check runs each 0.5 s).
+    wait_json("the commit stuck for 11 s", status, busy_for(11_000))?;
+    ingest.drain_notify();
+    wait_json("the commit stuck for 14 s", status, busy_for(14_000))?;
+    assert_eq!(pings(&mut ingest), 0, "watchdog pings while the store was stuck");
+    ingest.wait_log("withholding the watchdog ping", Duration::from_secs(5))?;
+    // Once the commit returns, the chunk is stored and answered, and the pings come again.
+    ingest.wait_notify("WATCHDOG=1", Duration::from_secs(10))?;
+    ingest.wait_log("the store is back", Duration::from_secs(5))?;
+    wait_json(
+        "the records delivered",
+        || status_json(&world),
+        |_, d| {
+            d["spool"]["sealed_chunks"] == 0
+                && d["spool"]["open_records"] == 0
+                && d["upload"]["records_acked_total"] == 3
+        },
+    )?;
+    assert_eq!(world.export_raw("stuck")?.len(), 3, "each record stored once");
+    assert!(agent.terminate(Duration::from_secs(30))?.success());
+    assert!(ingest.terminate(Duration::from_secs(30))?.success());
     Ok(())
 }

@@ -55,8 +55,11 @@ pub const STORE_FSYNCS_TOTAL: &str = "edge_ingest_store_fsyncs_total";
 /// Bytes the store's commits wrote with `O_DIRECT`, past the page cache.
 pub const STORE_DIRECT_BYTES_TOTAL: &str = "edge_ingest_store_direct_bytes_total";
 
+/// Seconds the store thread has spent in its current batch (0 while it waits for work).
+pub const STORE_BUSY_SECONDS: &str = "edge_ingest_store_busy_seconds";
+
 /// Every metric name above.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 12] = [
     CONNECTIONS,
     CONNECTIONS_TOTAL,
     CHUNKS_TOTAL,
@@ -68,6 +71,7 @@ pub const ALL: [&str; 11] = [
     EARLY_CHUNK_STREAMS_TOTAL,
     STORE_FSYNCS_TOTAL,
     STORE_DIRECT_BYTES_TOTAL,
+    STORE_BUSY_SECONDS,
 ];
 
 /// Histogram buckets in seconds, 1 ms to 30 s in 1-2.5-5 steps (the agent uses the same).
@@ -151,7 +155,14 @@ const LIVE_DIRECT_BYTES: Live = Live::counter(
            store.direct_writes off, or where the file system refused O_DIRECT: then every byte goes through \
            the page cache.",
 );
-const LIVE_ALL: [&Live; 10] = [
+const LIVE_STORE_BUSY: Live = Live::gauge(
+    STORE_BUSY_SECONDS,
+    "Seconds the store thread has spent in its current batch of writes and fdatasync (0 while it waits \
+           for work; milliseconds on a healthy disk). Chunks wait for it meanwhile; from 10 s `edge-ingest \
+           status` is degraded, and from half of WatchdogSec, 10 s at least, the daemon withholds its \
+           watchdog ping. Always 0 with the JetStream sink.",
+);
+const LIVE_ALL: [&Live; 11] = [
     &LIVE_CONNECTIONS,
     &LIVE_CONNECTIONS_TOTAL,
     &LIVE_CHUNKS,
@@ -162,6 +173,7 @@ const LIVE_ALL: [&Live; 10] = [
     &LIVE_EARLY_CHUNK_STREAMS,
     &LIVE_FSYNCS,
     &LIVE_DIRECT_BYTES,
+    &LIVE_STORE_BUSY,
 ];
 
 /// The [`LIVE_ALL`] families from the server counters and the store statistics, at scrape time.
@@ -184,6 +196,7 @@ fn live_families(c: &ServerCounters, store: &StoreStatsView) -> Vec<MetricFamily
         LIVE_EARLY_CHUNK_STREAMS.family(&[("", n(&c.early_chunk_streams_total))]),
         LIVE_FSYNCS.family(&[("", st.fsyncs as f64)]),
         LIVE_DIRECT_BYTES.family(&[("", st.direct_bytes as f64)]),
+        LIVE_STORE_BUSY.family(&[("", st.busy.map_or(0.0, |d| d.as_secs_f64()))]),
     ]
 }
 

@@ -87,6 +87,12 @@ pub fn sink_problems(stats: &StoreStats, running: bool, idle: Duration) -> Vec<S
     if let Some(f) = &stats.last_failure {
         problems.push(format!("the last write to the sink failed: {f}"));
     }
+    if let Some(busy) = stats.busy.filter(|d| *d >= edge_telemetry::notify::STUCK_AFTER) {
+        problems.push(format!(
+            "the store has been in one batch of writes and fsyncs for {}: chunks wait for the disk",
+            humantime::format_duration(Duration::from_secs(busy.as_secs()))
+        ));
+    }
     if stats.queued > 0 && idle >= QUEUE_STUCK_AFTER {
         problems.push(format!(
             "{} chunks wait for the store, which finished no batch for {}",
@@ -142,6 +148,7 @@ pub fn document(
             "bytes": stats.bytes,
             "fsyncs": stats.fsyncs,
             "queued": stats.queued,
+            "busy_ms": stats.busy.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         },
     })
 }
@@ -480,6 +487,17 @@ mod tests {
         let stuck = sink_problems(&queued, true, QUEUE_STUCK_AFTER);
         assert!(stuck[0].contains("5 chunks wait") && stuck[0].contains("30s"), "{stuck:?}");
         assert_eq!(sink_problems(&ok, false, Duration::ZERO), ["the sink has stopped"]);
+        let slow = StoreStats { busy: Some(Duration::from_millis(9_999)), ..StoreStats::default() };
+        assert!(sink_problems(&slow, true, Duration::ZERO).is_empty(), "a slow commit is not a stuck one");
+        let hung = StoreStats { busy: Some(Duration::from_secs(12)), ..StoreStats::default() };
+        assert_eq!(
+            sink_problems(&hung, true, Duration::ZERO),
+            ["the store has been in one batch of writes and fsyncs for 12s: chunks wait for the disk"]
+        );
+        assert_eq!(
+            document(&ServerCounters::default(), || hung.clone(), true, Instant::now())["sink"]["busy_ms"],
+            12_000
+        );
 
         let c = ServerCounters::default();
         let doc = document(&c, || failed.clone(), true, Instant::now());

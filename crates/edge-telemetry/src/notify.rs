@@ -37,3 +37,17 @@ pub fn status(text: &str) {
 pub fn watchdog_interval() -> Option<std::time::Duration> {
     sd_notify::watchdog_enabled().filter(|d| !d.is_zero()).map(|d| d / 2)
 }
+
+/// A daemon's storage thread in one write or fsync this long is stuck: every producer, ack or
+/// chunk waits for it, where a healthy disk takes milliseconds. Both daemons' `status` call it
+/// degraded from here.
+pub const STUCK_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How long a storage thread may be in one operation before the daemon withholds its watchdog
+/// ping, so that systemd restarts it if it stays stuck: a ping interval (half of `WatchdogSec`),
+/// and never less than [`STUCK_AFTER`]. A short `WatchdogSec` set by an operator must not
+/// restart a daemon over one slow fsync of a flash card: a restart does not make the disk
+/// faster, and costs a recovery.
+pub fn withhold_after(ping_interval: std::time::Duration) -> std::time::Duration {
+    ping_interval.max(STUCK_AFTER)
+}

@@ -348,7 +348,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
                 // A spool thread stuck in one commit or fsync stops every producer and ack while
                 // this loop runs on: the ping is withheld, so that systemd restarts the agent if
                 // it stays stuck (after `WatchdogSec`).
-                match agent.spool.busy().filter(|(_, d)| watchdog.is_some_and(|i| *d >= withhold_after(i))) {
+                match agent.spool.busy().filter(|(_, d)| watchdog.is_some_and(|i| *d >= edge_telemetry::notify::withhold_after(i))) {
                     Some((kind, d)) => {
                         if !withheld {
                             error!(busy_s = d.as_secs_f64(), "the spool has been in {} for {}: producers and acks wait; withholding the watchdog ping, so systemd restarts the agent if it stays stuck", kind.doing(), humantime::format_duration(Duration::from_secs(d.as_secs())));
@@ -372,14 +372,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
     metrics.stop().await;
     info!("stopped");
     Ok(())
-}
-
-/// How long a spool thread may be in one operation before the watchdog ping is withheld: a ping
-/// interval (half of `WatchdogSec`), and never less than the time at which `status` calls the
-/// spool stuck. A short `WatchdogSec` set by an operator must not restart the agent over one slow
-/// fsync of a flash card: a restart does not make the card faster, and costs a recovery.
-fn withhold_after(ping_interval: Duration) -> Duration {
-    ping_interval.max(crate::status::SPOOL_BUSY_DEGRADED)
 }
 
 /// The gateway's network watch for the uploader (`upload.watch_network`), or `None` when it is

@@ -184,7 +184,7 @@ pub const SPOOL_FULL_RATIO: f64 = 0.95;
 
 /// A spool thread at one commit or fsync this long makes the agent degraded: producers and acks
 /// wait for it, and on a healthy disk it takes milliseconds.
-pub const SPOOL_BUSY_DEGRADED: Duration = Duration::from_secs(10);
+pub const SPOOL_BUSY_DEGRADED: Duration = edge_telemetry::notify::STUCK_AFTER;
 
 /// Why the agent is degraded, if it is, from its status document: disconnected (with the last
 /// error, which says why); its backlog older than `max_backlog_age`; the spool at its cap; a

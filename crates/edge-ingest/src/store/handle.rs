@@ -9,6 +9,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -46,11 +47,41 @@ struct Inner {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Shared {
     stats: Mutex<StoreStats>,
     queued: AtomicU64,
     running: AtomicBool,
+    /// Since when the thread is in one [`Store::persist`] call, as milliseconds after `epoch`
+    /// plus one; 0 while it waits for work.
+    busy_since: AtomicU64,
+    epoch: Instant,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Shared {
+            stats: Mutex::default(),
+            queued: AtomicU64::new(0),
+            running: AtomicBool::new(false),
+            busy_since: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
+}
+
+impl Shared {
+    fn mark_busy(&self, busy: bool) {
+        let since = if busy { u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1 } else { 0 };
+        self.busy_since.store(since, Ordering::Relaxed);
+    }
+
+    fn busy(&self) -> Option<Duration> {
+        match self.busy_since.load(Ordering::Relaxed) {
+            0 => None,
+            since => Some(self.epoch.elapsed().saturating_sub(Duration::from_millis(since - 1))),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -101,6 +132,7 @@ impl StoreHandle {
     pub fn stats(&self) -> StoreStats {
         let mut stats = self.inner.shared.stats.lock().unwrap_or_else(PoisonError::into_inner).clone();
         stats.queued = self.inner.shared.queued.load(Ordering::Relaxed);
+        stats.busy = self.inner.shared.busy();
         stats
     }
 
@@ -136,10 +168,17 @@ impl StoreHandle {
 pub struct StoreStatsView(Arc<Shared>);
 
 impl StoreStatsView {
+    /// How long the store thread has been in its current batch (writes and fsyncs), or `None`
+    /// while it waits for work. Always `None` for a JetStream sink, whose publishes time out.
+    pub fn busy(&self) -> Option<Duration> {
+        self.0.busy()
+    }
+
     /// Counters as of the last finished batch, plus the queue length, as [`StoreHandle::stats`].
     pub fn get(&self) -> StoreStats {
         let mut stats = self.0.stats.lock().unwrap_or_else(PoisonError::into_inner).clone();
         stats.queued = self.0.queued.load(Ordering::Relaxed);
+        stats.busy = self.0.busy();
         stats
     }
 
@@ -188,6 +227,7 @@ struct RunningGuard<'a>(&'a Shared);
 
 impl Drop for RunningGuard<'_> {
     fn drop(&mut self) {
+        self.0.mark_busy(false);
         self.0.running.store(false, Ordering::SeqCst);
     }
 }
@@ -240,7 +280,9 @@ fn run(
                 Err(_) => break,
             }
         }
+        shared.mark_busy(true);
         let outcomes = store.persist(chunks);
+        shared.mark_busy(false);
         *shared.stats.lock().unwrap_or_else(PoisonError::into_inner) = store.stats();
         crate::crash_point!("ingest::persist::before_acks");
         for (reply, outcome) in replies.into_iter().zip(outcomes) {

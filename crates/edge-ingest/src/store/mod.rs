@@ -365,4 +365,8 @@ pub struct StoreStats {
     pub last_failure: Option<StoreFailure>,
     /// Requests waiting for the store thread (filled by [`StoreHandle::stats`] only).
     pub queued: u64,
+    /// How long the store thread has been in its current batch (writes and fsyncs); `None`
+    /// while it waits for work, and for a sink without a store thread (filled by
+    /// [`StoreHandle::stats`] only).
+    pub busy: Option<std::time::Duration>,
 }
