@@ -462,6 +462,46 @@ fn metric(addr: std::net::SocketAddr, series: &str) -> anyhow::Result<f64> {
     Ok(World::scrape(addr)?.get(series).copied().unwrap_or(0.0))
 }
 
+/// The server's chunk limit holds for what goes on the wire: a chunk larger than the limit
+/// that zstd shrinks below it is sent and stored, and only one still over it after compression
+/// is quarantined, with a reason that says so.
+#[test]
+fn a_chunk_over_the_servers_limit_is_measured_after_compression() -> anyhow::Result<()> {
+    let world = World::new("gw-limit-01", "")?;
+    crate::common::rewrite(&world.ingest_config, "[server]\n", "[server]\nmax_chunk_bytes = \"64KiB\"\n")?;
+    let mut ingest = world.start_ingest()?;
+    let mut agent = world.start_agent()?;
+    // 200 KiB of JSON that compresses to a few KiB, and 100 KiB that does not compress.
+    let compressible = format!("{{\"stream\":\"big\",\"text\":\"{}\"}}", "temperature ok; ".repeat(12_800));
+    let noise: String = {
+        let mut x = 0x9E37_79B9_7F4A_7C15_u64;
+        (0..100 * 1024)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                char::from(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"[(x % 64) as usize])
+            })
+            .collect()
+    };
+    let incompressible = format!("{{\"stream\":\"noise\",\"text\":\"{noise}\"}}");
+    crate::common::push(&world, "big", std::slice::from_ref(&compressible))?;
+    crate::common::push(&world, "noise", &[incompressible])?;
+    let doc = crate::common::wait_json(
+        "one chunk stored and one quarantined",
+        || crate::common::status_json(&world),
+        |_, d| d["spool"]["quarantined_chunks"] == 1 && d["upload"]["records_acked_total"] == 1,
+    )?;
+    assert_eq!(doc["upload"]["chunks_acked_total"], 1, "{doc}");
+    let stored = world.export_raw("big")?;
+    assert_eq!(stored, [compressible.into_bytes()], "the compressible record stored once");
+    assert!(world.export_raw("noise")?.is_empty());
+    agent.wait_log("bytes on the wire", Duration::from_secs(5))?;
+    assert!(agent.terminate(Duration::from_secs(30))?.success());
+    assert!(ingest.terminate(Duration::from_secs(30))?.success());
+    Ok(())
+}
+
 #[test]
 fn agent_disk_full_answers_507_then_recovers_once_uploads_free_the_spool() -> anyhow::Result<()> {
     let world = World::new("gw-sf-agentfull", "")?;

@@ -680,12 +680,14 @@ impl<'a> Connection<'a> {
         state: &Arc<Mutex<CtlState>>,
         meta: ChunkMeta,
         raw: Payload,
+        max_chunk_payload: u32,
     ) {
         tasks.spawn(send_chunk(
             self.conn.clone(),
             state.clone(),
             meta,
             raw,
+            max_chunk_payload,
             self.compressor.cloned(),
             self.counters.clone(),
             self.times.clone(),
@@ -734,7 +736,7 @@ impl<'a> Connection<'a> {
                 }
                 cursor = Some(meta.id);
                 in_flight.insert(meta.id, raw.len() as u64);
-                self.spawn_send(&mut tasks, &state, meta, raw);
+                self.spawn_send(&mut tasks, &state, meta, raw, e.max_chunk_payload);
             }
             *sent_early = !tasks.is_empty();
             self.publish(&in_flight);
@@ -894,8 +896,9 @@ impl<'a> Connection<'a> {
                         continue;
                     }
                     let Some(raw) = self.admit(&meta, data)? else { continue };
-                    if raw.len() as u64 > u64::from(max_chunk_payload) {
-                        // Sending it would only get the connection closed, again and again.
+                    if raw.len() as u64 > u64::from(max_chunk_payload) && self.compressor.is_none() {
+                        // Sending it would only get the connection closed, again and again. (A
+                        // compressed chunk is measured after compression, by its send task.)
                         error!(chunk = meta.id.0, stream = %meta.stream, seq = meta.seq, bytes = raw.len(), max_chunk_payload, "chunk is larger than the server accepts; quarantined");
                         self.spool.quarantine(
                             meta.id,
@@ -905,7 +908,7 @@ impl<'a> Connection<'a> {
                     }
                     in_flight.insert(meta.id, raw.len() as u64);
                     self.publish(&in_flight);
-                    self.spawn_send(&mut tasks, &state, meta, raw);
+                    self.spawn_send(&mut tasks, &state, meta, raw, max_chunk_payload);
                 }
                 continue;
             }
@@ -1038,24 +1041,29 @@ impl InFlight {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn send_chunk(
     conn: quinn::Connection,
     state: Arc<Mutex<CtlState>>,
     meta: ChunkMeta,
     raw: Payload,
+    max_chunk_payload: u32,
     compressor: Option<Arc<Compressor>>,
     counters: Arc<UploadCounters>,
     times: Arc<AttemptTimes>,
 ) -> (ChunkMeta, SendOutcome) {
-    let outcome = send_chunk_inner(&conn, &state, &meta, raw, compressor.as_ref(), &counters, &times).await;
+    let outcome =
+        send_chunk_inner(&conn, &state, &meta, raw, max_chunk_payload, compressor.as_ref(), &counters, &times).await;
     (meta, outcome)
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn send_chunk_inner(
     conn: &quinn::Connection,
     state: &Mutex<CtlState>,
     meta: &ChunkMeta,
     raw: Payload,
+    max_chunk_payload: u32,
     compressor: Option<&Arc<Compressor>>,
     counters: &UploadCounters,
     times: &AttemptTimes,
@@ -1083,6 +1091,12 @@ async fn send_chunk_inner(
         Compressed::NotSmaller | Compressed::Skipped => (Codec::None, raw.crc32c(), raw.parts),
     };
     let wire: usize = payload.iter().map(Bytes::len).sum();
+    if wire as u64 > u64::from(max_chunk_payload) {
+        // Sending it would only get the connection closed, again and again.
+        return SendOutcome::Unsendable(format!(
+            "{wire} bytes on the wire ({raw_len} uncompressed), over the server's limit of {max_chunk_payload}"
+        ));
+    }
     let header = ChunkHeader {
         stream: stream.clone(),
         seq: meta.seq,
