@@ -286,3 +286,30 @@ async fn over_tls_the_sink_needs_the_ca_and_a_client_certificate_the_server_acce
     assert!(sink.is_ready(), "stream set up over TLS at start");
     assert_eq!(sink.persist(c).await, PersistOutcome::Stored);
 }
+
+/// A record larger than the NATS server's `max_payload` leaves room for (a record is never cut
+/// between messages): the chunk is answered Retry, naming the setting to raise, and nothing of
+/// it is stored, so that no other record of the chunk is stored without it.
+#[tokio::test]
+async fn a_record_over_the_servers_max_payload_is_retried_and_names_the_setting() {
+    let (stream, prefix) = nats::unique("maxpayload");
+    let js = nats::context(&nats::url()).await.expect("NATS");
+    let sink = JetStreamSink::start(opts(&stream, &prefix)).await.expect("sink");
+    // One byte more than the room the server's max_payload leaves beside the headers (with
+    // NATS's default of 1 MiB, less than the agent's default largest record).
+    let client = async_nats::connect(nats::url()).await.expect("NATS client");
+    let room = client.server_info().max_payload - edge_ingest::jetstream::HEADER_ROOM;
+    let big = vec![7u8; room + 1];
+    let c = chunk("gw-09", "s", 1, &[b"small".to_vec(), big]);
+    let outcome = sink.persist(c).await;
+    let msgs = nats::messages(&js, &stream).await.expect("read back");
+    nats::delete_stream(&js, &stream).await;
+    match outcome {
+        PersistOutcome::Failed(StoreFailure::Unavailable(why)) => {
+            assert!(why.contains("max_payload") && why.contains("raise it"), "{why}");
+        }
+        other => panic!("expected Retry (Unavailable), got {other:?}"),
+    }
+    assert!(msgs.is_empty(), "parts of the chunk were stored: {msgs:?}");
+    assert!(sink.stats_view().get().last_failure.is_some(), "the sink reports the failure");
+}

@@ -106,6 +106,11 @@ impl Codec {
     }
 }
 
+/// The agent's default `intake.max_record_bytes`: the largest record a producer may send unless
+/// the operator changes it. The ingest's JetStream sink checks its NATS server's `max_payload`
+/// against it at start (one record must fit in one message).
+pub const DEFAULT_MAX_RECORD_BYTES: u32 = 1 << 20;
+
 /// Limits a peer enforces on what it receives, and the handshake deadline.
 ///
 /// Both sessions and both decoders take these; a declared length over a limit is refused before

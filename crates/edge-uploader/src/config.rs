@@ -85,7 +85,7 @@ impl Default for RawIntake {
             tcp: None,
             stream_socket: None,
             stream_tcp: None,
-            max_record_bytes: ByteSize::mib(1),
+            max_record_bytes: ByteSize::b(u64::from(edge_proto::DEFAULT_MAX_RECORD_BYTES)),
             max_request_bytes: ByteSize::mib(64),
             stream_pending_bytes: ByteSize::b(crate::record_stream::PENDING_CAP as u64),
             stream_pending_total_bytes: ByteSize::b(crate::record_stream::PENDING_TOTAL as u64),
