@@ -398,6 +398,34 @@ pub enum AppendOutcome {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ChunkId(pub i64);
 
+/// The chunks an uploader has sent and not yet seen answered, told to the spool
+/// ([`Spool::chunks_in_flight`]). Under [`FullPolicy::DropOldest`] the spool evicts the oldest
+/// chunk that is *not* among them first: one on its way is likely stored by the server already,
+/// and deleting it would free no bandwidth, count as lost records that were delivered, and make
+/// its ack find nothing. Only when every chunk is in flight is one of them evicted.
+#[derive(Debug, Clone, Default)]
+pub struct ChunksInFlight(std::sync::Arc<std::sync::Mutex<Vec<i64>>>);
+
+impl ChunksInFlight {
+    /// Replaces the set.
+    pub fn set(&self, ids: impl IntoIterator<Item = ChunkId>) {
+        let mut v = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        v.clear();
+        v.extend(ids.into_iter().map(|c| c.0));
+        v.sort_unstable();
+    }
+
+    /// Whether `id` is in the set.
+    pub fn contains(&self, id: ChunkId) -> bool {
+        self.snapshot().binary_search(&id.0).is_ok()
+    }
+
+    /// The ids now, sorted.
+    pub(crate) fn snapshot(&self) -> Vec<i64> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+}
+
 impl fmt::Display for ChunkId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.0)

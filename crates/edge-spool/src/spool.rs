@@ -47,6 +47,8 @@ pub struct Spool {
     /// Under [`Durability::Normal`](crate::Durability::Normal): chunks sealed without a commit
     /// record wait for a sync of the WAL that failed, and readers do not list them yet.
     seals_unsynced: bool,
+    /// What the uploader has in flight, spared by `DropOldest` while it can be.
+    in_flight: crate::ChunksInFlight,
     /// The last of those syncs failed (logged once until one succeeds).
     wal_sync_failing: bool,
     /// Unit tests: the next writer transaction fails at `COMMIT`, after its segment write.
@@ -120,6 +122,7 @@ impl Spool {
             unsynced: VecDeque::new(),
             known_synced: 0,
             seals_unsynced: false,
+            in_flight: crate::ChunksInFlight::default(),
             wal_sync_failing: false,
             #[cfg(test)]
             fail_next_commit: false,
@@ -342,6 +345,12 @@ impl Spool {
         }
     }
 
+    /// The set of chunks in flight the uploader keeps up to date, shared with this spool (see
+    /// [`ChunksInFlight`](crate::ChunksInFlight)).
+    pub fn chunks_in_flight(&self) -> crate::ChunksInFlight {
+        self.in_flight.clone()
+    }
+
     /// Whether chunks sealed so far wait for a sync of the WAL before they may be sent (under
     /// [`Durability::Normal`](crate::Durability::Normal), after a failed one; readers do not list
     /// them meanwhile). Always `false` with `Full`, and with [`Spool::defer_wal_sync`], whose
@@ -387,7 +396,7 @@ impl Spool {
         // pages for every 10 KiB request.
         let mut pending = PendingRow::new(target);
         for req in reqs {
-            if !make_room(&tx, &mut st, &self.opts, req.bytes(), &mut dropped)? {
+            if !make_room(&tx, &mut st, &self.opts, req.bytes(), &self.in_flight, &mut dropped)? {
                 outcomes.push(AppendOutcome::Full);
                 continue;
             }
@@ -925,6 +934,7 @@ fn make_room(
     st: &mut State,
     opts: &SpoolOptions,
     bytes: u64,
+    in_flight: &crate::ChunksInFlight,
     dropped: &mut Dropped,
 ) -> Result<bool, SpoolError> {
     let max = opts.max_bytes;
@@ -937,12 +947,19 @@ fn make_room(
     if opts.full_policy == FullPolicy::Reject || st.open_bytes().saturating_add(bytes) > max {
         return Ok(false);
     }
+    let sending = in_flight.snapshot();
     while st.total_bytes().saturating_add(bytes) > max {
-        let oldest: Option<i64> = tx
-            .prepare_cached("SELECT id FROM chunks WHERE quarantine IS NULL ORDER BY id LIMIT 1")
-            .and_then(|mut s| s.query_row([], |r| r.get(0)).optional())
+        // The oldest chunks, as many as are in flight and one more: the oldest not in flight is
+        // among them, or else every one is in flight and the oldest goes.
+        let oldest: Vec<i64> = tx
+            .prepare_cached("SELECT id FROM chunks WHERE quarantine IS NULL ORDER BY id LIMIT ?1")
+            .and_then(|mut s| {
+                s.query_map([i64::try_from(sending.len()).unwrap_or(i64::MAX).saturating_add(1)], |r| r.get(0))?
+                    .collect()
+            })
             .map_err(ctx("finding the oldest chunk"))?;
-        let Some(id) = oldest else {
+        let spare = oldest.iter().find(|id| sending.binary_search(id).is_err()).or(oldest.first());
+        let Some(&id) = spare else {
             // The counters say sealed bytes exist but no chunk row does.
             return Err(SpoolError::Inconsistent("sealed byte counter is positive but no sealed chunk exists".into()));
         };
@@ -1705,6 +1722,30 @@ mod tests {
         let (spool, _) = open(&opts);
         let stats = spool.stats();
         assert_eq!((stats.dropped_chunks, stats.dropped_records), (1, 3));
+    }
+
+    #[test]
+    fn drop_oldest_spares_the_chunks_in_flight_while_another_can_go() {
+        let (_dir, mut opts) = setup();
+        opts.max_bytes = 100;
+        opts.chunk_target_bytes = 30;
+        opts.full_policy = FullPolicy::DropOldest;
+        let (mut spool, _) = open(&opts);
+        let three = |s: &str| Batch { stream: s.into(), data: vec![7; 30], records: 3 };
+        spool.append(&[req(vec![three("a")]), req(vec![three("b")]), req(vec![three("a")])], 1).expect("append");
+        let before: Vec<ChunkId> = all_sealed(&spool).iter().map(|c| c.id).collect();
+        // The two oldest are on their way to the server.
+        spool.chunks_in_flight().set([before[0], before[1]]);
+        spool.append(&[req(vec![batch("c", &[1; 40])])], 2).expect("append");
+        let after: Vec<ChunkId> = all_sealed(&spool).iter().map(|c| c.id).collect();
+        assert_eq!(&after[..2], &before[..2], "the chunks in flight were evicted");
+        assert!(!after.contains(&before[2]), "the oldest chunk not in flight went");
+        // Every chunk in flight: the oldest goes, as without the set.
+        spool.chunks_in_flight().set(after.clone());
+        spool.append(&[req(vec![batch("d", &[1; 30])])], 3).expect("append");
+        let last: Vec<ChunkId> = all_sealed(&spool).iter().map(|c| c.id).collect();
+        assert!(!last.contains(&after[0]) && last.contains(&after[1]), "{last:?} from {after:?}");
+        assert_eq!(spool.stats().dropped_chunks, 2);
     }
 
     #[test]

@@ -114,6 +114,8 @@ pub struct SpoolHandle {
     /// See [`crate::metrics::SPOOL_COMMIT_SECONDS`].
     commit_seconds: Histogram,
     busy: Arc<Busy>,
+    /// The chunks the uploader has in flight, read by the spool's `DropOldest` eviction.
+    in_flight: edge_spool::ChunksInFlight,
 }
 
 /// Joins the spool thread when the last handle is gone.
@@ -152,6 +154,7 @@ impl SpoolHandle {
         let commit_seconds = crate::metrics::spool_commit_histogram();
         let busy = Arc::new(Busy::new());
         let handle = SpoolHandle {
+            in_flight: spool.chunks_in_flight(),
             tx,
             stats: stats.clone(),
             sealed: sealed.clone(),
@@ -216,6 +219,12 @@ impl SpoolHandle {
     /// Sets a chunk aside for good (the server refuses its bytes, or they are corrupt).
     pub fn quarantine(&self, id: ChunkId, reason: String) {
         let _closed = self.tx.send(Cmd::Quarantine { id, reason });
+    }
+
+    /// Tells the spool which chunks are in flight: under `drop_oldest` it evicts the oldest
+    /// chunk not among them first (see [`edge_spool::ChunksInFlight`]).
+    pub fn set_in_flight(&self, ids: impl IntoIterator<Item = ChunkId>) {
+        self.in_flight.set(ids);
     }
 
     /// Applies new capacity limits at run time.

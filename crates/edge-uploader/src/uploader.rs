@@ -609,6 +609,7 @@ impl<'a> Connection<'a> {
     /// how many more bytes the budget allows.
     fn publish(&self, in_flight: &InFlight) {
         in_flight.publish(self.counters);
+        self.spool.set_in_flight(in_flight.chunks.keys().copied());
         let budget = self.opts.max_in_flight_bytes.load(Ordering::Relaxed);
         self.spool.handoff().set_room(budget.saturating_sub(in_flight.bytes));
     }
@@ -631,6 +632,7 @@ impl<'a> Connection<'a> {
         self.spool.set_uploader_idle(false);
         self.spool.handoff().stop();
         InFlight::default().publish(self.counters);
+        self.spool.set_in_flight([]);
         if sent_early && result.is_err() {
             // The chunks sent before the Welcome may be what ended it (the server's limits
             // changed, or it does not take chunks before the Hello): the next connection waits

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use edge_proto::server::ServerSession;
 use edge_proto::{AckStatus, ChunkHeader, Limits};
-use edge_spool::{AppendOutcome, AppendRequest, Batch, Spool, SpoolOptions};
+use edge_spool::{AppendOutcome, AppendRequest, Batch, ChunkId, Spool, SpoolOptions};
 use edge_transport::Tuning;
 use edge_transport::pki::InMemoryPki;
 use edge_uploader::config::Compression;
@@ -43,6 +43,8 @@ struct AgentSide {
     reader: ReaderHandle,
     thread: SpoolThread,
     client_config: quinn::ClientConfig,
+    /// What the uploader tells the spool it has in flight.
+    in_flight: edge_spool::ChunksInFlight,
 }
 
 impl AgentSide {
@@ -59,11 +61,12 @@ impl AgentSide {
         assert_eq!(spool.append(&[req], 1).expect("append"), vec![AppendOutcome::Accepted]);
         assert_eq!(spool.seal_all(1).expect("seal"), 1, "one chunk sealed");
         let reader = ReaderHandle::new(spool.reader().expect("reader"));
+        let in_flight = spool.chunks_in_flight();
         let (spool, thread) = SpoolHandle::spawn(spool).expect("spool thread");
         let (cert, key) = pki.issue_device(DEVICE).expect("device certificate");
         let client_config = edge_transport::client_config_from_pem(&cert, &key, &pki.ca_pem, &Tuning::default())
             .expect("client config");
-        AgentSide { dir, spool, reader, thread, client_config }
+        AgentSide { dir, spool, reader, thread, client_config, in_flight }
     }
 
     fn options(&self, server: SocketAddr) -> UploaderOptions {
@@ -212,6 +215,26 @@ async fn a_chunk_whose_stream_the_server_stopped_is_sent_again_on_the_same_conne
 
     // The connection lives on; the same chunk must come again on a new stream.
     rig.store_the_resent_chunk(&mut ctl, &mut session).await;
+}
+
+/// The spool learns which chunks are in flight (`drop_oldest` spares them while it can), and
+/// that none is once the connection ended.
+#[tokio::test]
+async fn the_spool_is_told_which_chunks_are_in_flight() {
+    let rig = Rig::start(1000, &Tuning::default()).await;
+    let conn = rig.conn.clone();
+    let (mut ctl, mut session) = welcome(&conn).await;
+    let mut stream = bounded("the chunk", conn.accept_uni()).await.expect("chunk stream");
+    assert!(rig.agent.in_flight.contains(ChunkId(1)), "a chunk on its way is not in the spool's set");
+    let bytes = bounded("chunk bytes", stream.read_to_end(1 << 20)).await.expect("whole chunk");
+    let (header, _) = ChunkHeader::decode(&bytes, &Limits::default()).expect("valid header").expect("complete");
+    session.accept_chunk(&header).expect("in the window");
+    session.ack(&header.stream, header.seq, AckStatus::Stored).expect("ack");
+    flush(&mut ctl, &mut session).await;
+    rig.cancel.cancel();
+    bounded("uploader end", rig.uploader).await.expect("uploader task").expect("uploader ran");
+    assert_eq!(rig.counters.stored.chunks(), 1);
+    assert!(!rig.agent.in_flight.contains(ChunkId(1)), "an acked chunk is still in the spool's set");
 }
 
 #[tokio::test]
