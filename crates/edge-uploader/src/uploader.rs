@@ -858,6 +858,14 @@ impl<'a> Connection<'a> {
                     fetched
                 } else {
                     match self.spool.handoff().next() {
+                        // Read from the spool already: the sync that made its seal durable let
+                        // readers list it before the seal was handed over, and this uploader's
+                        // read and `follow` fell in between. Sending it again would only cost a
+                        // duplicate (or, acked meanwhile, count it twice).
+                        Next::Chunk(meta, _) if cursor.is_some_and(|c| meta.id <= c) => {
+                            debug!(chunk = meta.id.0, "chunk handed over after it was read from the spool; skipped");
+                            Vec::new()
+                        }
                         // Sealed since the uploader last found the spool read through, handed
                         // over in memory: the front of the queue is the next chunk after `cursor`.
                         Next::Chunk(meta, Some(payload)) => {

@@ -576,6 +576,47 @@ async fn chunks_sealed_while_the_uploader_keeps_up_are_sent_from_memory_as_the_s
 /// Records that came while the agent was disconnected wait in open batches (no chunk is sealed
 /// by `linger` while none could be sent); the reconnection seals them and sends them right
 /// behind its Hello, before the server has answered it.
+/// A seal handed over after the uploader read its chunk from the spool (the sync that makes a
+/// seal durable lets readers list the chunk before the seal is handed over) is not sent again.
+#[tokio::test]
+async fn a_chunk_handed_over_after_it_was_read_from_the_spool_is_not_sent_again() {
+    let Rig { agent, _endpoint, conn, counters, cancel, uploader } = Rig::start(10 << 10, &Tuning::default()).await;
+    let (mut ctl, mut session) = welcome(&conn).await;
+    let first = store_next_chunk(&conn, &mut ctl, &mut session).await;
+    bounded("the ack taken and the seals followed", async {
+        while counters.stored.chunks() < 1 || !agent.spool.handoff().following() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    // The late hand-over of chunk 1, with its bytes, then a new chunk.
+    let meta = edge_spool::ChunkMeta {
+        id: ChunkId(1),
+        stream: STREAM.into(),
+        seq: 1,
+        records: 1,
+        bytes: first.len() as u64,
+        first_ms: 1,
+        sealed_ms: 1,
+    };
+    let crc32c = edge_proto::crc32c(&first);
+    let late = edge_uploader::handoff::Payload::from(edge_spool::ChunkPayload { data: first, crc32c });
+    agent.spool.handoff().sealed(vec![(meta, Some(late))]);
+    agent.spool.append(AppendRequest { batches: vec![records(1, 1_000, 0, 3)] }).await.expect("append");
+    agent.spool.seal_all().await;
+    let mut stream = bounded("the next chunk stream", conn.accept_uni()).await.expect("chunk stream");
+    let bytes = bounded("chunk bytes", stream.read_to_end(1 << 20)).await.expect("whole chunk");
+    let (header, _) = ChunkHeader::decode(&bytes, &Limits::default()).expect("valid header").expect("complete");
+    assert_eq!(header.seq, 2, "chunk 1 was sent again");
+    session.accept_chunk(&header).expect("in the window");
+    session.ack(&header.stream, header.seq, AckStatus::Stored).expect("ack");
+    flush(&mut ctl, &mut session).await;
+    cancel.cancel();
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+    assert_eq!(counters.stored.chunks(), 2);
+    assert_eq!(agent.sealed_left(), 0);
+}
+
 #[tokio::test]
 async fn records_that_came_during_an_outage_go_behind_the_next_hello() {
     let Rig { agent, _endpoint: endpoint, conn, counters, cancel, uploader } =
