@@ -405,6 +405,7 @@ impl Server {
             cancel: cancel.clone(),
             revoked: RwLock::new(Arc::new(revoked)),
             live: LiveConnections::default(),
+            device_budgets: Mutex::default(),
         });
         if let (Some(watch), Some(state)) = (shared.opts.revocation.clone(), watch_state) {
             // Registered here, not in the task, so a SIGHUP sent once `start` returned is
@@ -475,11 +476,39 @@ struct Shared {
     revoked: RwLock<Arc<RevocationList>>,
     /// Connections past their handshake, so a new revocation list can close them.
     live: LiveConnections,
+    /// Each device's share of `budget`, held by its connections (see [`Shared::device_budget`]).
+    device_budgets: Mutex<DeviceBudgets>,
+}
+
+/// The payload budgets of the devices with a connection open.
+#[derive(Debug, Default)]
+struct DeviceBudgets {
+    by_device: HashMap<String, std::sync::Weak<Semaphore>>,
+    /// The map is swept of devices whose connections all ended once it reaches this size.
+    sweep_at: usize,
 }
 
 impl Shared {
     fn revocation_list(&self) -> Arc<RevocationList> {
         self.revoked.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// The payload budget of `device`, `kib` permits, shared by all of its connections: one
+    /// device certificate opening many connections gets no more of the server's memory than one
+    /// connection would, so it cannot starve the other devices. (An agent uses one connection
+    /// at a time; an old one lingers briefly after an address change.)
+    fn device_budget(&self, device: &str, kib: usize) -> Arc<Semaphore> {
+        let mut budgets = self.device_budgets.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(budget) = budgets.by_device.get(device).and_then(std::sync::Weak::upgrade) {
+            return budget;
+        }
+        if budgets.by_device.len() >= budgets.sweep_at {
+            budgets.by_device.retain(|_, b| b.strong_count() > 0);
+            budgets.sweep_at = (budgets.by_device.len() * 2).max(64);
+        }
+        let budget = Arc::new(Semaphore::new(kib));
+        budgets.by_device.insert(device.to_owned(), Arc::downgrade(&budget));
+        budget
     }
 }
 
@@ -1028,18 +1057,18 @@ async fn run_connection(
     };
     let cancel = shared.cancel.clone();
     let chunk_tasks = TaskTracker::new();
-    // A connection may hold at most an eighth of the server-wide budget (and always one
-    // maximum-size chunk), so one agent cannot starve the others.
-    let conn_kib = (shared.opts.memory_budget / 8).max(u64::from(limits.max_chunk_payload)).div_ceil(1024);
-    let conn_kib = usize::try_from(conn_kib).unwrap_or(usize::MAX).min(Semaphore::MAX_PERMITS);
-    let conn_budget = Arc::new(Semaphore::new(conn_kib));
+    // A device may hold at most an eighth of the server-wide budget (and always one
+    // maximum-size chunk), over all of its connections, so one agent cannot starve the others.
+    let device_kib = (shared.opts.memory_budget / 8).max(u64::from(limits.max_chunk_payload)).div_ceil(1024);
+    let device_kib = usize::try_from(device_kib).unwrap_or(usize::MAX).min(Semaphore::MAX_PERMITS);
+    let device_budget = shared.device_budget(device, device_kib);
     // The most one chunk takes from either budget (see `chunk_permits`).
-    let max_chunk_kib = u32::try_from(conn_kib.min(shared.budget_kib)).unwrap_or(u32::MAX);
+    let max_chunk_kib = u32::try_from(device_kib.min(shared.budget_kib)).unwrap_or(u32::MAX);
     let (fail_tx, mut fail_rx) = mpsc::unbounded_channel::<ProtoError>();
     let ctx = || ChunkCtx {
         device: device.to_owned(),
         stored: stored.clone(),
-        conn_budget: conn_budget.clone(),
+        device_budget: device_budget.clone(),
         max_chunk_kib,
         spool_id,
         state: state.clone(),
@@ -1120,8 +1149,9 @@ struct ChunkCtx {
     device: String,
     /// This connection's stored totals (for `status`).
     stored: Arc<ConnStored>,
-    /// This connection's share of the payload memory budget (KiB permits).
-    conn_budget: Arc<Semaphore>,
+    /// This device's share of the payload memory budget (KiB permits), shared by its
+    /// connections.
+    device_budget: Arc<Semaphore>,
     /// The most permits one chunk takes from either budget: the smaller one's size.
     max_chunk_kib: u32,
     spool_id: [u8; 16],
@@ -1197,14 +1227,14 @@ async fn process_chunk(
     let key_stream = header.stream.clone();
     let seq = header.seq;
 
-    // 2. Payload, under two memory budgets: this connection's share, waited for (a greedy or
-    //    stalled connection only slows itself), and the server-wide budget, waited for briefly
+    // 2. Payload, under two memory budgets: this device's share, waited for (a greedy or
+    //    stalled device only slows itself), and the server-wide budget, waited for briefly
     //    before the agent is told to retry later. The payload must then arrive at a minimum
     //    rate, so a stalled stream cannot hold its budget forever. The permits cover what the
     //    chunk holds until it is answered, its decoded copy too where the sink makes one.
     let payload_len = header.payload_len as usize;
     let kib = chunk_permits(&header, sink_decodes(&ctx.shared.store), ctx.max_chunk_kib);
-    let Ok(_conn_permit) = ctx.conn_budget.clone().acquire_many_owned(kib).await else {
+    let Ok(_device_permit) = ctx.device_budget.clone().acquire_many_owned(kib).await else {
         return Err(ChunkEnd::Stream("connection closing".into()));
     };
     let _permit = match tokio::time::timeout(OVERLOAD_WAIT, ctx.shared.budget.clone().acquire_many_owned(kib)).await {
@@ -1320,11 +1350,12 @@ fn sink_decodes(sink: &Sink) -> bool {
 /// sink answers).
 ///
 /// The decoded case is clamped to `max_kib`, the size of the smaller budget (usually the
-/// connection's share, which is at least one `max_chunk_payload`, and no more than the server's
+/// device's share, which is at least one `max_chunk_payload`, and no more than the server's
 /// budget since the config requires `memory_budget >= max_chunk_bytes`). So a chunk whose
 /// decoded size is more than that still proceeds, as a maximum-size payload always can: it
-/// takes all of it, and so is alone on its connection while it is held. What it decodes past
-/// its permits is bounded by `Limits::max_raw_len`, one such chunk per connection at a time.
+/// takes all of it, and so is alone on its device's connections while it is held. What it
+/// decodes past its permits is bounded by `Limits::max_raw_len`, one such chunk per device at a
+/// time.
 /// The payload's own permits are never clamped, as before.
 fn chunk_permits(header: &ChunkHeader, sink_decodes: bool, max_kib: u32) -> u32 {
     let payload_kib = header.payload_len.div_ceil(1024).max(1);

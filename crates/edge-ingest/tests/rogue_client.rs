@@ -601,6 +601,55 @@ async fn a_rogue_stalling_max_size_chunks_does_not_starve_other_agents() {
     assert_exported_once(&exported, HONEST, HONEST_SPOOL, &honest_chunks(0..20));
 }
 
+/// The same rogue spreading its stalled chunks over many connections of its one certificate
+/// (an eighth of the server's budget is a device's share, over all of its connections): the
+/// honest agent is not starved either.
+#[tokio::test]
+async fn a_rogue_stalling_chunks_over_many_connections_does_not_starve_other_agents() {
+    let rig = Rig::start().await;
+    let mut honest = rig.honest_agent().await;
+    let opts = ServerOptions::default();
+    let max = opts.limits.max_chunk_payload;
+    // Each connection alone may hold a device's share: two maximum-size chunks. Nine of them
+    // would hold more than the whole server's budget.
+    let per_conn = (opts.memory_budget / 8 / u64::from(max)).max(1);
+    let conns = 9;
+    assert!(conns * per_conn * u64::from(max) > opts.memory_budget);
+    let mut held = Vec::new();
+    for c in 0..conns {
+        let (conn, rogue) = bounded("rogue connects", async {
+            let conn = rig.rogue.connect().await;
+            let rogue = Agent::connect(&conn, ROGUE_SPOOL, AGENT).await;
+            (conn, rogue)
+        })
+        .await;
+        let mut streams = Held::default();
+        for seq in 0..per_conn {
+            let header = ChunkHeader {
+                raw_len: max,
+                payload_len: max,
+                records: 1,
+                ..chunk("rogue.stall", c * 100 + seq).header
+            };
+            let mut bytes = Vec::new();
+            header.encode(&mut bytes);
+            bounded("rogue opens a stalled chunk stream", streams.uni(&conn, &bytes)).await;
+        }
+        held.push((conn, rogue, streams));
+    }
+    for seq in 0..20 {
+        let batch = honest_chunks(seq..seq + 1);
+        match tokio::time::timeout(Duration::from_secs(5), honest.upload(&batch)).await {
+            Ok(statuses) => assert_eq!(statuses, [AckStatus::Stored], "honest chunk {seq}"),
+            Err(_) => panic!("honest chunk {seq} got no ack within 5 s while {conns} rogue connections stall"),
+        }
+    }
+    drop(held);
+    honest.close();
+    let (exported, _) = rig.finish().await;
+    assert_exported_once(&exported, HONEST, HONEST_SPOOL, &honest_chunks(0..20));
+}
+
 /// An agent that does its Hello and then never reads its control stream, while it keeps sending
 /// cheap chunks (empty, with a wrong checksum: answered `Rejected`, the connection stays open),
 /// is closed with `ProtocolViolation` once the acks waiting for it pass the server's limit
