@@ -341,16 +341,17 @@ impl Inner {
         if server < opts.max_message_bytes.saturating_add(HEADER_ROOM) {
             return Err(JetStreamError::MaxPayload { server, configured: opts.max_message_bytes });
         }
+        // A message carries each record with its length prefix.
         let default_record = edge_proto::DEFAULT_MAX_RECORD_BYTES as usize;
-        if server < default_record + HEADER_ROOM {
+        let needed = default_record + edge_proto::records::RECORD_OVERHEAD + HEADER_ROOM;
+        if server < needed {
             // A record is never cut: a chunk holding one larger than the room is answered Retry
             // (nothing lost, the sink reported unhealthy) until `max_payload` is raised.
+            let largest = server.saturating_sub(HEADER_ROOM + edge_proto::records::RECORD_OVERHEAD);
             warn!(
                 max_payload = server,
-                largest_record = server - HEADER_ROOM,
-                "the NATS server's max_payload leaves room for records of up to {} bytes, and agents accept records of up to {default_record} bytes by default (intake.max_record_bytes): a chunk holding a larger record is answered Retry until max_payload is raised to {} bytes or more",
-                server - HEADER_ROOM,
-                default_record + HEADER_ROOM,
+                largest_record = largest,
+                "the NATS server's max_payload leaves room for records of up to {largest} bytes, and agents accept records of up to {default_record} bytes by default (intake.max_record_bytes): a chunk holding a larger record is answered Retry until max_payload is raised to {needed} bytes or more",
             );
         }
         self.ready.store(true, Ordering::Release);

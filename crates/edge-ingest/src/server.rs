@@ -496,7 +496,8 @@ impl Shared {
     /// The payload budget of `device`, `kib` permits, shared by all of its connections: one
     /// device certificate opening many connections gets no more of the server's memory than one
     /// connection would, so it cannot starve the other devices. (An agent uses one connection
-    /// at a time; an old one lingers briefly after an address change.)
+    /// at a time; after an address change without migration its old one lingers until its idle
+    /// timeout, and the new one waits for the permits that one still holds.)
     fn device_budget(&self, device: &str, kib: usize) -> Arc<Semaphore> {
         let mut budgets = self.device_budgets.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(budget) = budgets.by_device.get(device).and_then(std::sync::Weak::upgrade) {

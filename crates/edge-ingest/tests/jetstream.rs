@@ -298,7 +298,8 @@ async fn a_record_over_the_servers_max_payload_is_retried_and_names_the_setting(
     // One byte more than the room the server's max_payload leaves beside the headers (with
     // NATS's default of 1 MiB, less than the agent's default largest record).
     let client = async_nats::connect(nats::url()).await.expect("NATS client");
-    let room = client.server_info().max_payload - edge_ingest::jetstream::HEADER_ROOM;
+    let room =
+        client.server_info().max_payload - edge_ingest::jetstream::HEADER_ROOM - edge_proto::records::RECORD_OVERHEAD;
     let big = vec![7u8; room + 1];
     let c = chunk("gw-09", "s", 1, &[b"small".to_vec(), big]);
     let outcome = sink.persist(c).await;

@@ -45,12 +45,14 @@ pub struct Spool {
     /// The newest batch id whose bytes are known to be durable (with deferred segment syncs).
     known_synced: i64,
     /// Under [`Durability::Normal`](crate::Durability::Normal): chunks sealed without a commit
-    /// record wait for a sync of the WAL that failed, and readers do not list them yet.
+    /// record wait for a sync of the WAL (one failed), and readers do not list them.
     seals_unsynced: bool,
     /// What the uploader has in flight, spared by `DropOldest` while it can be.
     in_flight: crate::ChunksInFlight,
-    /// The last of those syncs failed (logged once until one succeeds).
-    wal_sync_failing: bool,
+    /// The first of those syncs that failed: no later one is trusted (see `sync_normal_seals`).
+    wal_sync_failed: Option<String>,
+    /// Whether the WAL's directory was synced once its file existed (under `Normal`).
+    wal_dir_synced: bool,
     /// Unit tests: the next writer transaction fails at `COMMIT`, after its segment write.
     #[cfg(test)]
     fail_next_commit: bool,
@@ -123,7 +125,8 @@ impl Spool {
             known_synced: 0,
             seals_unsynced: false,
             in_flight: crate::ChunksInFlight::default(),
-            wal_sync_failing: false,
+            wal_sync_failed: None,
+            wal_dir_synced: false,
             #[cfg(test)]
             fail_next_commit: false,
             #[cfg(test)]
@@ -310,19 +313,34 @@ impl Spool {
     /// after the restart, it would be taken for the duplicate and those records lost. So such
     /// seals are made durable with a sync of the WAL before readers list them (and before the
     /// caller hands them over: [`Spool::seals_wait_for_sync`]). Seals in a commit record are
-    /// durable at `COMMIT`, with the segment's sync. A failed sync is tried again after every
-    /// commit; until one succeeds, the chunks sealed since stay unlisted.
+    /// durable at `COMMIT`, with the segment's sync. After a failed sync no later one is
+    /// trusted: the chunks sealed since stay unlisted until the next open syncs again.
     fn sync_normal_seals(&mut self) {
+        if self.wal_sync_failed.is_some() {
+            // Linux may drop the dirty pages of a failed write-back and report the error once:
+            // a later successful sync would prove nothing. What was sealed since stays unlisted
+            // in this process; the next start syncs the WAL again.
+            self.seals_unsynced = true;
+            return;
+        }
         let wal = recovery::with_suffix(&self.opts.path, "-wal");
         #[cfg(test)]
-        let failed = self.fail_wal_syncs;
+        let simulated = self.fail_wal_syncs;
         #[cfg(not(test))]
-        let failed = false;
-        let synced = if failed {
+        let simulated = false;
+        let synced = if simulated {
             Err(std::io::Error::other("WAL sync failed (simulated)"))
         } else {
             match std::fs::File::open(&wal) {
-                Ok(f) => f.sync_data(),
+                // The WAL's name too, once: SQLite syncs the directory of a WAL it created only
+                // in a sync of its own, which under `NORMAL` waits for the first checkpoint.
+                Ok(f) => f.sync_data().and_then(|()| {
+                    if !self.wal_dir_synced {
+                        crate::segment::sync_dir(&self.opts.path).map_err(std::io::Error::other)?;
+                        self.wal_dir_synced = true;
+                    }
+                    Ok(())
+                }),
                 // No WAL: everything is in the main file, synced by the checkpoint that removed it.
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
                 Err(e) => Err(e),
@@ -330,16 +348,12 @@ impl Spool {
         };
         match synced {
             Ok(()) => {
-                if std::mem::take(&mut self.wal_sync_failing) {
-                    tracing::warn!(wal = %wal.display(), "the spool's WAL synced again; its sealed chunks are sent");
-                }
                 self.seals_unsynced = false;
                 self.visible.set(self.newest_chunk().map_or(0, |c| c.0));
             }
             Err(e) => {
-                if !std::mem::replace(&mut self.wal_sync_failing, true) {
-                    tracing::error!(wal = %wal.display(), error = %e, "could not fsync the spool's WAL: the chunks sealed since its last sync are not sent until one succeeds (tried again after every commit)");
-                }
+                tracing::error!(wal = %wal.display(), error = %e, "could not fsync the spool's WAL: the chunks sealed from now on are not sent by this process (a failed sync may have lost writes without saying so again); check the disk, then restart the agent, which syncs the WAL again at start");
+                self.wal_sync_failed = Some(e.to_string());
                 self.seals_unsynced = true;
             }
         }
@@ -352,8 +366,8 @@ impl Spool {
     }
 
     /// Whether chunks sealed so far wait for a sync of the WAL before they may be sent (under
-    /// [`Durability::Normal`](crate::Durability::Normal), after a failed one; readers do not list
-    /// them meanwhile). Always `false` with `Full`, and with [`Spool::defer_wal_sync`], whose
+    /// [`Durability::Normal`](crate::Durability::Normal), once one failed: until the next open;
+    /// readers do not list them meanwhile). Always `false` with `Full`, and with [`Spool::defer_wal_sync`], whose
     /// [`WalSync`] the caller waits for instead.
     pub fn seals_wait_for_sync(&self) -> bool {
         self.seals_unsynced
@@ -1593,17 +1607,18 @@ mod tests {
         // A commit whose seal is in its record does not list the earlier one either.
         spool.commit(&[req(vec![batch("b", b"two")])], &[], SealWhat::All, 3).expect("commit");
         assert!(all_sealed(&spool).is_empty());
-        // Once a sync succeeds (after the next commit), every chunk is listed.
+        // A later sync that works proves nothing (a failed write-back may have dropped pages
+        // and said so once): still unlisted.
         spool.fail_wal_syncs = false;
         spool.append(&[req(vec![batch("c", b"three")])], 4).expect("append");
-        assert!(!spool.seals_wait_for_sync());
-        let listed: Vec<_> = all_sealed(&spool).into_iter().map(|c| (c.stream, c.seq)).collect();
-        assert_eq!(listed, [("a".to_owned(), 1), ("b".to_owned(), 1)]);
-        // A reopen syncs first: nothing is hidden.
+        assert!(spool.seals_wait_for_sync());
+        assert!(all_sealed(&spool).is_empty());
+        // The next open syncs first: every chunk is listed.
         drop(spool);
         let (spool, _) = open(&opts);
         assert!(!spool.seals_wait_for_sync());
-        assert_eq!(all_sealed(&spool).len(), 2);
+        let listed: Vec<_> = all_sealed(&spool).into_iter().map(|c| (c.stream, c.seq)).collect();
+        assert_eq!(listed, [("a".to_owned(), 1), ("b".to_owned(), 1)]);
     }
 
     #[test]

@@ -95,6 +95,16 @@ impl Compressor {
         if !self.take_turn(stream) {
             return Compressed::Skipped;
         }
+        self.compress(stream, raw).await
+    }
+
+    /// Like [`Compressor::chunk`], but tries even a stream whose chunks are being skipped: for
+    /// a chunk that cannot be sent uncompressed (over the server's limit).
+    pub async fn chunk_always(self: &Arc<Self>, stream: &str, raw: &Payload) -> Compressed {
+        self.compress(stream, raw).await
+    }
+
+    async fn compress(self: &Arc<Self>, stream: &str, raw: &Payload) -> Compressed {
         // The semaphore is never closed.
         let Ok(permit) = self.permits.clone().acquire_owned().await else { return Compressed::NotSmaller };
         let me = self.clone();
@@ -221,6 +231,14 @@ mod tests {
         for _ in 0..5 {
             assert!(matches!(c.chunk("mixed", &readings(200)).await, Compressed::Smaller(_)));
         }
+    }
+
+    #[tokio::test]
+    async fn a_chunk_that_must_shrink_is_tried_on_a_stream_being_skipped() {
+        let c = Arc::new(Compressor::new(1, 1));
+        assert!(matches!(c.chunk("mixed", &random(1, 4096)).await, Compressed::NotSmaller));
+        // The stream's next chunk would be skipped; one over the server's limit is tried.
+        assert!(matches!(c.chunk_always("mixed", &readings(200)).await, Compressed::Smaller(_)));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -686,8 +686,8 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
         let mut handed = retained.committed(reqs, accepted, &sealed_now, &spool);
         if !handed.is_empty() && spool.seals_wait_for_sync() {
             // `durability = "normal"` after a failed sync of the WAL: these seals may not be
-            // durable, and are not to be sent before they are. The uploader reads the spool,
-            // which lists them once a sync succeeds.
+            // durable, and are not to be sent by this process. The uploader reads the spool,
+            // which does not list them; the next start syncs the WAL and lists them.
             handed.clear();
             handoff.stop();
         }

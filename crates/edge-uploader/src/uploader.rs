@@ -1088,6 +1088,8 @@ async fn send_chunk_inner(
     // Uncompressed, the payload's CRC-32C is the one the spool checked while reading it (or
     // one over the pieces handed over in memory), and its pieces go out as they are.
     let compressed = match compressor {
+        // Over the server's limit as it is: only compressed can it go.
+        Some(c) if raw.len() as u64 > u64::from(max_chunk_payload) => c.chunk_always(&meta.stream, &raw).await,
         Some(c) => c.chunk(&meta.stream, &raw).await,
         None => Compressed::Skipped,
     };

@@ -573,9 +573,6 @@ async fn chunks_sealed_while_the_uploader_keeps_up_are_sent_from_memory_as_the_s
     assert_eq!(agent.sealed_left(), 0, "every acked chunk left the spool");
 }
 
-/// Records that came while the agent was disconnected wait in open batches (no chunk is sealed
-/// by `linger` while none could be sent); the reconnection seals them and sends them right
-/// behind its Hello, before the server has answered it.
 /// A seal handed over after the uploader read its chunk from the spool (the sync that makes a
 /// seal durable lets readers list the chunk before the seal is handed over) is not sent again.
 #[tokio::test]
@@ -617,6 +614,9 @@ async fn a_chunk_handed_over_after_it_was_read_from_the_spool_is_not_sent_again(
     assert_eq!(agent.sealed_left(), 0);
 }
 
+/// Records that came while the agent was disconnected wait in open batches (no chunk is sealed
+/// by `linger` while none could be sent); the reconnection seals them and sends them right
+/// behind its Hello, before the server has answered it.
 #[tokio::test]
 async fn records_that_came_during_an_outage_go_behind_the_next_hello() {
     let Rig { agent, _endpoint: endpoint, conn, counters, cancel, uploader } =
