@@ -207,9 +207,8 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
     let status = edge_ingest::status::router(server.counters(), store.stats_view(), sink_description(&cfg));
     let metrics = edge_ingest::metrics::MetricsServer::start_with(metrics_listener, registry, status);
     edge_telemetry::notify::ready();
-    let watchdog = edge_telemetry::notify::watchdog_interval();
+    let mut watchdog = edge_telemetry::notify::Watchdog::from_env("the server");
     let stats = store.stats_view();
-    let mut withheld = false;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let source = cfg.source.clone();
@@ -237,25 +236,15 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
                 Err(e) => tracing::error!(error = %edge_telemetry::logging::error_chain(e.as_ref()), "configuration reload refused; the running configuration stays in force"),
             },
             _ = tokio::signal::ctrl_c() => break,
-            () = async { match watchdog { Some(i) => tokio::time::sleep(i).await, None => std::future::pending().await } } => {
+            () = async { match watchdog.interval() { Some(i) => tokio::time::sleep(i).await, None => std::future::pending().await } } => {
                 // A store thread stuck in one write or fsync (a disk that stopped answering)
                 // holds every chunk unanswered while this loop runs on: the ping is withheld, so
                 // that systemd restarts the server if it stays stuck.
-                match stats.busy().filter(|d| watchdog.is_some_and(|i| *d >= edge_telemetry::notify::withhold_after(i))) {
-                    Some(d) => {
-                        if !withheld {
-                            tracing::error!(busy_s = d.as_secs_f64(), "the store has been in one batch of writes and fsyncs for {}: chunks wait; withholding the watchdog ping, so systemd restarts the server if it stays stuck", humantime::format_duration(Duration::from_secs(d.as_secs())));
-                        }
-                        withheld = true;
-                    }
-                    None => {
-                        if withheld {
-                            tracing::warn!("the store is back; sending the watchdog ping again");
-                        }
-                        withheld = false;
-                        edge_telemetry::notify::watchdog();
-                    }
-                }
+                watchdog.ping_unless_stuck(
+                    stats.busy(),
+                    |d| format!("the store has been in one batch of writes and fsyncs for {}: chunks wait", humantime::format_duration(Duration::from_secs(d.as_secs()))),
+                    "the store is back",
+                );
             }
         }
     }

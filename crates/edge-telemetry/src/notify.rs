@@ -51,3 +51,58 @@ pub const STUCK_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
 pub fn withhold_after(ping_interval: std::time::Duration) -> std::time::Duration {
     ping_interval.max(STUCK_AFTER)
 }
+
+/// The watchdog pings of a daemon whose storage thread can get stuck: each ping is sent unless
+/// that thread has been in one operation for [`withhold_after`] the interval, and withholding
+/// starts and ends with one log line each.
+#[derive(Debug)]
+pub struct Watchdog {
+    interval: Option<std::time::Duration>,
+    /// Who systemd restarts, for the log ("the agent").
+    restarts: &'static str,
+    withheld: bool,
+}
+
+impl Watchdog {
+    /// The watchdog systemd asked for ([`watchdog_interval`]).
+    pub fn from_env(restarts: &'static str) -> Self {
+        Watchdog { interval: watchdog_interval(), restarts, withheld: false }
+    }
+
+    /// How often to call [`Watchdog::ping_unless_stuck`]; `None` when there is no watchdog.
+    pub fn interval(&self) -> Option<std::time::Duration> {
+        self.interval
+    }
+
+    /// Pings, unless `busy` (how long the storage thread has been in its current operation)
+    /// reaches [`withhold_after`] the interval. `stuck` says what waits, for the log line of the
+    /// first ping withheld; `back` starts the line of the first ping sent again.
+    pub fn ping_unless_stuck(
+        &mut self,
+        busy: Option<std::time::Duration>,
+        stuck: impl FnOnce(std::time::Duration) -> String,
+        back: &str,
+    ) {
+        let Some(interval) = self.interval else { return };
+        match busy.filter(|d| *d >= withhold_after(interval)) {
+            Some(d) => {
+                if !self.withheld {
+                    tracing::error!(
+                        busy_s = d.as_secs_f64(),
+                        "{}; withholding the watchdog ping, so systemd restarts {} if it stays stuck",
+                        stuck(d),
+                        self.restarts
+                    );
+                }
+                self.withheld = true;
+            }
+            None => {
+                if self.withheld {
+                    tracing::warn!("{back}; sending the watchdog ping again");
+                }
+                self.withheld = false;
+                watchdog();
+            }
+        }
+    }
+}

@@ -317,12 +317,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         crate::intake::status_router(&agent.intake),
     );
     edge_telemetry::notify::ready();
-    let watchdog = edge_telemetry::notify::watchdog_interval();
+    let mut watchdog = edge_telemetry::notify::Watchdog::from_env("the agent");
     tokio::pin!(shutdown);
     let mut hangup =
         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).context("listening for SIGHUP")?;
     let mut running = config;
-    let mut withheld = false;
     loop {
         tokio::select! {
             () = &mut shutdown => break,
@@ -344,25 +343,19 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
                     Err(e) => error!(error = %edge_telemetry::logging::error_chain(e.as_ref()), "configuration reload refused; the running configuration stays in force"),
                 }
             }
-            () = async { match watchdog { Some(i) => tokio::time::sleep(i).await, None => std::future::pending().await } } => {
+            () = async { match watchdog.interval() { Some(i) => tokio::time::sleep(i).await, None => std::future::pending().await } } => {
                 // A spool thread stuck in one commit or fsync stops every producer and ack while
                 // this loop runs on: the ping is withheld, so that systemd restarts the agent if
                 // it stays stuck (after `WatchdogSec`).
-                match agent.spool.busy().filter(|(_, d)| watchdog.is_some_and(|i| *d >= edge_telemetry::notify::withhold_after(i))) {
-                    Some((kind, d)) => {
-                        if !withheld {
-                            error!(busy_s = d.as_secs_f64(), "the spool has been in {} for {}: producers and acks wait; withholding the watchdog ping, so systemd restarts the agent if it stays stuck", kind.doing(), humantime::format_duration(Duration::from_secs(d.as_secs())));
-                        }
-                        withheld = true;
-                    }
-                    None => {
-                        if withheld {
-                            warn!("the spool thread is back; sending the watchdog ping again");
-                        }
-                        withheld = false;
-                        edge_telemetry::notify::watchdog();
-                    }
-                }
+                let busy = agent.spool.busy();
+                watchdog.ping_unless_stuck(
+                    busy.map(|(_, d)| d),
+                    |d| {
+                        let doing = busy.map_or("one operation", |(kind, _)| kind.doing());
+                        format!("the spool has been in {doing} for {}: producers and acks wait", humantime::format_duration(Duration::from_secs(d.as_secs())))
+                    },
+                    "the spool thread is back",
+                );
             }
         }
     }
