@@ -1,7 +1,8 @@
 //! systemd readiness protocol: both daemons, run with `NOTIFY_SOCKET` pointing at a socket of
 //! the test and a watchdog interval, send READY=1, then WATCHDOG=1, then STOPPING=1 on SIGTERM,
-//! in that order, and exit 0. The agent withholds WATCHDOG=1 while its spool has been stuck in
-//! one commit for a ping interval and at least 10 s, and says so in `status`.
+//! in that order, and exit 0; a reload and a stop sent the moment READY arrives are obeyed. The
+//! agent withholds WATCHDOG=1 while its spool has been stuck in one commit for a ping interval
+//! and at least 10 s, and says so in `status`; the ingest does the same for its store.
 
 use std::time::Duration;
 
@@ -139,5 +140,31 @@ fn a_store_stuck_in_one_commit_withholds_the_ingests_watchdog_ping_and_makes_sta
     assert_eq!(world.export_raw("stuck")?.len(), 3, "each record stored once");
     assert!(agent.terminate(Duration::from_secs(30))?.success());
     assert!(ingest.terminate(Duration::from_secs(30))?.success());
+    Ok(())
+}
+
+/// A supervisor may reload or stop a daemon the moment READY arrives. Both daemons are held 2 s
+/// just after sending READY (a failpoint) and sent SIGHUP in that window: each reloads once
+/// released; SIGTERM then stops it in order, exit 0. Were the handlers installed after READY,
+/// SIGHUP's default action would have ended the process.
+#[test]
+fn a_reload_and_a_stop_sent_on_ready_are_obeyed() -> anyhow::Result<()> {
+    let world = World::new("gw-notify-04", "")?;
+    let ingest_cfg = world.ingest_config.to_string_lossy().into_owned();
+    let agent_cfg = world.agent_config.to_string_lossy().into_owned();
+    for (name, bin_name, cfg, failpoint) in [
+        ("edge-ingest", "edge-ingest", &ingest_cfg, "ingest::ready=1*sleep(2000)"),
+        ("edge-uploader", "edge-uploader", &agent_cfg, "agent::ready=1*sleep(2000)"),
+    ] {
+        let envs = [("FAILPOINTS", failpoint)];
+        let mut daemon = Daemon::spawn(name, &bin(bin_name)?, &["run", "--config", cfg], world.path(), &envs)?;
+        daemon.wait_ready(READY_TIMEOUT)?;
+        daemon.signal("HUP")?;
+        daemon.wait_log("configuration reloaded", Duration::from_secs(30))?;
+        let status = daemon.terminate(Duration::from_secs(30))?;
+        let log = std::fs::read_to_string(daemon.log_path())?;
+        assert!(status.success(), "{name} exit after SIGHUP and SIGTERM on READY: {status}; log:\n{log}");
+        assert!(log.contains("stopped"), "{name} did not stop in order; log:\n{log}");
+    }
     Ok(())
 }

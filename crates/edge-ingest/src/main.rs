@@ -12,6 +12,7 @@ use edge_ingest::server::Server;
 use edge_ingest::sink::Sink;
 use edge_ingest::store::{ExportFilter, Store, StoreHandle};
 use edge_ingest::{EXIT_CONFIG, config};
+use edge_telemetry::signals::{Request, Signals};
 
 /// jemalloc instead of glibc's allocator: chunk buffers of hundreds of KiB are allocated and
 /// freed all the time, and glibc gives their pages back to the kernel and faults them in again
@@ -206,36 +207,39 @@ async fn run(cfg: config::Config) -> anyhow::Result<()> {
     // `/v1/status` (for `edge-ingest status`) shares the metrics listener.
     let status = edge_ingest::status::router(server.counters(), store.stats_view(), sink_description(&cfg));
     let metrics = edge_ingest::metrics::MetricsServer::start_with(metrics_listener, registry, status);
+    // Before READY: a stop or reload sent on READY must find the handlers (see `signals`).
+    let mut signals = Signals::listen().context("listening for SIGTERM, SIGINT and SIGHUP")?;
     edge_telemetry::notify::ready();
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("ingest::ready");
     let mut watchdog = edge_telemetry::notify::Watchdog::from_env("the server");
     let stats = store.stats_view();
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let source = cfg.source.clone();
     loop {
         tokio::select! {
-            _ = term.recv() => break,
-            _ = hangup.recv() => match config::load(source.as_deref()) {
-                // Only the log level changes at run time; everything else needs a restart.
-                Ok(new) => {
-                    match edge_telemetry::logging::set_level(&new.log_level) {
-                        Ok(()) => tracing::info!(log_level = %new.log_level, "configuration reloaded (log level; other keys apply at the next restart)"),
-                        Err(e) => tracing::error!(error = %e, "log.level not applied"),
+            request = signals.next() => match request {
+                Request::Stop => break,
+                Request::Reload => match config::load(source.as_deref()) {
+                    // Only the log level changes at run time; everything else needs a restart.
+                    Ok(new) => {
+                        match edge_telemetry::logging::set_level(&new.log_level) {
+                            Ok(()) => tracing::info!(log_level = %new.log_level, "configuration reloaded (log level; other keys apply at the next restart)"),
+                            Err(e) => tracing::error!(error = %e, "log.level not applied"),
+                        }
+                        if new.tls.crls != cfg.tls.crls {
+                            // The files named at start are re-read when they change; another list
+                            // of files (the first CRL listed, say) is not, and a revocation an
+                            // operator believes in force would not be.
+                            tracing::warn!(
+                                running = ?cfg.tls.crls,
+                                configured = ?new.tls.crls,
+                                "tls.crls names other files than at start: restart edge-ingest to revoke with them"
+                            );
+                        }
                     }
-                    if new.tls.crls != cfg.tls.crls {
-                        // The files named at start are re-read when they change; another list
-                        // of files (the first CRL listed, say) is not, and a revocation an
-                        // operator believes in force would not be.
-                        tracing::warn!(
-                            running = ?cfg.tls.crls,
-                            configured = ?new.tls.crls,
-                            "tls.crls names other files than at start: restart edge-ingest to revoke with them"
-                        );
-                    }
-                }
-                Err(e) => tracing::error!(error = %edge_telemetry::logging::error_chain(e.as_ref()), "configuration reload refused; the running configuration stays in force"),
+                    Err(e) => tracing::error!(error = %edge_telemetry::logging::error_chain(e.as_ref()), "configuration reload refused; the running configuration stays in force"),
+                },
             },
-            _ = tokio::signal::ctrl_c() => break,
             () = async { match watchdog.interval() { Some(i) => tokio::time::sleep(i).await, None => std::future::pending().await } } => {
                 // A store thread stuck in one write or fsync (a disk that stopped answering)
                 // holds every chunk unanswered while this loop runs on: the ping is withheld, so

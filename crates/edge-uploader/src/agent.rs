@@ -7,7 +7,6 @@
 //! closes politely, the spool thread commits what it holds and exits. Nothing is lost whether or
 //! not the grace period was long enough: unacked chunks stay in the spool.
 
-use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -302,8 +301,8 @@ impl Agent {
     }
 }
 
-/// Runs the daemon until `shutdown` resolves.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+/// Runs the daemon until SIGTERM or SIGINT (SIGHUP reloads the configuration).
+pub async fn run(config: Config) -> anyhow::Result<()> {
     // Metrics (see `metrics`): the daemon's one registry, served until the agent has stopped.
     let metrics_listener = crate::metrics::bind(config.metrics_listen).await?;
     let agent = Agent::start(&config).await?;
@@ -316,16 +315,19 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> anyhow::
         registry,
         crate::intake::status_router(&agent.intake),
     );
+    // Before READY: a stop or reload sent on READY must find the handlers (see `signals`).
+    let mut signals = edge_telemetry::signals::Signals::listen().context("listening for SIGTERM, SIGINT and SIGHUP")?;
     edge_telemetry::notify::ready();
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("agent::ready");
     let mut watchdog = edge_telemetry::notify::Watchdog::from_env("the agent");
-    tokio::pin!(shutdown);
-    let mut hangup =
-        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).context("listening for SIGHUP")?;
     let mut running = config;
     loop {
         tokio::select! {
-            () = &mut shutdown => break,
-            _ = hangup.recv() => {
+            request = signals.next() => {
+                if request == edge_telemetry::signals::Request::Stop {
+                    break;
+                }
                 // An invalid new file is refused as a whole; the running configuration stays.
                 match crate::config::load(running.source.as_deref()) {
                     Ok(new) => {

@@ -186,7 +186,7 @@ fn main() -> ExitCode {
                 eprintln!("edge-uploader: {e}");
                 return ExitCode::from(EXIT_CONFIG as u8);
             }
-            report(runtime().and_then(|rt| rt.block_on(edge_uploader::agent::run(cfg, shutdown_signal()))))
+            report(runtime().and_then(|rt| rt.block_on(edge_uploader::agent::run(cfg))))
         }
         Command::Status { json, max_backlog_age, socket, config } => {
             let from_config = read_config_for_status(config);
@@ -327,22 +327,6 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
             eprintln!("edge-uploader: {}", edge_telemetry::logging::error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
-    }
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot listen for SIGTERM; only Ctrl-C will stop the agent");
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
     }
 }
 
