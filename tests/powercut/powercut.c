@@ -5,6 +5,9 @@
  * Loaded into the real edge-uploader by tests/system/power_cut.rs. Configuration (environment):
  *   POWERCUT_DIR    the directory watched (absolute, no trailing slash): the spool's directory
  *   POWERCUT_IMAGE  where the durable image is kept (absolute, created by the test)
+ *   POWERCUT_DIRSYNCS  optional: a file to which the path of every directory fsynced anywhere
+ *                   is appended, one per line (whether created directories' names were synced
+ *                   is checked from it; the image models one flat directory only)
  *
  * What is modelled (the POSIX contract, nothing more generous):
  *   - A regular file directly in POWERCUT_DIR has durable *content* only as of its last
@@ -122,26 +125,43 @@ static void save_dir(const char *dir, const char *image) {
     if (rename(tmp, dst) < 0) die("rename", dst);
 }
 
+/* Appends a synced directory's path to POWERCUT_DIRSYNCS, when set. */
+static void log_dirsync(const char *path) {
+    const char *log = getenv("POWERCUT_DIRSYNCS");
+    if (!log) return;
+    int out = open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (out < 0) die("open", log);
+    char line[PATH_MAX + 1];
+    int n = snprintf(line, sizeof line, "%s\n", path);
+    if (n < 0 || (size_t)n >= sizeof line || write_all(out, line, (size_t)n) < 0) die("write", log);
+    close(out);
+}
+
 /* Called before every fsync/fdatasync: records what that call makes durable, if it concerns
  * the watched directory. */
 static void before_sync(int fd) {
-    const char *dir = getenv("POWERCUT_DIR");
-    const char *image = getenv("POWERCUT_IMAGE");
-    if (!dir || !image) return;
     char link[64], path[PATH_MAX];
     snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
     ssize_t n = readlink(link, path, sizeof path - 1);
     if (n < 0) return;
     path[n] = 0;
-    size_t dl = strlen(dir);
     struct stat st;
-    if (fstat(fd, &st) < 0) return;
     int saved_errno = errno;
+    if (fstat(fd, &st) < 0) {
+        errno = saved_errno;
+        return;
+    }
+    const char *dir = getenv("POWERCUT_DIR");
+    const char *image = getenv("POWERCUT_IMAGE");
+    size_t dl = dir ? strlen(dir) : 0;
     pthread_mutex_lock(&lock);
-    if (S_ISDIR(st.st_mode) && strcmp(path, dir) == 0) {
-        save_dir(dir, image);
-    } else if (S_ISREG(st.st_mode) && strncmp(path, dir, dl) == 0 && path[dl] == '/' && !strchr(path + dl + 1, '/')) {
-        save_content(fd, image, st.st_ino);
+    if (S_ISDIR(st.st_mode)) log_dirsync(path);
+    if (dir && image) {
+        if (S_ISDIR(st.st_mode) && strcmp(path, dir) == 0) {
+            save_dir(dir, image);
+        } else if (S_ISREG(st.st_mode) && strncmp(path, dir, dl) == 0 && path[dl] == '/' && !strchr(path + dl + 1, '/')) {
+            save_content(fd, image, st.st_ino);
+        }
     }
     pthread_mutex_unlock(&lock);
     errno = saved_errno;

@@ -459,6 +459,103 @@ fn power_cut_normal_durability_never_seals_a_sent_sequence_number_again() -> any
     Ok(())
 }
 
+/// Under `durability = "normal"` a failed sync of the WAL (a failpoint in the real agent) at
+/// open fails the start; later, at the seal made when the agent connects, it leaves chunks this
+/// process cannot vouch for: the agent stops in order with exit status 74 instead of holding
+/// them unsent, and the next start, which syncs the WAL first, sends every record it had
+/// accepted, once.
+#[test]
+fn a_failed_wal_sync_under_normal_durability_stops_the_agent_and_the_next_start_sends_all() -> anyhow::Result<()> {
+    let world = World::new("gw-power-04", "")?;
+    let config = std::fs::read_to_string(&world.agent_config)?;
+    std::fs::write(&world.agent_config, config.replacen("[spool]\n", "[spool]\ndurability = \"normal\"\n", 1))?;
+    // A WAL that cannot be synced at open: the start fails, naming it.
+    let mut agent = spawn_agent(&world, &[("FAILPOINTS", "spool::normal_wal_sync=return")])?;
+    let status = agent.wait_exit(Duration::from_secs(60))?;
+    let log = std::fs::read_to_string(agent.log_path())?;
+    assert!(
+        !status.success() && log.contains("spool.db-wal"),
+        "agent start with a WAL sync failing: {status}; log:\n{log}"
+    );
+    // The ingest is away: the records stay open until the agent connects and seals them in a
+    // commit of their own, whose WAL sync fails (the one at open goes through).
+    let mut agent = spawn_agent(&world, &[("FAILPOINTS", "spool::normal_wal_sync=1*off->return")])?;
+    agent.wait_ready(READY_TIMEOUT)?;
+    push(&world, "walsync", &readings("walsync", 3))?;
+    let mut ingest = world.start_ingest()?;
+    let status = agent.wait_exit(Duration::from_secs(60))?;
+    let log = std::fs::read_to_string(agent.log_path())?;
+    assert_eq!(status.code(), Some(74), "agent exit after a failed WAL sync: {status}; log:\n{log}");
+    assert!(log.contains("could not fsync the spool's WAL") && log.contains("stopped"), "log:\n{log}");
+    let mut agent = world.start_agent()?;
+    wait_json(
+        "every record acknowledged",
+        || status_json(&world),
+        |_, d| d["spool"]["sealed_chunks"] == 0 && d["spool"]["open_records"] == 0 && d["spool"]["total_bytes"] == 0,
+    )?;
+    assert_eq!(world.export_raw("walsync")?.len(), 3, "each accepted record stored once");
+    anyhow::ensure!(agent.terminate(Duration::from_secs(30))?.success(), "agent exit");
+    anyhow::ensure!(ingest.terminate(Duration::from_secs(30))?.success(), "ingest exit");
+    Ok(())
+}
+
+/// A directory a daemon creates for its state, with missing parents, has its name fsynced in its
+/// parent before anything is acknowledged: a power cut would otherwise take the spool (or the
+/// ingest's segments) with the directory, acknowledged records and all. The shim logs every
+/// directory fsynced by each daemon.
+#[test]
+fn state_directories_a_daemon_creates_are_durable_names() -> anyhow::Result<()> {
+    let shim = shim()?;
+    let world = World::new("gw-power-03", "")?;
+    let root = world.path().canonicalize()?;
+    let agent_config = std::fs::read_to_string(&world.agent_config)?;
+    let spool = root.join("a-new/spool/spool.db");
+    std::fs::write(
+        &world.agent_config,
+        agent_config.replacen(&format!("{:?}", world.path().join("agent/spool.db")), &format!("{spool:?}"), 1),
+    )?;
+    let ingest_config = std::fs::read_to_string(&world.ingest_config)?;
+    let data_dir = root.join("i-new/store/data");
+    std::fs::write(
+        &world.ingest_config,
+        ingest_config.replacen(&format!("{:?}", world.data_dir()), &format!("{data_dir:?}"), 1),
+    )?;
+    let run = |name: &str, bin_name: &str, config: &Path| -> anyhow::Result<(Daemon, PathBuf)> {
+        let log = root.join(format!("{name}.dirsyncs"));
+        let envs = [("LD_PRELOAD", shim.display().to_string()), ("POWERCUT_DIRSYNCS", log.display().to_string())];
+        let envs: Vec<(&str, &str)> = envs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let cfg = config.to_string_lossy().into_owned();
+        let mut d = Daemon::spawn(name, &bin(bin_name)?, &["run", "--config", &cfg], world.path(), &envs)?;
+        d.wait_ready(READY_TIMEOUT)?;
+        Ok((d, log))
+    };
+    let (mut ingest, ingest_log) = run("ingest", "edge-ingest", &world.ingest_config)?;
+    let (mut agent, agent_log) = run("agent", "edge-uploader", &world.agent_config)?;
+    push(&world, "dirs", &readings("dirs", 3))?;
+    wait_json("the records acknowledged", || status_json(&world), |_, d| d["upload"]["records_acked_total"] == 3)?;
+    anyhow::ensure!(agent.terminate(Duration::from_secs(30))?.success(), "agent exit");
+    anyhow::ensure!(ingest.terminate(Duration::from_secs(30))?.success(), "ingest exit");
+    for (name, log, created) in [
+        ("edge-uploader", &agent_log, &["a-new", "a-new/spool"][..]),
+        ("edge-ingest", &ingest_log, &["i-new", "i-new/store", "i-new/store/data"][..]),
+    ] {
+        let synced: HashSet<PathBuf> = std::fs::read_to_string(log)
+            .with_context(|| format!("{name} fsynced no directory"))?
+            .lines()
+            .map(PathBuf::from)
+            .collect();
+        for dir in created.iter() {
+            let parent = root.join(dir).parent().context("parent")?.to_owned();
+            assert!(
+                synced.contains(&parent),
+                "{name} created {dir} and never fsynced {}, the directory holding its name; synced: {synced:?}",
+                parent.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The shim is honest: unsynced writes, and names whose directory was not fsynced, are not in
 /// the image; synced content is.
 #[test]

@@ -146,7 +146,9 @@
 //!   was never sent. Under [`Durability::Normal`] a power cut may roll back a seal too: one made
 //!   in a commit that appended nothing (so without a commit record to add it back from) is
 //!   listed only after a sync of the WAL that follows it, so a chunk that was sent keeps its
-//!   sequence number and contents ([`Spool::seals_wait_for_sync`]).
+//!   sequence number and contents ([`Spool::seals_wait_for_sync`]). Once such a sync failed,
+//!   none later is trusted ([`Spool::wal_sync_failed`]; the agent stops, exit status 74); open
+//!   syncs the WAL first, and fails if it cannot.
 //!   Sealing writes the chunk row and the stream row only; batch rows are written once, at
 //!   append.
 //! * Rows are deleted only (a) by [`Spool::ack`], chunk and batches in one transaction;

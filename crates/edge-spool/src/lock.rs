@@ -36,7 +36,7 @@ impl SpoolLock {
     /// the file system refuses locks.
     pub(crate) fn acquire(db: &Path) -> Result<SpoolLock, SpoolError> {
         if let Some(parent) = db.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent).map_err(|source| SpoolError::Io { path: parent.to_owned(), source })?;
+            crate::segment::create_dir_all_synced(parent)?;
         }
         let path = lock_path(db);
         let io = |source| SpoolError::Io { path: path.clone(), source };

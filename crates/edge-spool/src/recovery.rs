@@ -48,7 +48,7 @@ enum Attempt {
 pub(crate) fn open(opts: &SpoolOptions) -> Result<(Opened, Option<PathBuf>), SpoolError> {
     let path = opts.path.as_path();
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        fs::create_dir_all(parent).map_err(|source| SpoolError::Io { path: parent.to_owned(), source })?;
+        crate::segment::create_dir_all_synced(parent)?;
     }
     let detail = match attempt(opts)? {
         Attempt::Ready(o) => return Ok((*o, None)),

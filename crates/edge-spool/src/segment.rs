@@ -156,6 +156,32 @@ pub fn disk_usage(db: &Path) -> Result<u64, SpoolError> {
     Ok(total)
 }
 
+/// `create_dir_all` whose creations are durable: the parent of each directory it created is
+/// fsynced, top down, before it returns. A spool made in a directory whose own name a power cut
+/// can take would go with it, acknowledged records and all.
+pub(crate) fn create_dir_all_synced(dir: &Path) -> Result<(), SpoolError> {
+    fn io(path: &Path) -> impl Fn(std::io::Error) -> SpoolError + '_ {
+        move |source| SpoolError::Io { path: path.to_owned(), source }
+    }
+    let mut missing = Vec::new();
+    let mut at = dir;
+    while !at.as_os_str().is_empty() {
+        match std::fs::symlink_metadata(at) {
+            Ok(_) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => missing.push(at),
+            Err(e) => return Err(io(at)(e)),
+        }
+        let Some(parent) = at.parent() else { break };
+        at = parent;
+    }
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    for created in missing.iter().rev() {
+        let parent = dir_of(created);
+        File::open(parent).and_then(|d| d.sync_all()).map_err(io(parent))?;
+    }
+    Ok(())
+}
+
 /// `fsync` of the directory holding `db`, so a created, renamed or deleted name is durable.
 pub(crate) fn sync_dir(db: &Path) -> Result<(), SpoolError> {
     let dir = dir_of(db);

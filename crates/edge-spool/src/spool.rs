@@ -139,6 +139,12 @@ impl Spool {
             spool.visible.set(0);
             spool.seals_unsynced = spool.newest_chunk().is_some();
             spool.sync_normal_seals();
+            // A spool whose WAL cannot be synced at open would hold everything unsent: refused,
+            // for a later start (`Restart=`) to try again.
+            if let Some(e) = spool.wal_sync_failed.take() {
+                let path = recovery::with_suffix(&spool.opts.path, "-wal");
+                return Err(SpoolError::Io { path, source: std::io::Error::other(e) });
+            }
         }
         Ok((spool, report))
     }
@@ -328,6 +334,9 @@ impl Spool {
         let simulated = self.fail_wal_syncs;
         #[cfg(not(test))]
         let simulated = false;
+        // The reliability tests' way to fail a real process's sync (`failpoints` builds only).
+        #[cfg(feature = "failpoints")]
+        let simulated = simulated || fail::eval("spool::normal_wal_sync", |_| ()).is_some();
         let synced = if simulated {
             Err(std::io::Error::other("WAL sync failed (simulated)"))
         } else {
@@ -352,7 +361,7 @@ impl Spool {
                 self.visible.set(self.newest_chunk().map_or(0, |c| c.0));
             }
             Err(e) => {
-                tracing::error!(wal = %wal.display(), error = %e, "could not fsync the spool's WAL: the chunks sealed from now on are not sent by this process (a failed sync may have lost writes without saying so again); check the disk, then restart the agent, which syncs the WAL again at start");
+                tracing::error!(wal = %wal.display(), error = %e, "could not fsync the spool's WAL: the chunks sealed from now on are not sent by this process (a failed sync may have lost writes without saying so again); a new start syncs the WAL again");
                 self.wal_sync_failed = Some(e.to_string());
                 self.seals_unsynced = true;
             }
@@ -363,6 +372,13 @@ impl Spool {
     /// [`ChunksInFlight`](crate::ChunksInFlight)).
     pub fn chunks_in_flight(&self) -> crate::ChunksInFlight {
         self.in_flight.clone()
+    }
+
+    /// The error of the WAL sync that failed under [`Durability::Normal`](crate::Durability::Normal),
+    /// if one did: from then on this process sends nothing sealed (see
+    /// [`Spool::seals_wait_for_sync`]); the next open syncs the WAL again.
+    pub fn wal_sync_failed(&self) -> Option<&str> {
+        self.wal_sync_failed.as_deref()
     }
 
     /// Whether chunks sealed so far wait for a sync of the WAL before they may be sent (under
@@ -1603,6 +1619,7 @@ mod tests {
         // A seal on its own: no commit record, durable only with the WAL, whose sync fails.
         assert_eq!(spool.seal_all(2).expect("seal"), 1);
         assert!(spool.seals_wait_for_sync());
+        assert!(spool.wal_sync_failed().is_some_and(|e| e.contains("simulated")), "{:?}", spool.wal_sync_failed());
         assert!(all_sealed(&spool).is_empty(), "a chunk listed before its seal was durable");
         // A commit whose seal is in its record does not list the earlier one either.
         spool.commit(&[req(vec![batch("b", b"two")])], &[], SealWhat::All, 3).expect("commit");
@@ -1617,6 +1634,7 @@ mod tests {
         drop(spool);
         let (spool, _) = open(&opts);
         assert!(!spool.seals_wait_for_sync());
+        assert_eq!(spool.wal_sync_failed(), None);
         let listed: Vec<_> = all_sealed(&spool).into_iter().map(|c| (c.stream, c.seq)).collect();
         assert_eq!(listed, [("a".to_owned(), 1), ("b".to_owned(), 1)]);
     }

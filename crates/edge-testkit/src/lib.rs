@@ -263,15 +263,27 @@ impl Daemon {
         }
     }
 
+    /// Waits for the daemon to exit on its own; its exit status. Fails (and kills it) if it
+    /// still runs after `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> anyhow::Result<std::process::ExitStatus> {
+        self.reap(timeout, "")
+    }
+
     /// SIGTERM, then wait for the exit status.
     pub fn terminate(&mut self, timeout: Duration) -> anyhow::Result<std::process::ExitStatus> {
-        let mut c = self.child.take().context("not running")?;
-        let pid = i32::try_from(c.id()).context("pid")?;
+        let pid = self.child.as_ref().context("not running")?.id();
         // Unsafe code is denied in this workspace, so signal through the `kill` command.
         let status = Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
         if !status.success() {
             bail!("kill -TERM {pid} failed");
         }
+        self.reap(timeout, " after SIGTERM")
+    }
+
+    /// The exit status once the daemon is gone; kills it after `timeout` (`after` says what
+    /// it was waited for after, in the error).
+    fn reap(&mut self, timeout: Duration, after: &str) -> anyhow::Result<std::process::ExitStatus> {
+        let mut c = self.child.take().context("not running")?;
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(s) = c.try_wait()? {
@@ -280,7 +292,7 @@ impl Daemon {
             if Instant::now() >= deadline {
                 let _ = c.kill();
                 let _ = c.wait();
-                bail!("{} did not exit within {timeout:?} after SIGTERM; log: {}", self.name, self.tail_log());
+                bail!("{} did not exit within {timeout:?}{after}; log: {}", self.name, self.tail_log());
             }
             std::thread::sleep(Duration::from_millis(20));
         }

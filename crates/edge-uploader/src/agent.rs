@@ -322,8 +322,17 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     fail::fail_point!("agent::ready");
     let mut watchdog = edge_telemetry::notify::Watchdog::from_env("the agent");
     let mut running = config;
+    let mut sync_failed = None;
     loop {
         tokio::select! {
+            failed = agent.spool.sync_failed() => {
+                // Producers were answered for what the spool holds; the stop answers those in
+                // the middle of a request too. Exit status 74 for the supervisor to start the
+                // agent again (`Restart=always`), whose open syncs the WAL first.
+                error!(error = %failed, "could not fsync the spool's WAL: stopping, so that the next start syncs it and sends what was sealed since");
+                sync_failed = Some(failed);
+                break;
+            }
             request = signals.next() => {
                 if request == edge_telemetry::signals::Request::Stop {
                     break;
@@ -366,7 +375,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     agent.shutdown().await;
     metrics.stop().await;
     info!("stopped");
-    Ok(())
+    match sync_failed {
+        Some(e) => Err(crate::spool_task::SyncFailed(e).into()),
+        None => Ok(()),
+    }
 }
 
 /// The gateway's network watch for the uploader (`upload.watch_network`), or `None` when it is

@@ -325,7 +325,11 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("edge-uploader: {}", edge_telemetry::logging::error_chain(e.as_ref()));
-            ExitCode::FAILURE
+            if e.downcast_ref::<edge_uploader::spool_task::SyncFailed>().is_some() {
+                ExitCode::from(edge_uploader::spool_task::EXIT_SYNC_FAILED as u8)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

@@ -32,7 +32,7 @@ use edge_spool::{
     SpoolReader, SpoolStats, WalSync,
 };
 use prometheus::Histogram;
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::{Notify, oneshot, watch};
 use tracing::{error, warn};
 
 use crate::handoff::{Handoff, Payload, Retained};
@@ -52,8 +52,18 @@ const ACK_GROUP: usize = 64;
 /// seals still take them along at once).
 const ACK_RETRY: Duration = Duration::from_secs(1);
 
-/// The exit status after a failed WAL sync (`EX_IOERR`).
-const EXIT_SYNC_FAILED: i32 = 74;
+/// The exit status after a failed sync of the spool (`EX_IOERR`): under `Full` at once, under
+/// `Normal` after an orderly stop ([`SpoolHandle::sync_failed`]).
+pub const EXIT_SYNC_FAILED: i32 = 74;
+
+/// Under `durability = "normal"`, a sync of the spool's WAL failed: the agent stops in order and
+/// exits with [`EXIT_SYNC_FAILED`], so that the next start syncs the WAL and sends what this
+/// process could not vouch for.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "could not fsync the spool's WAL ({0}): stopped, for the next start to sync it again and send what was sealed since"
+)]
+pub struct SyncFailed(pub String);
 
 /// Why an append did not go through.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -116,6 +126,8 @@ pub struct SpoolHandle {
     busy: Arc<Busy>,
     /// The chunks the uploader has in flight, read by the spool's `DropOldest` eviction.
     in_flight: edge_spool::ChunksInFlight,
+    /// Set once, by the spool thread, when a WAL sync failed under `Normal`.
+    sync_failed: watch::Receiver<Option<String>>,
 }
 
 /// Joins the spool thread when the last handle is gone.
@@ -153,6 +165,7 @@ impl SpoolHandle {
         let handoff = Arc::new(Handoff::default());
         let commit_seconds = crate::metrics::spool_commit_histogram();
         let busy = Arc::new(Busy::new());
+        let (sync_failed_tx, sync_failed) = watch::channel(None);
         let handle = SpoolHandle {
             in_flight: spool.chunks_in_flight(),
             tx,
@@ -165,13 +178,14 @@ impl SpoolHandle {
             handoff: handoff.clone(),
             commit_seconds: commit_seconds.clone(),
             busy: busy.clone(),
+            sync_failed,
         };
         let settler = Settler { sealed, handoff, settling: Arc::new(AtomicU64::new(0)), commit_seconds };
         let syncer = match wal_sync {
             Some(wal) => Some(Syncer::spawn(wal, settler.clone(), busy.clone())?),
             None => None,
         };
-        let shared = Shared { stats, uploader_idle, pending_acks, settler, busy };
+        let shared = Shared { stats, uploader_idle, pending_acks, settler, busy, sync_failed: sync_failed_tx };
         let join = std::thread::Builder::new()
             .name("edge-spool".into())
             .spawn(move || writer_loop(spool, rx, shared, syncer))?;
@@ -230,6 +244,20 @@ impl SpoolHandle {
     /// Applies new capacity limits at run time.
     pub fn set_limits(&self, max_bytes: u64, policy: FullPolicy) {
         let _closed = self.tx.send(Cmd::SetLimits { max_bytes, policy });
+    }
+
+    /// Resolves once a sync of the WAL failed under `durability = "normal"`, with its error.
+    /// Nothing sealed since is sent by this process (Linux may drop the pages of a failed
+    /// write-back and say so once; no later sync vouches for them), so the agent stops and
+    /// lets the next start sync the WAL again: [`SyncFailed`]. Under `Full` a failed sync
+    /// ends the process on the sync thread instead. Never resolves while the syncs work.
+    pub async fn sync_failed(&self) -> String {
+        let mut rx = self.sync_failed.clone();
+        match rx.wait_for(Option::is_some).await {
+            Ok(failed) => failed.clone().unwrap_or_default(),
+            // The spool thread is gone without a failure: nothing will fail any more.
+            Err(_) => std::future::pending().await,
+        }
     }
 
     /// Seals every open batch now (used by the demo's final drain and by shutdown).
@@ -366,6 +394,7 @@ struct Shared {
     pending_acks: Arc<Mutex<Vec<ChunkId>>>,
     settler: Settler,
     busy: Arc<Busy>,
+    sync_failed: watch::Sender<Option<String>>,
 }
 
 /// How long each spool thread has been at what it is doing now: the writer at one iteration (a
@@ -566,7 +595,7 @@ impl Syncer {
 }
 
 fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer: Option<Syncer>) {
-    let Shared { stats, uploader_idle, pending_acks, settler, busy } = shared;
+    let Shared { stats, uploader_idle, pending_acks, settler, busy, sync_failed } = shared;
     let Settler { sealed, handoff, settling, .. } = settler.clone();
     let mut retained = Retained::default();
     let mut dropped_chunks = spool.stats().dropped_chunks;
@@ -690,6 +719,11 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
             // which does not list them; the next start syncs the WAL and lists them.
             handed.clear();
             handoff.stop();
+        }
+        if let Some(e) = spool.wal_sync_failed()
+            && sync_failed.borrow().is_none()
+        {
+            sync_failed.send_replace(Some(e.to_owned()));
         }
         settling.fetch_add(handed.len() as u64, Ordering::AcqRel);
         if dropped_chunks != dropped_before {
