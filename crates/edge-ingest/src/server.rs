@@ -5,7 +5,10 @@
 //! 1. the device identity comes from the client certificate (TLS already verified the chain);
 //! 2. the agent opens the control bi-stream and says Hello; the session answers Welcome. Chunk
 //!    streams that arrive before the Hello (an agent may send chunks right behind it) wait, at
-//!    most `max_in_flight` of them, and are read once the Hello is in;
+//!    most `max_in_flight` of them, and are read once the Hello is in. A Hello closes the
+//!    device's earlier connections from the same spool (the agent gave them up; after an
+//!    address change without migration they would hold the device's payload budget until
+//!    their idle timeout);
 //! 3. each uni-stream carries one chunk: header, payload, FIN. The payload is read into memory
 //!    under a server-wide byte budget (so a thousand trickling streams cannot exhaust memory),
 //!    checked (length, checksum, record framing), handed to the store's group committer, and
@@ -496,8 +499,8 @@ impl Shared {
     /// The payload budget of `device`, `kib` permits, shared by all of its connections: one
     /// device certificate opening many connections gets no more of the server's memory than one
     /// connection would, so it cannot starve the other devices. (An agent uses one connection
-    /// at a time; after an address change without migration its old one lingers until its idle
-    /// timeout, and the new one waits for the permits that one still holds.)
+    /// at a time; after an address change without migration its old one would linger until its
+    /// idle timeout, holding permits: its Hello on the new one closes it, `LiveGuard::hello`.)
     fn device_budget(&self, device: &str, kib: usize) -> Arc<Semaphore> {
         let mut budgets = self.device_budgets.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(budget) = budgets.by_device.get(device).and_then(std::sync::Weak::upgrade) {
@@ -527,12 +530,35 @@ struct LiveConn {
     /// The certificate's notAfter.
     valid_until: SystemTime,
     conn: quinn::Connection,
+    /// The spool its agent named in Hello; `None` before.
+    spool: Option<[u8; 16]>,
 }
 
 /// Removes its connection from [`LiveConnections`] when dropped.
 struct LiveGuard<'a> {
     live: &'a LiveConnections,
     id: u64,
+}
+
+impl LiveGuard<'_> {
+    /// Records the spool the connection's agent named in Hello, and returns the device's other
+    /// connections from the same spool: one agent's earlier connections, which it has given up
+    /// (one agent keeps one connection). After an address change without migration the old one
+    /// lingers until its idle timeout, holding the device's share of the payload budget in
+    /// chunk streams that will never finish, and the new one would wait for it.
+    fn hello(&self, spool: [u8; 16]) -> Vec<quinn::Connection> {
+        let mut map = self.live.lock();
+        let Some(device) = map.get_mut(&self.id).map(|c| {
+            c.spool = Some(spool);
+            c.device.clone()
+        }) else {
+            return Vec::new();
+        };
+        map.iter()
+            .filter(|&(&id, c)| id != self.id && c.device == device && c.spool == Some(spool))
+            .map(|(_, c)| c.conn.clone())
+            .collect()
+    }
 }
 
 impl Drop for LiveGuard<'_> {
@@ -548,7 +574,8 @@ impl LiveConnections {
 
     fn insert(&self, device: &str, cert: Vec<u8>, valid_until: SystemTime, conn: &quinn::Connection) -> LiveGuard<'_> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.lock().insert(id, LiveConn { device: device.to_owned(), cert, valid_until, conn: conn.clone() });
+        self.lock()
+            .insert(id, LiveConn { device: device.to_owned(), cert, valid_until, conn: conn.clone(), spool: None });
         LiveGuard { live: self, id }
     }
 }
@@ -934,7 +961,7 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
             return;
         }
     };
-    let _live = shared.live.insert(&device, cert.clone(), valid_until, &conn);
+    let live = shared.live.insert(&device, cert.clone(), valid_until, &conn);
     if close_if_revoked(&shared, &shared.revocation_list(), &device, &cert, &conn) {
         shared.counters.auth_failures_total.fetch_add(1, Ordering::Relaxed);
         return;
@@ -942,7 +969,7 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
     shared.counters.connections_total.fetch_add(1, Ordering::Relaxed);
     shared.counters.connections_open.fetch_add(1, Ordering::Relaxed);
     let registration = shared.counters.devices.connect(&device, remote, crate::status::now_ms());
-    let result = run_connection(&conn, &device, &shared, registration.stored()).await;
+    let result = run_connection(&conn, &device, &shared, registration.stored(), &live).await;
     drop(registration);
     shared.counters.connections_open.fetch_sub(1, Ordering::Relaxed);
     match result {
@@ -983,6 +1010,7 @@ async fn run_connection(
     device: &str,
     shared: &Arc<Shared>,
     stored: Arc<ConnStored>,
+    live: &LiveGuard<'_>,
 ) -> Result<(), ConnEnd> {
     let limits = shared.opts.limits.clone();
     // One deadline for the whole handshake, counted from the connection's start.
@@ -1056,6 +1084,10 @@ async fn run_connection(
             }
         }
     };
+    for old in live.hello(spool_id) {
+        info!(%device, spool = %hex(&spool_id), old = %old.remote_address(), new = %conn.remote_address(), "closing the agent's older connection: superseded by this one");
+        old.close(ErrorCode::NoError.to_u32().into(), b"superseded by a newer connection of the same agent");
+    }
     let cancel = shared.cancel.clone();
     let chunk_tasks = TaskTracker::new();
     // A device may hold at most an eighth of the server-wide budget (and always one

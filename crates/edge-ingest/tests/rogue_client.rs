@@ -93,6 +93,15 @@ impl Attack {
         Attack::StalledHello,
     ];
 
+    /// The spool an attack names once past Hello: one per attack, for they run at once, and a
+    /// Hello closes the device's earlier connections from the same spool.
+    fn spool(self) -> [u8; 16] {
+        let at = Attack::ALL.iter().position(|&a| a == self).expect("in ALL");
+        let mut spool = ROGUE_SPOOL;
+        spool[0] = u8::try_from(at).expect("few attacks");
+        spool
+    }
+
     /// The close code `edge-proto` assigns to what the server detects (see `ProtoError::code`).
     fn expected_code(self) -> ErrorCode {
         match self {
@@ -155,13 +164,13 @@ impl Attack {
             Attack::FutureVersionHello => held.control(&conn, &hello(2)).await,
             Attack::FutureLayoutHello => held.control(&conn, &[0x01, 3, 0, 0, 0, 2, 0, 0xee]).await,
             Attack::BadChunkMagic => {
-                held.agent = Some(Agent::connect(&conn, ROGUE_SPOOL, AGENT).await);
+                held.agent = Some(Agent::connect(&conn, self.spool(), AGENT).await);
                 let mut bytes = b"EDGX".to_vec();
                 bytes.extend_from_slice(&chunk("rogue.magic", 0).wire()[4..]);
                 held.uni(&conn, &bytes).await;
             }
             Attack::OversizedChunkPayload => {
-                held.agent = Some(Agent::connect(&conn, ROGUE_SPOOL, AGENT).await);
+                held.agent = Some(Agent::connect(&conn, self.spool(), AGENT).await);
                 let too_big = Limits::default().max_chunk_payload + 1;
                 let header = ChunkHeader { raw_len: too_big, payload_len: too_big, ..chunk("rogue.big", 0).header };
                 let mut bytes = Vec::new();
@@ -170,7 +179,7 @@ impl Attack {
                 held.uni(&conn, &bytes).await;
             }
             Attack::OversizedChunkHeader | Attack::MaxChunkHeaderLen => {
-                held.agent = Some(Agent::connect(&conn, ROGUE_SPOOL, AGENT).await);
+                held.agent = Some(Agent::connect(&conn, self.spool(), AGENT).await);
                 let header_len = if self == Attack::MaxChunkHeaderLen {
                     u16::MAX
                 } else {
@@ -512,7 +521,10 @@ async fn every_attack_at_once_is_refused_while_an_honest_agent_keeps_storing() {
         let dialer = rig.rogue.clone();
         tokio::spawn(async move {
             let conn = dialer.connect().await;
-            let mut rogue = Agent::connect(&conn, ROGUE_SPOOL, AGENT).await;
+            // A spool of its own: the attacks' Hellos would close a connection from theirs.
+            let mut spool = ROGUE_SPOOL;
+            spool[0] = 0xcc;
+            let mut rogue = Agent::connect(&conn, spool, AGENT).await;
             let mut bad = chunk("rogue.checksum", 7);
             bad.header.checksum ^= 1;
             let statuses = rogue.upload(&[bad]).await;
@@ -617,9 +629,13 @@ async fn a_rogue_stalling_chunks_over_many_connections_does_not_starve_other_age
     assert!(conns * per_conn * u64::from(max) > opts.memory_budget);
     let mut held = Vec::new();
     for c in 0..conns {
+        // A spool of its own per connection: a Hello from the same spool closes the
+        // connections before it (see the test below).
+        let mut spool = ROGUE_SPOOL;
+        spool[0] = u8::try_from(c).expect("few connections");
         let (conn, rogue) = bounded("rogue connects", async {
             let conn = rig.rogue.connect().await;
-            let rogue = Agent::connect(&conn, ROGUE_SPOOL, AGENT).await;
+            let rogue = Agent::connect(&conn, spool, AGENT).await;
             (conn, rogue)
         })
         .await;
@@ -648,6 +664,43 @@ async fn a_rogue_stalling_chunks_over_many_connections_does_not_starve_other_age
     honest.close();
     let (exported, _) = rig.finish().await;
     assert_exported_once(&exported, HONEST, HONEST_SPOOL, &honest_chunks(0..20));
+}
+
+/// An agent's new connection (after an address change without migration, say) closes its
+/// earlier one from the same spool, whose chunk streams stalled after their headers and hold the
+/// device's whole share of the payload budget: the new connection's chunk is stored at once,
+/// not answered `Retry` until the old one's idle timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_connection_of_an_agent_closes_its_old_one_and_gets_the_devices_budget() {
+    let rig = Rig::start().await;
+    let connect = || async {
+        let conn = rig.rogue.connect().await;
+        let agent = Agent::connect(&conn, ROGUE_SPOOL, AGENT).await;
+        (conn, agent)
+    };
+    let (old, _old_agent) = bounded("the agent connects", connect()).await;
+    let opts = ServerOptions::default();
+    let max = opts.limits.max_chunk_payload;
+    let share = (opts.memory_budget / 8 / u64::from(max)).max(1);
+    let mut stalled = Held::default();
+    for seq in 0..share {
+        let header = ChunkHeader { raw_len: max, payload_len: max, records: 1, ..chunk("agent.stalled", seq).header };
+        let mut bytes = Vec::new();
+        header.encode(&mut bytes);
+        bounded("a chunk stream stalls after its header", stalled.uni(&old, &bytes)).await;
+    }
+    let (_new, mut agent) = bounded("the agent connects again", connect()).await;
+    let closed = bounded("the old connection closed", old.closed()).await;
+    assert!(
+        matches!(&closed, ConnectionError::ApplicationClosed(c) if c.reason.as_ref() == b"superseded by a newer connection of the same agent"),
+        "{closed:?}"
+    );
+    let fresh = chunk("agent.after", 0);
+    agent.upload_stored("the new connection's chunk", std::slice::from_ref(&fresh)).await;
+    drop(stalled);
+    agent.close();
+    let (exported, _) = rig.finish().await;
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[fresh]);
 }
 
 /// An agent that does its Hello and then never reads its control stream, while it keeps sending

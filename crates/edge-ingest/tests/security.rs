@@ -537,7 +537,12 @@ async fn declare(
         let (send, recv) = conn.open_bi().await.expect("control stream");
         (send, Some(recv), None)
     } else {
-        let agent = Agent::connect(&conn, ROGUE_SPOOL, "rogue").await;
+        // A spool per declaration: they run at once, and a Hello closes the device's earlier
+        // connections from the same spool.
+        static NEXT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+        let mut spool = ROGUE_SPOOL;
+        spool[0] = NEXT.fetch_add(1, Ordering::Relaxed);
+        let agent = Agent::connect(&conn, spool, "rogue").await;
         (conn.open_uni().await.expect("chunk stream"), None, Some(agent))
     };
     write_unless_closed(&mut send, &bytes).await;
