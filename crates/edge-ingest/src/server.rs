@@ -541,23 +541,26 @@ struct LiveGuard<'a> {
 }
 
 impl LiveGuard<'_> {
-    /// Records the spool the connection's agent named in Hello, and returns the device's other
-    /// connections from the same spool: one agent's earlier connections, which it has given up
-    /// (one agent keeps one connection). After an address change without migration the old one
-    /// lingers until its idle timeout, holding the device's share of the payload budget in
-    /// chunk streams that will never finish, and the new one would wait for it.
-    fn hello(&self, spool: [u8; 16]) -> Vec<quinn::Connection> {
+    /// Records the spool the connection's agent named in Hello. One agent keeps one connection,
+    /// so the device's connections from the same spool that it started before this one are
+    /// connections it gave up: they are returned, to be closed. After an address change without
+    /// migration the old one lingers until its idle timeout, holding the device's share of the
+    /// payload budget in chunk streams that will never finish, and the new one would wait for
+    /// it. `Err(())` when a newer connection from the same spool already said Hello (this one's
+    /// Hello came late, on a path the agent left): this one is the one to close.
+    fn hello(&self, spool: [u8; 16]) -> Result<Vec<quinn::Connection>, ()> {
         let mut map = self.live.lock();
         let Some(device) = map.get_mut(&self.id).map(|c| {
             c.spool = Some(spool);
             c.device.clone()
         }) else {
-            return Vec::new();
+            return Ok(Vec::new());
         };
-        map.iter()
-            .filter(|&(&id, c)| id != self.id && c.device == device && c.spool == Some(spool))
-            .map(|(_, c)| c.conn.clone())
-            .collect()
+        let same = |c: &LiveConn| c.device == device && c.spool == Some(spool);
+        if map.iter().any(|(&id, c)| id > self.id && same(c)) {
+            return Err(());
+        }
+        Ok(map.iter().filter(|&(&id, c)| id < self.id && same(c)).map(|(_, c)| c.conn.clone()).collect())
     }
 }
 
@@ -572,8 +575,21 @@ impl LiveConnections {
         self.map.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn insert(&self, device: &str, cert: Vec<u8>, valid_until: SystemTime, conn: &quinn::Connection) -> LiveGuard<'_> {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+    /// A number for a connection, taken when its first packet is accepted: connections a client
+    /// starts one after the other get increasing numbers, whichever handshake ends first.
+    fn next(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Registers connection `id` (from [`LiveConnections::next`]).
+    fn insert(
+        &self,
+        id: u64,
+        device: &str,
+        cert: Vec<u8>,
+        valid_until: SystemTime,
+        conn: &quinn::Connection,
+    ) -> LiveGuard<'_> {
         self.lock()
             .insert(id, LiveConn { device: device.to_owned(), cert, valid_until, conn: conn.clone(), spool: None });
         LiveGuard { live: self, id }
@@ -746,11 +762,12 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
         }
         let slot = PendingHandshake::new(counters.clone());
         let shared = shared.clone();
+        let id = shared.live.next();
         tracker.spawn(async move {
             let handshake = complete_handshake(incoming, shared.opts.tls_handshake_timeout).await;
             drop(slot);
             match handshake {
-                Ok(conn) => serve_connection(conn, shared).await,
+                Ok(conn) => serve_connection(id, conn, shared).await,
                 Err(HandshakeEnd::Failed(e)) => {
                     shared.counters.auth_failures_total.fetch_add(1, Ordering::Relaxed);
                     info!(%remote, error = %e, "handshake failed");
@@ -936,7 +953,8 @@ fn ack_backlog_limit(max_in_flight: u32) -> usize {
         .max(ACK_BACKLOG_MIN)
 }
 
-async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
+/// Serves connection number `id` (see [`LiveConnections::next`]).
+async fn serve_connection(id: u64, conn: quinn::Connection, shared: Arc<Shared>) {
     let remote = conn.remote_address();
     let device = match edge_transport::peer_device_id(&conn) {
         Ok(d) => d,
@@ -961,7 +979,7 @@ async fn serve_connection(conn: quinn::Connection, shared: Arc<Shared>) {
             return;
         }
     };
-    let live = shared.live.insert(&device, cert.clone(), valid_until, &conn);
+    let live = shared.live.insert(id, &device, cert.clone(), valid_until, &conn);
     if close_if_revoked(&shared, &shared.revocation_list(), &device, &cert, &conn) {
         shared.counters.auth_failures_total.fetch_add(1, Ordering::Relaxed);
         return;
@@ -1084,9 +1102,14 @@ async fn run_connection(
             }
         }
     };
-    for old in live.hello(spool_id) {
+    let Ok(older) = live.hello(spool_id) else {
+        info!(%device, spool = %hex(&spool_id), remote = %conn.remote_address(), "closing this connection: the agent has a newer one");
+        conn.close(ErrorCode::NoError.to_u32().into(), SUPERSEDED);
+        return Err(ConnEnd::Lost("superseded by a newer connection of the same agent".into()));
+    };
+    for old in older {
         info!(%device, spool = %hex(&spool_id), old = %old.remote_address(), new = %conn.remote_address(), "closing the agent's older connection: superseded by this one");
-        old.close(ErrorCode::NoError.to_u32().into(), b"superseded by a newer connection of the same agent");
+        old.close(ErrorCode::NoError.to_u32().into(), SUPERSEDED);
     }
     let cancel = shared.cancel.clone();
     let chunk_tasks = TaskTracker::new();
@@ -1412,6 +1435,9 @@ fn send_ack(ctx: &ChunkCtx, stream: &StreamName, seq: u64, status: AckStatus) ->
     st.flush();
     Ok(())
 }
+
+/// The close reason of a connection its agent replaced (see `LiveGuard::hello`).
+const SUPERSEDED: &[u8] = b"superseded by a newer connection of the same agent";
 
 /// How long the server waits for server-wide memory before answering `Retry(Overloaded)`.
 const OVERLOAD_WAIT: Duration = Duration::from_secs(1);

@@ -703,6 +703,34 @@ async fn a_new_connection_of_an_agent_closes_its_old_one_and_gets_the_devices_bu
     assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[fresh]);
 }
 
+/// A Hello that comes on an older connection after a newer one's (late, on a path the agent has
+/// left) closes that older connection, not the agent's live one, which goes on storing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_hello_on_an_older_connection_closes_that_one_not_the_newer() {
+    let rig = Rig::start().await;
+    let old = bounded("an older connection", rig.rogue.connect()).await;
+    let (new, mut agent) = bounded("the agent's connection", async {
+        let conn = rig.rogue.connect().await;
+        let agent = Agent::connect(&conn, ROGUE_SPOOL, AGENT).await;
+        (conn, agent)
+    })
+    .await;
+    let mut late = Held::default();
+    bounded("the late Hello", late.control(&old, &hello(VERSION))).await;
+    let closed = bounded("the older connection closed", old.closed()).await;
+    assert!(
+        matches!(&closed, ConnectionError::ApplicationClosed(c) if c.reason.as_ref() == b"superseded by a newer connection of the same agent"),
+        "{closed:?}"
+    );
+    let live = chunk("agent.live", 0);
+    agent.upload_stored("the newer connection's chunk", std::slice::from_ref(&live)).await;
+    assert!(new.close_reason().is_none(), "{:?}", new.close_reason());
+    drop(late);
+    agent.close();
+    let (exported, _) = rig.finish().await;
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[live]);
+}
+
 /// An agent that does its Hello and then never reads its control stream, while it keeps sending
 /// cheap chunks (empty, with a wrong checksum: answered `Rejected`, the connection stays open),
 /// is closed with `ProtocolViolation` once the acks waiting for it pass the server's limit
