@@ -140,17 +140,16 @@ static void log_dirsync(const char *path) {
 /* Called before every fsync/fdatasync: records what that call makes durable, if it concerns
  * the watched directory. */
 static void before_sync(int fd) {
+    int saved_errno = errno;
     char link[64], path[PATH_MAX];
     snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
     ssize_t n = readlink(link, path, sizeof path - 1);
-    if (n < 0) return;
-    path[n] = 0;
     struct stat st;
-    int saved_errno = errno;
-    if (fstat(fd, &st) < 0) {
+    if (n < 0 || fstat(fd, &st) < 0) {
         errno = saved_errno;
         return;
     }
+    path[n] = 0;
     const char *dir = getenv("POWERCUT_DIR");
     const char *image = getenv("POWERCUT_IMAGE");
     size_t dl = dir ? strlen(dir) : 0;

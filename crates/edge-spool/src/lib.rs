@@ -148,7 +148,9 @@
 //!   listed only after a sync of the WAL that follows it, so a chunk that was sent keeps its
 //!   sequence number and contents ([`Spool::seals_wait_for_sync`]). Once such a sync failed,
 //!   none later is trusted ([`Spool::wal_sync_failed`]; the agent stops, exit status 74); open
-//!   syncs the WAL first, and fails if it cannot.
+//!   first writes the WAL into the main file again (a truncating checkpoint, which syncs it:
+//!   after a write-back that failed, the WAL's pages may be clean in the cache and not on
+//!   disk, and a sync would write nothing), else syncs the WAL, and fails if it cannot.
 //!   Sealing writes the chunk row and the stream row only; batch rows are written once, at
 //!   append.
 //! * Rows are deleted only (a) by [`Spool::ack`], chunk and batches in one transaction;

@@ -179,6 +179,14 @@ pub(crate) fn create_dir_all_synced(dir: &Path) -> Result<(), SpoolError> {
         let parent = dir_of(created);
         File::open(parent).and_then(|d| d.sync_all()).map_err(io(parent))?;
     }
+    if missing.is_empty() {
+        // A run that created `dir` may have stopped before it synced the name: once more, at
+        // every start, best effort (the parent is not ours, and may not be readable).
+        let parent = dir_of(dir);
+        if let Err(e) = File::open(parent).and_then(|d| d.sync_all()) {
+            tracing::debug!(dir = %parent.display(), error = %e, "could not fsync the spool directory's parent");
+        }
+    }
     Ok(())
 }
 

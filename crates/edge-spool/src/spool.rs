@@ -138,6 +138,14 @@ impl Spool {
             // in the page cache): durable before they are sent again.
             spool.visible.set(0);
             spool.seals_unsynced = spool.newest_chunk().is_some();
+            // Written again first, into the main file, which the checkpoint syncs: after a
+            // write-back that failed in an earlier process, the WAL's pages may be in the cache,
+            // marked clean, and not on disk, and a sync of the WAL would write nothing (the error
+            // was that process's). Where the checkpoint cannot complete (a reader, a full disk),
+            // the sync of the WAL below is what vouches for the seals.
+            if spool.seals_unsynced && !spool.checkpoint_truncate() {
+                tracing::warn!(path = %spool.opts.path.display(), "the spool's WAL could not be checkpointed at open; its seals are made durable by a sync of the WAL alone");
+            }
             spool.sync_normal_seals();
             // A spool whose WAL cannot be synced at open would hold everything unsent: refused,
             // for a later start (`Restart=`) to try again.
@@ -770,10 +778,12 @@ impl Spool {
     /// one commit may run it up to four times, and a long reader (a `spool check` of a large
     /// spool) would make each wait the whole [`crate::schema::BUSY_TIMEOUT`] while producers and acks
     /// stand still; so it waits [`crate::schema::CHECKPOINT_WAIT`] at most and gives up.
-    fn checkpoint_truncate(&mut self) {
+    ///
+    /// Returns whether it completed.
+    fn checkpoint_truncate(&mut self) -> bool {
         if let Err(e) = self.conn.busy_timeout(crate::schema::CHECKPOINT_WAIT) {
             tracing::debug!(error = %e, "WAL checkpoint skipped: setting its busy timeout failed");
-            return;
+            return false;
         }
         let r = self.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
             Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?))
@@ -784,9 +794,15 @@ impl Spool {
             tracing::warn!(error = %e, "restoring the spool's busy timeout failed");
         }
         match r {
-            Ok((0, _, _)) => {}
-            Ok((busy, log, done)) => tracing::debug!(busy, log, done, "WAL checkpoint did not complete"),
-            Err(e) => tracing::debug!(error = %e, "WAL checkpoint failed"),
+            Ok((0, _, _)) => true,
+            Ok((busy, log, done)) => {
+                tracing::debug!(busy, log, done, "WAL checkpoint did not complete");
+                false
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "WAL checkpoint failed");
+                false
+            }
         }
     }
 
@@ -1610,7 +1626,7 @@ mod tests {
     }
 
     #[test]
-    fn under_normal_seals_without_a_commit_record_are_listed_only_after_a_wal_sync() {
+    fn under_normal_seals_without_a_commit_record_are_listed_only_after_a_wal_sync_or_checkpoint() {
         let (_dir, mut opts) = setup();
         opts.durability = Durability::Normal;
         let (mut spool, _) = open(&opts);
@@ -1630,9 +1646,19 @@ mod tests {
         spool.append(&[req(vec![batch("c", b"three")])], 4).expect("append");
         assert!(spool.seals_wait_for_sync());
         assert!(all_sealed(&spool).is_empty());
-        // The next open syncs first: every chunk is listed.
-        drop(spool);
+        // The process stops without a clean close (which would checkpoint the WAL): the seals
+        // are in the WAL alone. A crash releases the spool's lock; swap in a lock of another file
+        // for the one leaked with the rest.
+        let wal = crate::recovery::with_suffix(&opts.path, "-wal");
+        let mut spool = spool;
+        let other = crate::lock::SpoolLock::acquire(&_dir.path().join("elsewhere.db")).expect("lock");
+        drop(std::mem::replace(&mut spool._lock, other));
+        std::mem::forget(spool);
+        assert!(std::fs::metadata(&wal).expect("wal").len() > 0);
+        // The next open writes the WAL into the main file and syncs that (a sync of the WAL
+        // would vouch for nothing after a failed write-back): every chunk is listed.
         let (spool, _) = open(&opts);
+        assert_eq!(std::fs::metadata(&wal).map_or(0, |m| m.len()), 0, "the WAL was checkpointed at open");
         assert!(!spool.seals_wait_for_sync());
         assert_eq!(spool.wal_sync_failed(), None);
         let listed: Vec<_> = all_sealed(&spool).into_iter().map(|c| (c.stream, c.seq)).collect();

@@ -87,11 +87,11 @@ impl Store {
         create_dir_all_synced(&data_dir)?;
         let lock = lock_data_dir(&data_dir)?;
         let segments_dir = data_dir.join(SEGMENTS_DIR);
-        let dir_created = match fs::create_dir(&segments_dir) {
-            Ok(()) => true,
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
+        match fs::create_dir(&segments_dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(io_at(&segments_dir)(e)),
-        };
+        }
         let listing = scan::list_segments(&segments_dir)?;
         let mut rec = Recovery::default();
         let mut segs: Vec<OpenSegment> = Vec::with_capacity(listing.len());
@@ -169,9 +169,9 @@ impl Store {
             }
         }
         File::open(&segments_dir).and_then(|d| d.sync_all()).map_err(io_at(&segments_dir))?;
-        if dir_created {
-            File::open(&data_dir).and_then(|d| d.sync_all()).map_err(io_at(&data_dir))?;
-        }
+        // At every open, not only when `segments/` was created now: a run that created it may
+        // have stopped before it synced the name.
+        File::open(&data_dir).and_then(|d| d.sync_all()).map_err(io_at(&data_dir))?;
         let dir = File::open(&segments_dir).map_err(io_at(&segments_dir))?;
 
         let next_segment = segs.last().map_or(1, |s| s.number + 1);
@@ -642,9 +642,20 @@ fn create_dir_all_synced(dir: &Path) -> Result<(), StoreError> {
         at = parent;
     }
     fs::create_dir_all(dir).map_err(io_at(dir))?;
+    fn parent_of(d: &Path) -> &Path {
+        d.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
+    }
     for created in missing.iter().rev() {
-        let parent = created.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let parent = parent_of(created);
         File::open(parent).and_then(|d| d.sync_all()).map_err(io_at(parent))?;
+    }
+    if missing.is_empty() {
+        // A run that created `dir` may have stopped before it synced the name: once more, at
+        // every start, best effort (the parent is not ours, and may not be readable).
+        let parent = parent_of(dir);
+        if let Err(e) = File::open(parent).and_then(|d| d.sync_all()) {
+            tracing::debug!(dir = %parent.display(), error = %e, "could not fsync the data directory's parent");
+        }
     }
     Ok(())
 }
