@@ -2065,8 +2065,14 @@ mod tests {
     #[test]
     fn unsynced_segment_bytes_that_survived_are_kept_and_the_mark_is_removed() {
         let (_dir, opts) = setup();
-        deferred_tail(&opts);
+        let (seg, _) = deferred_tail(&opts);
+        // Written again at open, not only synced (after a failed sync their pages may be clean
+        // in the cache and not on disk): the write moves the file's modification time.
+        let epoch = std::time::SystemTime::UNIX_EPOCH;
+        std::fs::File::options().write(true).open(&seg).expect("segment").set_modified(epoch).expect("set mtime");
         let (spool, report) = open(&opts);
+        let modified = std::fs::metadata(&seg).expect("segment").modified().expect("mtime");
+        assert!(modified > epoch, "the bytes above the mark were not written again");
         assert_eq!(report.unsynced_records_dropped, 0);
         assert_eq!(count(&spool, "SELECT count(*) FROM meta WHERE key = 'segments_synced_through'"), 0);
         let chunks = all_sealed(&spool);

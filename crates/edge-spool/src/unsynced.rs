@@ -15,8 +15,10 @@
 //! chunks sealed over them: their earlier batches become open again, and each stream's next
 //! sequence number goes back to the first deleted chunk's (never sent, so the server never saw
 //! it). A later batch that passes goes too: its commit came after the lost one, so it was not
-//! answered either. The batches that pass are synced (after a crash without a power cut their
-//! bytes may still be only in the page cache), and the mark is removed: everything in the file
+//! answered either. The batches that pass are written again in place and synced (after a crash
+//! without a power cut their bytes may still be only in the page cache; after a sync that failed
+//! they may be there marked clean, which a sync alone would not write), and the mark is
+//! removed: everything in the file
 //! is then durable, and [`Spool::defer_wal_sync`](crate::Spool::defer_wal_sync) writes a new
 //! one.
 //!
@@ -38,7 +40,7 @@
 //! cannot be read (an I/O error: a failing disk, not a lost write).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -130,10 +132,14 @@ pub(crate) fn read_mark(conn: &Connection) -> Result<MarkRead, SpoolError> {
 /// `None` when the file has no intact mark. Reads only (`spool check` runs it too).
 pub(crate) fn scan(conn: &Connection, db: &Path) -> Result<Option<Scan>, SpoolError> {
     let Some(mark) = read_mark(conn)?.mark else { return Ok(None) };
-    scan_from(conn, db, mark).map(Some)
+    scan_from(conn, db, mark, false).map(Some)
 }
 
-fn scan_from(conn: &Connection, db: &Path, mark: i64) -> Result<Scan, SpoolError> {
+/// With `rewrite`, the bytes of each batch read are written back where they are, so that the
+/// sync that follows writes them: after a write-back that failed in the process before (its
+/// sync failed, and it exited), they may be in the page cache, marked clean, and not on disk,
+/// where a sync would write nothing. `spool check` reads only.
+fn scan_from(conn: &Connection, db: &Path, mark: i64, rewrite: bool) -> Result<Scan, SpoolError> {
     let mut found = Scan::default();
     let mut files: BTreeMap<i64, Segment> = BTreeMap::new();
     let mut stmt = conn
@@ -160,7 +166,8 @@ fn scan_from(conn: &Connection, db: &Path, mark: i64) -> Result<Scan, SpoolError
         }
         let file = files.entry(seg.segment).or_insert_with(|| {
             let p = segment::path(db, seg.segment);
-            match File::open(&p) {
+            let writable = if rewrite { OpenOptions::new().read(true).write(true).open(&p).ok() } else { None };
+            match writable.map_or_else(|| File::open(&p), Ok) {
                 Ok(f) => Segment::Open(f),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => Segment::Missing,
                 Err(e) => {
@@ -170,7 +177,7 @@ fn scan_from(conn: &Connection, db: &Path, mark: i64) -> Result<Scan, SpoolError
             }
         });
         let intact = match file {
-            Segment::Open(f) => match crc_of(f, seg, &mut buf) {
+            Segment::Open(f) => match crc_of(f, seg, &mut buf, rewrite) {
                 Ok(crc) => crc.map(i64::from) == Some(crc32c),
                 Err(e) => {
                     unreadable(&segment::path(db, seg.segment), &e);
@@ -226,7 +233,7 @@ pub(crate) fn drop_lost_tail(conn: &mut Connection, db: &Path) -> Result<Dropped
     }
     let (first_lost, synced) = match read.mark {
         Some(mark) => {
-            let found = scan_from(conn, db, mark)?;
+            let found = scan_from(conn, db, mark, true)?;
             (found.first_lost, found.intact_segments)
         }
         None if read.damage.is_empty() => return Ok(Dropped::default()),
@@ -265,8 +272,10 @@ pub(crate) fn drop_lost_tail(conn: &mut Connection, db: &Path) -> Result<Dropped
     Ok(dropped)
 }
 
-/// The CRC-32C of a batch's bytes, or `None` when the file ends before them.
-fn crc_of(f: &File, seg: SegRef, buf: &mut Vec<u8>) -> io::Result<Option<u32>> {
+/// The CRC-32C of a batch's bytes, or `None` when the file ends before them. With `rewrite`,
+/// each piece read is written back in place (see [`scan_from`]); a failed write is logged and
+/// leaves the sync as the only guarantee, as before.
+fn crc_of(f: &File, seg: SegRef, buf: &mut Vec<u8>, rewrite: bool) -> io::Result<Option<u32>> {
     let (Ok(mut at), Ok(mut left)) = (u64::try_from(seg.offset), u64::try_from(seg.len)) else {
         return Ok(None);
     };
@@ -280,6 +289,9 @@ fn crc_of(f: &File, seg: SegRef, buf: &mut Vec<u8>) -> io::Result<Option<u32>> {
             Err(e) => return Err(e),
         }
         crc = crate::crc::crc32c_append(crc, &buf[..n]);
+        if rewrite && let Err(e) = f.write_all_at(&buf[..n], at) {
+            tracing::warn!(error = %e, "could not write a batch's bytes again at open; only a sync makes them durable");
+        }
         at += n as u64;
         left -= n as u64;
     }
