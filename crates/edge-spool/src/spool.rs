@@ -369,7 +369,7 @@ impl Spool {
                 self.visible.set(self.newest_chunk().map_or(0, |c| c.0));
             }
             Err(e) => {
-                tracing::error!(wal = %wal.display(), error = %e, "could not fsync the spool's WAL: the chunks sealed from now on are not sent by this process (a failed sync may have lost writes without saying so again); a new start syncs the WAL again");
+                tracing::error!(wal = %wal.display(), error = %e, "could not fsync the spool's WAL: the chunks sealed from now on are not sent by this process (a failed sync may have lost writes without saying so again); the next open writes the WAL into the main file again");
                 self.wal_sync_failed = Some(e.to_string());
                 self.seals_unsynced = true;
             }
@@ -384,14 +384,15 @@ impl Spool {
 
     /// The error of the WAL sync that failed under [`Durability::Normal`](crate::Durability::Normal),
     /// if one did: from then on this process sends nothing sealed (see
-    /// [`Spool::seals_wait_for_sync`]); the next open syncs the WAL again.
+    /// [`Spool::seals_wait_for_sync`]); the next open writes the WAL into the main file again.
     pub fn wal_sync_failed(&self) -> Option<&str> {
         self.wal_sync_failed.as_deref()
     }
 
     /// Whether chunks sealed so far wait for a sync of the WAL before they may be sent (under
     /// [`Durability::Normal`](crate::Durability::Normal), once one failed: until the next open;
-    /// readers do not list them meanwhile). Always `false` with `Full`, and with [`Spool::defer_wal_sync`], whose
+    /// readers do not list them meanwhile). Always `false` with `Full`, and with
+    /// [`Spool::defer_wal_sync`], whose
     /// [`WalSync`] the caller waits for instead.
     pub fn seals_wait_for_sync(&self) -> bool {
         self.seals_unsynced
@@ -1647,13 +1648,9 @@ mod tests {
         assert!(spool.seals_wait_for_sync());
         assert!(all_sealed(&spool).is_empty());
         // The process stops without a clean close (which would checkpoint the WAL): the seals
-        // are in the WAL alone. A crash releases the spool's lock; swap in a lock of another file
-        // for the one leaked with the rest.
+        // are in the WAL alone.
         let wal = crate::recovery::with_suffix(&opts.path, "-wal");
-        let mut spool = spool;
-        let other = crate::lock::SpoolLock::acquire(&_dir.path().join("elsewhere.db")).expect("lock");
-        drop(std::mem::replace(&mut spool._lock, other));
-        std::mem::forget(spool);
+        crash(spool, _dir.path());
         assert!(std::fs::metadata(&wal).expect("wal").len() > 0);
         // The next open writes the WAL into the main file and syncs that (a sync of the WAL
         // would vouch for nothing after a failed write-back): every chunk is listed.
@@ -2799,17 +2796,21 @@ mod tests {
         drop(spool);
     }
 
+    /// What a process crash leaves of `spool`: nothing closed cleanly (no checkpoint, no final
+    /// sync), but its lock released, as the kernel closes a dead process's files (a lock of
+    /// another file in `dir` is leaked in its place).
+    fn crash(mut spool: Spool, dir: &std::path::Path) {
+        let other = crate::lock::SpoolLock::acquire(&dir.join("elsewhere.db")).expect("lock");
+        drop(std::mem::replace(&mut spool._lock, other));
+        std::mem::forget(spool);
+    }
+
     #[test]
     fn the_spare_survives_a_restart_and_is_reused_but_a_new_database_deletes_it() {
         let (_dir, opts, spool, spare) = spool_with_a_spare();
         assert!(spare.exists());
-        // A crash (no clean close): the spare is still there and still the spare. A crash
-        // releases the spool's lock (the kernel closes the process's files): swap in a lock of
-        // another file for the one leaked with the rest.
-        let mut spool = spool;
-        let other = crate::lock::SpoolLock::acquire(&_dir.path().join("elsewhere.db")).expect("lock");
-        drop(std::mem::replace(&mut spool._lock, other));
-        std::mem::forget(spool);
+        // A crash (no clean close): the spare is still there and still the spare.
+        crash(spool, _dir.path());
         let (mut spool, _) = open(&opts);
         assert!(spare.exists());
         assert_eq!(segment_files(&opts), vec![2]);
