@@ -57,9 +57,15 @@ pub const STORE_DIRECT_BYTES_TOTAL: &str = "edge_ingest_store_direct_bytes_total
 
 /// Seconds the store thread has spent in its current batch (0 while it waits for work).
 pub const STORE_BUSY_SECONDS: &str = "edge_ingest_store_busy_seconds";
+/// Seq ranges in the store's in-memory dedup index.
+pub const STORE_INDEX_RANGES: &str = "edge_ingest_store_index_ranges";
+/// Chunks answered "retry" because their device's part of the dedup index is full.
+pub const STORE_INDEX_REFUSED_TOTAL: &str = "edge_ingest_store_index_refused_total";
+/// Connections closed because a newer connection of the same agent said Hello.
+pub const CONNECTIONS_SUPERSEDED_TOTAL: &str = "edge_ingest_connections_superseded_total";
 
 /// Every metric name above.
-pub const ALL: [&str; 12] = [
+pub const ALL: [&str; 15] = [
     CONNECTIONS,
     CONNECTIONS_TOTAL,
     CHUNKS_TOTAL,
@@ -72,6 +78,9 @@ pub const ALL: [&str; 12] = [
     STORE_FSYNCS_TOTAL,
     STORE_DIRECT_BYTES_TOTAL,
     STORE_BUSY_SECONDS,
+    STORE_INDEX_RANGES,
+    STORE_INDEX_REFUSED_TOTAL,
+    CONNECTIONS_SUPERSEDED_TOTAL,
 ];
 
 /// Histogram buckets in seconds, 1 ms to 30 s in 1-2.5-5 steps (the agent uses the same).
@@ -162,7 +171,25 @@ const LIVE_STORE_BUSY: Live = Live::gauge(
            status` is degraded, and from half of WatchdogSec, 10 s at least, the daemon withholds its \
            watchdog ping. Always 0 with the JetStream sink.",
 );
-const LIVE_ALL: [&Live; 11] = [
+const LIVE_INDEX_RANGES: Live = Live::gauge(
+    STORE_INDEX_RANGES,
+    "Seq ranges in the file store's in-memory dedup index, over every device, spool and stream: one per \
+           gapless stream, one more per gap while it lasts (what the index costs in memory). Always 0 \
+           with the JetStream sink.",
+);
+const LIVE_INDEX_REFUSED: Live = Live::counter(
+    STORE_INDEX_REFUSED_TOTAL,
+    "Chunks answered retry (overloaded) because storing them would take their device's part of the dedup \
+           index past store.max_index_ranges_per_device: a new stream, or a seq with a gap on both sides. \
+           The store logs each such device once; an honest agent never gets near the cap.",
+);
+const LIVE_SUPERSEDED: Live = Live::counter(
+    CONNECTIONS_SUPERSEDED_TOTAL,
+    "Connections closed because a newer connection of the same agent (device and spool) said Hello: an \
+           agent that reconnected after an address change. Rising steadily: two gateways share one \
+           spool (a cloned disk).",
+);
+const LIVE_ALL: [&Live; 14] = [
     &LIVE_CONNECTIONS,
     &LIVE_CONNECTIONS_TOTAL,
     &LIVE_CHUNKS,
@@ -174,6 +201,9 @@ const LIVE_ALL: [&Live; 11] = [
     &LIVE_FSYNCS,
     &LIVE_DIRECT_BYTES,
     &LIVE_STORE_BUSY,
+    &LIVE_INDEX_RANGES,
+    &LIVE_INDEX_REFUSED,
+    &LIVE_SUPERSEDED,
 ];
 
 /// The [`LIVE_ALL`] families from the server counters and the store statistics, at scrape time.
@@ -197,6 +227,9 @@ fn live_families(c: &ServerCounters, store: &StoreStatsView) -> Vec<MetricFamily
         LIVE_FSYNCS.family(&[("", st.fsyncs as f64)]),
         LIVE_DIRECT_BYTES.family(&[("", st.direct_bytes as f64)]),
         LIVE_STORE_BUSY.family(&[("", st.busy.map_or(0.0, |d| d.as_secs_f64()))]),
+        LIVE_INDEX_RANGES.family(&[("", st.index_ranges as f64)]),
+        LIVE_INDEX_REFUSED.family(&[("", st.index_refused as f64)]),
+        LIVE_SUPERSEDED.family(&[("", n(&c.superseded_total))]),
     ]
 }
 
@@ -258,10 +291,13 @@ mod tests {
         counters.chunks_stored_total.store(7, Relaxed);
         counters.chunks_retry_total.store(2, Relaxed);
         counters.connections_open.store(1, Relaxed);
+        counters.superseded_total.store(3, Relaxed);
         counters.persist_latency.observe(Duration::from_millis(3));
         assert_eq!(sample(&registry, &format!("{CHUNKS_TOTAL}{{result=\"stored\"}}")), Some(7.0));
         assert_eq!(sample(&registry, &format!("{CHUNKS_TOTAL}{{result=\"retry\"}}")), Some(2.0));
         assert_eq!(sample(&registry, CONNECTIONS), Some(1.0));
+        assert_eq!(sample(&registry, CONNECTIONS_SUPERSEDED_TOTAL), Some(3.0));
+        assert_eq!(sample(&registry, STORE_INDEX_REFUSED_TOTAL), Some(0.0));
         assert_eq!(sample(&registry, &format!("{PERSIST_LATENCY_SECONDS}_bucket{{le=\"0.005\"}}")), Some(1.0));
         assert_eq!(sample(&registry, &format!("{PERSIST_LATENCY_SECONDS}_bucket{{le=\"0.0025\"}}")), Some(0.0));
         assert_eq!(sample(&registry, STORE_FSYNCS_TOTAL), Some(0.0));

@@ -156,6 +156,9 @@ pub struct ServerCounters {
     pub handshakes_retried_total: AtomicU64,
     /// Connections closed because their device certificate is revoked (at accept or later).
     pub revoked_closed_total: AtomicU64,
+    /// Connections closed because a newer connection of the same agent (device and spool)
+    /// said Hello, including one whose own late Hello found a newer connection there.
+    pub superseded_total: AtomicU64,
     /// Revocation lists loaded while running (not counting the one at start).
     pub crl_reloads_total: AtomicU64,
     /// Revocation file sets refused while running (each distinct bad state counted once).
@@ -1104,11 +1107,13 @@ async fn run_connection(
     };
     let Ok(older) = live.hello(spool_id) else {
         info!(%device, spool = %hex(&spool_id), remote = %conn.remote_address(), "closing this connection: the agent has a newer one");
+        shared.counters.superseded_total.fetch_add(1, Ordering::Relaxed);
         conn.close(ErrorCode::NoError.to_u32().into(), SUPERSEDED);
         return Err(ConnEnd::Lost("superseded by a newer connection of the same agent".into()));
     };
     for old in older {
         info!(%device, spool = %hex(&spool_id), old = %old.remote_address(), new = %conn.remote_address(), "closing the agent's older connection: superseded by this one");
+        shared.counters.superseded_total.fetch_add(1, Ordering::Relaxed);
         old.close(ErrorCode::NoError.to_u32().into(), SUPERSEDED);
     }
     let cancel = shared.cancel.clone();
@@ -1375,6 +1380,12 @@ async fn process_chunk(
                 ctx.shared.counters.chunks_duplicate_total.fetch_add(1, Ordering::Relaxed);
                 AckStatus::Duplicate
             }
+            // The device's own doing, logged by the store once per device; the agent keeps
+            // the chunk and slows down.
+            PersistOutcome::Failed(f @ StoreFailure::IndexFull { .. }) => {
+                debug!(device = %ctx.device, stream = %key_stream, seq, failure = %f, "store refused chunk");
+                AckStatus::Retry(RetryReason::Overloaded)
+            }
             PersistOutcome::Failed(f) => {
                 warn!(device = %ctx.device, stream = %key_stream, seq, failure = ?f, "store could not persist chunk");
                 match f {
@@ -1383,6 +1394,7 @@ async fn process_chunk(
                     | StoreFailure::ReadOnly
                     | StoreFailure::Unavailable(_) => AckStatus::Retry(RetryReason::SinkUnavailable),
                     StoreFailure::Rejected(_) => AckStatus::Rejected(RejectReason::Malformed),
+                    StoreFailure::IndexFull { .. } => AckStatus::Retry(RetryReason::Overloaded),
                 }
             }
         }

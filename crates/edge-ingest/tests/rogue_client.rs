@@ -23,12 +23,14 @@ use std::time::{Duration, Instant};
 
 use common::{
     Agent, Exported, HONEST, HONEST_SPOOL, ROGUE, ROGUE_SPOOL, SERVER_NAME, assert_closed_with, assert_exported_once,
-    bounded, chunk, chunk_of, honest_chunks, localhost, new_pki, shut_down, start_server, write_unless_closed,
+    bounded, chunk, chunk_of, honest_chunks, localhost, new_pki, shut_down, start_server_with, write_unless_closed,
 };
 use edge_ingest::server::{Server, ServerCounters, ServerOptions};
-use edge_ingest::store::{ExportReport, StoreHandle};
+use edge_ingest::store::{ExportReport, StoreHandle, StoreOptions};
 use edge_proto::client::{ClientSession, EarlyLimits};
-use edge_proto::{AckStatus, CHUNK_MAGIC, ChunkHeader, ControlFrame, ErrorCode, Limits, RejectReason, VERSION};
+use edge_proto::{
+    AckStatus, CHUNK_MAGIC, ChunkHeader, ControlFrame, ErrorCode, Limits, RejectReason, RetryReason, VERSION,
+};
 use edge_transport::{Tuning, client_config_from_pem, client_endpoint, server_config_from_pem, server_endpoint};
 use quinn::{ConnectionError, Endpoint, RecvStream, SendStream, VarInt};
 use tempfile::TempDir;
@@ -264,6 +266,11 @@ impl Rig {
     /// The server's transport from `server_tuning`, the rogue's from `rogue_tuning` (the honest
     /// agent's and the endpoints' sockets from the defaults).
     async fn start_tuned(server_tuning: &Tuning, rogue_tuning: &Tuning) -> Rig {
+        Rig::start_with(server_tuning, rogue_tuning, |_| {}).await
+    }
+
+    /// [`Rig::start_tuned`] with the store's options changed by `store`.
+    async fn start_with(server_tuning: &Tuning, rogue_tuning: &Tuning, store: impl FnOnce(&mut StoreOptions)) -> Rig {
         let pki = new_pki();
         let tuning = Tuning::default();
         let server_config =
@@ -275,7 +282,7 @@ impl Rig {
             shutdown_grace: Duration::from_secs(2),
             ..ServerOptions::default()
         };
-        let (server, store, data) = start_server(endpoint, opts);
+        let (server, store, data) = start_server_with(endpoint, opts, store);
         let client = client_endpoint(localhost(), &tuning).expect("client endpoint");
         let dialer = |device: &str, tuning: &Tuning| {
             let (cert, key) = pki.issue_device(device).expect("issue device certificate");
@@ -695,12 +702,55 @@ async fn a_new_connection_of_an_agent_closes_its_old_one_and_gets_the_devices_bu
         matches!(&closed, ConnectionError::ApplicationClosed(c) if c.reason.as_ref() == b"superseded by a newer connection of the same agent"),
         "{closed:?}"
     );
+    assert_eq!(rig.counters().superseded_total.load(Ordering::Relaxed), 1);
     let fresh = chunk("agent.after", 0);
     agent.upload_stored("the new connection's chunk", std::slice::from_ref(&fresh)).await;
     drop(stalled);
     agent.close();
     let (exported, _) = rig.finish().await;
     assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[fresh]);
+}
+
+/// A device that numbers its chunks sparsely grows its part of the dedup index until it reaches
+/// the store's cap; from there its chunks that would add a range (a gap on both sides, a new
+/// stream) are answered Retry(Overloaded) and not stored, on a connection that stays open, while
+/// its chunks that join its ranges are stored and another device is not affected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_numbering_sparsely_is_refused_new_ranges_at_its_index_cap() {
+    const CAP: u64 = 4;
+    let rig = Rig::start_with(&Tuning::default(), &Tuning::default(), |o| o.max_index_ranges_per_device = CAP).await;
+    let mut honest = rig.honest_agent().await;
+    let mut rogue = bounded("rogue connects", async {
+        let conn = rig.rogue.connect().await;
+        Agent::connect(&conn, ROGUE_SPOOL, AGENT).await
+    })
+    .await;
+    let sparse: Vec<_> = (0..CAP).map(|i| chunk("rogue.sparse", 2 * i)).collect();
+    rogue.upload_stored("a chunk every other seq, up to the cap", &sparse).await;
+    let (beyond, other) = (chunk("rogue.sparse", 2 * CAP), chunk("rogue.other", 0));
+    let retry = AckStatus::Retry(RetryReason::Overloaded);
+    let past_cap = [beyond.clone(), other];
+    let honest_batch = honest_chunks(0..CAP + 2);
+    let (statuses, ()) = tokio::join!(
+        bounded("chunks past the cap", rogue.upload(&past_cap)),
+        honest.upload_stored("honest upload", &honest_batch)
+    );
+    assert_eq!(statuses, [retry, retry]);
+    // Seq 1 joins two of the device's ranges: stored, and there is room again.
+    let joining = chunk("rogue.sparse", 1);
+    rogue.upload_stored("a chunk that fills a gap", std::slice::from_ref(&joining)).await;
+    rogue.upload_stored("the refused chunk again", std::slice::from_ref(&beyond)).await;
+    assert!(rogue.conn.close_reason().is_none(), "the connection is still open");
+    assert_eq!(rig.counters().chunks_retry_total.load(Ordering::Relaxed), 2);
+    assert_eq!(rig.store.stats().index_refused, 2);
+    rogue.close();
+    honest.close();
+
+    let (exported, _) = rig.finish().await;
+    let mut stored = sparse;
+    stored.extend([joining, beyond]);
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &stored);
+    assert_eq!(exported.iter().filter(|e| e.key.stream == "rogue.other").count(), 0, "the new stream was not stored");
 }
 
 /// A Hello that comes on an older connection after a newer one's (late, on a path the agent has
@@ -722,6 +772,7 @@ async fn a_late_hello_on_an_older_connection_closes_that_one_not_the_newer() {
         matches!(&closed, ConnectionError::ApplicationClosed(c) if c.reason.as_ref() == b"superseded by a newer connection of the same agent"),
         "{closed:?}"
     );
+    assert_eq!(rig.counters().superseded_total.load(Ordering::Relaxed), 1);
     let live = chunk("agent.live", 0);
     agent.upload_stored("the newer connection's chunk", std::slice::from_ref(&live)).await;
     assert!(new.close_reason().is_none(), "{:?}", new.close_reason());

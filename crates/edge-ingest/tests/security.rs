@@ -29,7 +29,7 @@ use std::time::{Duration, Instant, SystemTime};
 use common::{
     Agent, Exported, HONEST, HONEST_SPOOL, HONEST_STREAM, ROGUE, ROGUE_SPOOL, SERVER_NAME, TestChunk,
     assert_closed_with, assert_exported_once, bounded, chunk, chunk_of, honest_chunks, localhost, new_pki, shut_down,
-    start_server, write_unless_closed,
+    start_server_with, write_unless_closed,
 };
 use edge_ingest::server::{RevocationWatch, Server, ServerCounters, ServerOptions};
 use edge_ingest::store::{ExportReport, StoreHandle};
@@ -82,7 +82,7 @@ impl Rig {
     async fn start_with(pki: InMemoryPki, config: quinn::ServerConfig, opts: ServerOptions) -> Rig {
         let tuning = Tuning::default();
         let endpoint = server_endpoint(localhost(), config, &tuning).expect("server endpoint");
-        let (server, store, data) = start_server(endpoint.clone(), opts);
+        let (server, store, data) = start_server_with(endpoint.clone(), opts, |_| {});
         let client = client_endpoint(localhost(), &tuning).expect("client endpoint");
         Rig { pki: Arc::new(pki), server, server_endpoint: endpoint, store, data, client }
     }

@@ -7,7 +7,9 @@
 //! the "low watermark"; the ranges above it are the sparse part.
 //!
 //! The index is rebuilt from the segment headers at open and only ever grows while the store
-//! runs, after the fsync that made the key durable.
+//! runs, after the fsync that made the key durable. What it costs is counted per device
+//! ([`DedupIndex::device_ranges`]), so that the store can refuse a device whose keys would grow
+//! it past a cap (`StoreOptions::max_index_ranges_per_device`) before it writes them.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -60,10 +62,17 @@ impl SeqSet {
     }
 }
 
+/// The stored seqs of one device, over its spools and streams, and the ranges they cost.
+#[derive(Debug, Default)]
+struct DeviceIndex {
+    spools: HashMap<[u8; 16], HashMap<String, SeqSet>>,
+    ranges: u64,
+}
+
 /// The dedup index over all stored chunks.
 #[derive(Debug, Default)]
 pub struct DedupIndex {
-    devices: HashMap<String, HashMap<[u8; 16], HashMap<String, SeqSet>>>,
+    devices: HashMap<String, DeviceIndex>,
     chunks: u64,
     streams: u64,
     ranges: u64,
@@ -72,20 +81,31 @@ pub struct DedupIndex {
 impl DedupIndex {
     /// Whether `key` is stored.
     pub fn contains(&self, key: &ChunkKey) -> bool {
+        self.contains_parts(&key.device, &key.spool, &key.stream, key.seq)
+    }
+
+    /// [`DedupIndex::contains`] for a key given by its parts.
+    pub fn contains_parts(&self, device: &str, spool: &[u8; 16], stream: &str, seq: u64) -> bool {
         self.devices
-            .get(key.device.as_str())
-            .and_then(|spools| spools.get(&key.spool))
-            .and_then(|streams| streams.get(key.stream.as_str()))
-            .is_some_and(|set| set.contains(key.seq))
+            .get(device)
+            .and_then(|d| d.spools.get(spool))
+            .and_then(|streams| streams.get(stream))
+            .is_some_and(|set| set.contains(seq))
+    }
+
+    /// Seq ranges of `device` over all of its spools and streams (each stream has one at
+    /// least): what its part of the index costs.
+    pub fn device_ranges(&self, device: &str) -> u64 {
+        self.devices.get(device).map_or(0, |d| d.ranges)
     }
 
     /// Records `key` as stored; `false` if it already was.
     pub fn insert(&mut self, key: &ChunkKey) -> bool {
-        let spools = match self.devices.get_mut(key.device.as_str()) {
-            Some(s) => s,
+        let device = match self.devices.get_mut(key.device.as_str()) {
+            Some(d) => d,
             None => self.devices.entry(key.device.clone()).or_default(),
         };
-        let streams = spools.entry(key.spool).or_default();
+        let streams = device.spools.entry(key.spool).or_default();
         let set = match streams.get_mut(key.stream.as_str()) {
             Some(s) => s,
             None => {
@@ -98,7 +118,9 @@ impl DedupIndex {
         if added {
             self.chunks += 1;
             // An insert adds a range, extends one, or merges two: the count moves by +1, 0 or -1.
-            self.ranges = self.ranges + set.range_count() as u64 - before;
+            let after = set.range_count() as u64;
+            self.ranges = self.ranges + after - before;
+            device.ranges = device.ranges + after - before;
         }
         added
     }
@@ -179,6 +201,9 @@ mod tests {
         idx.insert(&k3);
         idx.insert(&ChunkKey { seq: 4, ..k });
         assert_eq!(idx.ranges(), 4, "seqs 1..=5 merged back into one range");
+        assert_eq!(idx.device_ranges("d"), 3, "three of the four streams are device d's");
+        assert_eq!(idx.device_ranges("e"), 1);
+        assert_eq!(idx.device_ranges("nobody"), 0);
     }
 
     proptest! {

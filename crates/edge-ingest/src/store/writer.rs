@@ -4,8 +4,8 @@
 //! operations in [`Store::persist`] is the durability argument: dedup check, one write, one
 //! `fdatasync` (plus the directory fsync for a new segment), and only then the index update.
 
-use std::collections::HashMap;
 use std::collections::hash_map::{Entry, RandomState};
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
 use std::hash::BuildHasher;
 use std::io::{self, IoSlice, Seek, SeekFrom, Write};
@@ -45,6 +45,8 @@ pub struct Store {
     direct: bool,
     /// The aligned buffer of the direct writes, made at the first one.
     direct_buf: Option<DirectBuf>,
+    /// Devices refused for a full dedup index since open: each is logged the first time only.
+    index_full_devices: HashSet<String>,
     pub(super) faults: Faults,
 }
 
@@ -216,6 +218,7 @@ impl Store {
             stats,
             direct,
             direct_buf: None,
+            index_full_devices: HashSet::new(),
             faults: Faults::new(),
         };
         Ok((store, report))
@@ -230,6 +233,10 @@ impl Store {
         let mut first_of: HashMap<&ChunkKey, usize> = HashMap::new();
         let mut repeats: Vec<(usize, usize)> = Vec::new();
         let mut plan: Vec<Planned> = Vec::new();
+        // What the planned keys change in each device's range count, and the planned keys, by
+        // which the next key's neighbours are found: the count once the batch is in the index.
+        let mut delta: HashMap<&str, i64> = HashMap::new();
+        let mut planned: HashSet<(&str, &[u8; 16], &str, u64)> = HashSet::new();
         for (idx, chunk) in batch.iter().enumerate() {
             let crc = match validate(chunk) {
                 Ok(crc) => crc,
@@ -246,6 +253,36 @@ impl Store {
             match first_of.entry(&chunk.key) {
                 Entry::Occupied(first) => repeats.push((idx, *first.get())),
                 Entry::Vacant(slot) => {
+                    let k = &chunk.key;
+                    let (device, spool, stream) = (k.device.as_str(), &k.spool, k.stream.as_str());
+                    let here = |seq: Option<u64>| {
+                        seq.is_some_and(|seq| {
+                            planned.contains(&(device, spool, stream, seq))
+                                || self.index.contains_parts(device, spool, stream, seq)
+                        })
+                    };
+                    let joins = i64::from(here(k.seq.checked_sub(1))) + i64::from(here(k.seq.checked_add(1)));
+                    let change = 1 - joins;
+                    let ranges =
+                        self.index.device_ranges(device).saturating_add_signed(delta.get(device).copied().unwrap_or(0));
+                    let max = self.opts.max_index_ranges_per_device;
+                    if change > 0 && ranges >= max {
+                        if self.index_full_devices.insert(k.device.clone()) {
+                            tracing::warn!(
+                                device,
+                                stream,
+                                seq = k.seq,
+                                ranges,
+                                max,
+                                "device's dedup index is full: its chunks that start a stream or leave a gap on both sides are answered retry until a neighbour is stored (raise store.max_index_ranges_per_device if the device is honest); logged once per device until restart"
+                            );
+                        }
+                        self.stats.index_refused += 1;
+                        outcomes[idx] = Some(PersistOutcome::Failed(StoreFailure::IndexFull { ranges, max }));
+                        continue;
+                    }
+                    *delta.entry(device).or_insert(0) += change;
+                    planned.insert((device, spool, stream, k.seq));
                     slot.insert(idx);
                     let len = (format::entry_header_len(&chunk.key) + chunk.payload.len()) as u64;
                     plan.push(Planned { idx, crc, len });
@@ -909,6 +946,60 @@ mod tests {
         })
         .expect("export");
         (chunks, report)
+    }
+
+    #[test]
+    fn a_device_at_its_index_cap_gets_retry_for_new_ranges_only_and_the_count_survives_a_restart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let capped = |dir: &Path| {
+            let opts = StoreOptions { max_index_ranges_per_device: 3, ..StoreOptions::new(dir) };
+            Store::open(opts).expect("open store").0
+        };
+        let of = |device: &str, stream: &str, seq: u64| {
+            let mut c = chunk(seq, b"x");
+            c.key.device = device.into();
+            c.key.stream = stream.into();
+            c
+        };
+        let full = |ranges| PersistOutcome::Failed(StoreFailure::IndexFull { ranges, max: 3 });
+        let mut store = capped(dir.path());
+        // Seqs 1, 3 and 5 cost three ranges; in the same batch, 7 would be a fourth.
+        let out = store.persist(vec![of("d", "s", 1), of("d", "s", 3), of("d", "s", 5), of("d", "s", 7)]);
+        assert_eq!(out, vec![PersistOutcome::Stored, PersistOutcome::Stored, PersistOutcome::Stored, full(3)]);
+        // At the cap: a repeat is still a duplicate, a seq next to a range is stored, a new
+        // stream and a new gap are refused, and another device is not affected.
+        let out =
+            store.persist(vec![of("d", "s", 3), of("d", "s", 6), of("d", "t", 1), of("d", "s", 9), of("e", "s", 9)]);
+        assert_eq!(
+            out,
+            vec![PersistOutcome::Duplicate, PersistOutcome::Stored, full(3), full(3), PersistOutcome::Stored]
+        );
+        assert_eq!(store.stats().index_refused, 3);
+        assert_eq!(store.stats().last_failure, None, "a device's cap is no failure of the store");
+        drop(store);
+
+        // The count is rebuilt at open: still full. Filling the gap at 2 joins two ranges,
+        // after which the new stream fits.
+        let mut store = capped(dir.path());
+        assert_eq!(store.persist(vec![of("d", "t", 1)]), vec![full(3)]);
+        assert_eq!(store.persist(vec![of("d", "s", 2)]), vec![PersistOutcome::Stored]);
+        assert_eq!(store.persist(vec![of("d", "t", 1)]), vec![PersistOutcome::Stored]);
+        assert_eq!(store.stats().index_ranges, 4, "d: 1..=3, 5..=6, t's 1; e: 9");
+        let (mut seqs, _) = exported_seqs(dir.path());
+        seqs.sort_unstable();
+        assert_eq!(seqs, [1, 1, 2, 3, 5, 6, 9], "every stored chunk and no refused one");
+
+        // Within a batch, keys are counted against those before them: consecutive seqs cost one
+        // range, and a seq that joins two lets a new range in after it.
+        let seqs = |from: u64, to: u64| (from..=to).map(|seq| of("f", "s", seq)).collect::<Vec<_>>();
+        let mut batch = seqs(10, 14);
+        batch.extend([of("f", "s", 20), of("f", "s", 30)]);
+        assert!(store.persist(batch).iter().all(|o| *o == PersistOutcome::Stored), "three ranges");
+        assert_eq!(store.persist(seqs(40, 41)), vec![full(3), full(3)], "41's neighbour was refused");
+        let mut batch = seqs(15, 19);
+        batch.push(of("f", "s", 50));
+        assert!(store.persist(batch).iter().all(|o| *o == PersistOutcome::Stored), "19 joined 10..=18 and 20");
+        assert_eq!(store.persist(seqs(60, 60)), vec![full(3)]);
     }
 
     /// Whether the file system under `dir` takes `O_DIRECT` (the tests of the direct path say

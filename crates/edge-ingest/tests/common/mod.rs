@@ -187,10 +187,17 @@ impl Agent {
 
 // === Server and store ===
 
-/// A file store in a new temporary directory, and a server on `endpoint` storing into it.
-pub fn start_server(endpoint: Endpoint, opts: ServerOptions) -> (Server, StoreHandle, TempDir) {
+/// A file store in a new temporary directory, with its default options changed by `store`, and
+/// a server on `endpoint` storing into it.
+pub fn start_server_with(
+    endpoint: Endpoint,
+    opts: ServerOptions,
+    store: impl FnOnce(&mut StoreOptions),
+) -> (Server, StoreHandle, TempDir) {
     let data = tempfile::tempdir().expect("temp dir");
-    let (store, _recovery) = Store::open(StoreOptions::new(data.path())).expect("open store");
+    let mut store_opts = StoreOptions::new(data.path());
+    store(&mut store_opts);
+    let (store, _recovery) = Store::open(store_opts).expect("open store");
     let store = StoreHandle::spawn(store);
     let opts = ServerOptions { listen: endpoint.local_addr().expect("bound address"), ..opts };
     let server = Server::start(endpoint, store.clone(), opts).expect("start server");
