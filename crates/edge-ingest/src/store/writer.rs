@@ -233,8 +233,9 @@ impl Store {
         let mut first_of: HashMap<&ChunkKey, usize> = HashMap::new();
         let mut repeats: Vec<(usize, usize)> = Vec::new();
         let mut plan: Vec<Planned> = Vec::new();
-        // What the planned keys change in each device's range count, and the planned keys, by
-        // which the next key's neighbours are found: the count once the batch is in the index.
+        // For a device within a batch of its cap: what the planned keys change in its range
+        // count, and the planned keys, by which the next key's neighbours are found (the count
+        // once the batch is in the index).
         let mut delta: HashMap<&str, i64> = HashMap::new();
         let mut planned: HashSet<(&str, &[u8; 16], &str, u64)> = HashSet::new();
         for (idx, chunk) in batch.iter().enumerate() {
@@ -254,35 +255,39 @@ impl Store {
                 Entry::Occupied(first) => repeats.push((idx, *first.get())),
                 Entry::Vacant(slot) => {
                     let k = &chunk.key;
-                    let (device, spool, stream) = (k.device.as_str(), &k.spool, k.stream.as_str());
-                    let here = |seq: Option<u64>| {
-                        seq.is_some_and(|seq| {
-                            planned.contains(&(device, spool, stream, seq))
-                                || self.index.contains_parts(device, spool, stream, seq)
-                        })
-                    };
-                    let joins = i64::from(here(k.seq.checked_sub(1))) + i64::from(here(k.seq.checked_add(1)));
-                    let change = 1 - joins;
-                    let ranges =
-                        self.index.device_ranges(device).saturating_add_signed(delta.get(device).copied().unwrap_or(0));
+                    let device = k.device.as_str();
+                    let stored = self.index.device_ranges(device);
                     let max = self.opts.max_index_ranges_per_device;
-                    if change > 0 && ranges >= max {
-                        if self.index_full_devices.insert(k.device.clone()) {
-                            tracing::warn!(
-                                device,
-                                stream,
-                                seq = k.seq,
-                                ranges,
-                                max,
-                                "device's dedup index is full: its chunks that start a stream or leave a gap on both sides are answered retry until a neighbour is stored (raise store.max_index_ranges_per_device if the device is honest); logged once per device until restart"
-                            );
+                    // A batch adds at most one range per key: a device that many below its cap
+                    // (every device, as a rule) needs no count at all.
+                    if stored.saturating_add(batch.len() as u64) >= max {
+                        let (spool, stream) = (&k.spool, k.stream.as_str());
+                        let here = |seq: Option<u64>| {
+                            seq.is_some_and(|seq| {
+                                planned.contains(&(device, spool, stream, seq))
+                                    || self.index.contains_parts(device, spool, stream, seq)
+                            })
+                        };
+                        let change = 1 - i64::from(here(k.seq.checked_sub(1))) - i64::from(here(k.seq.checked_add(1)));
+                        let ranges = stored.saturating_add_signed(delta.get(device).copied().unwrap_or(0));
+                        if change > 0 && ranges >= max {
+                            if self.index_full_devices.insert(k.device.clone()) {
+                                tracing::warn!(
+                                    device,
+                                    stream,
+                                    seq = k.seq,
+                                    ranges,
+                                    max,
+                                    "device's dedup index is full: its chunks that start a stream or leave a gap on both sides are answered retry until a neighbour is stored (raise store.max_index_ranges_per_device if the device is honest); logged once per device until restart"
+                                );
+                            }
+                            self.stats.index_refused += 1;
+                            outcomes[idx] = Some(PersistOutcome::Failed(StoreFailure::IndexFull { ranges, max }));
+                            continue;
                         }
-                        self.stats.index_refused += 1;
-                        outcomes[idx] = Some(PersistOutcome::Failed(StoreFailure::IndexFull { ranges, max }));
-                        continue;
+                        *delta.entry(device).or_insert(0) += change;
+                        planned.insert((device, spool, stream, k.seq));
                     }
-                    *delta.entry(device).or_insert(0) += change;
-                    planned.insert((device, spool, stream, k.seq));
                     slot.insert(idx);
                     let len = (format::entry_header_len(&chunk.key) + chunk.payload.len()) as u64;
                     plan.push(Planned { idx, crc, len });
