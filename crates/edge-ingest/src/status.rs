@@ -124,6 +124,7 @@ pub fn document(
         "bytes": counters.bytes_stored_total.load(Relaxed),
         "protocol_errors": counters.protocol_errors_total.load(Relaxed),
         "auth_failures": counters.auth_failures_total.load(Relaxed),
+        "superseded": counters.superseded_total.load(Relaxed),
     });
     let devices = counters.devices.snapshot();
     let stats = stats();
@@ -147,6 +148,8 @@ pub fn document(
             "chunks": stats.chunks,
             "bytes": stats.bytes,
             "fsyncs": stats.fsyncs,
+            "index_ranges": stats.index_ranges,
+            "index_refused": stats.index_refused,
             "queued": stats.queued,
             "busy_ms": stats.busy.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         },
@@ -358,10 +361,12 @@ pub fn render(doc: &Value, reasons: &[String], now_ms: u64, color: bool) -> Stri
         out.push_str(&format!("  ! {r}\n"));
     }
     let devices = doc["devices"].as_array().map_or(&[][..], Vec::as_slice);
+    let superseded = num(&doc["totals"]["superseded"]);
     out.push_str(&format!(
-        "connections: {} open ({} accepted), {} device{}\n",
+        "connections: {} open ({} accepted{}), {} device{}\n",
         num(&doc["connections"]),
         num(&doc["connections_total"]),
+        if superseded > 0 { format!(", {superseded} superseded by a newer one of their agent") } else { String::new() },
         devices.len(),
         if devices.len() == 1 { "" } else { "s" },
     ));
@@ -399,13 +404,16 @@ pub fn render(doc: &Value, reasons: &[String], now_ms: u64, color: bool) -> Stri
             num(&s["queued"]),
         ));
     } else {
+        let refused = num(&s["index_refused"]);
         out.push_str(&format!(
-            "sink: {health}, {} segments, {} chunks, {}, {} fsyncs, {} queued\n",
+            "sink: {health}, {} segments, {} chunks, {}, {} fsyncs, {} queued; dedup index {} ranges{}\n",
             num(&s["segments"]),
             num(&s["chunks"]),
             bytes(&s["bytes"]),
             num(&s["fsyncs"]),
             num(&s["queued"]),
+            num(&s["index_ranges"]),
+            if refused > 0 { format!(", {refused} chunks refused at a device's cap") } else { String::new() },
         ));
     }
     if let Some(f) = s["last_failure"].as_str() {
@@ -455,7 +463,15 @@ mod tests {
         let t0 = Instant::now();
         c.rates.push(c.sample(1, t0));
         c.chunks_stored_total.store(14, Relaxed);
-        let stats = StoreStats { segments: 2, chunks: 14, fsyncs: 9, ..StoreStats::default() };
+        let stats = StoreStats {
+            segments: 2,
+            chunks: 14,
+            fsyncs: 9,
+            index_ranges: 3,
+            index_refused: 5,
+            ..StoreStats::default()
+        };
+        c.superseded_total.store(2, Relaxed);
         let doc = document(&c, || stats.clone(), true, t0 + Duration::from_secs(5));
         assert_eq!(doc["version"], 1);
         assert_eq!(doc["connections"], 1);
@@ -469,6 +485,9 @@ mod tests {
         assert_eq!(doc["totals"]["stored"], 14);
         assert_eq!(doc["sink"]["healthy"], true);
         assert_eq!(doc["sink"]["segments"], 2);
+        assert_eq!(doc["sink"]["index_ranges"], 3);
+        assert_eq!(doc["sink"]["index_refused"], 5);
+        assert_eq!(doc["totals"]["superseded"], 2);
         assert!(doc["sink"]["last_failure"].is_null());
         assert!(degraded_reasons(&doc).is_empty());
         drop(reg);
@@ -518,6 +537,12 @@ mod tests {
         let row = text.lines().find(|l| l.starts_with("gw-7 ")).expect("a row for the device");
         assert!(row.contains("1m 1s") && row.contains("10.1.2.3:4444"), "{row}");
         assert!(text.contains("1 open (3 accepted), 1 device\n"), "{text}");
+        assert!(text.contains("; dedup index 0 ranges\n"), "nothing refused, nothing said: {text}");
+        c.superseded_total.store(4, Relaxed);
+        let stats = StoreStats { index_ranges: 70_000, index_refused: 12, ..StoreStats::default() };
+        let text = render(&document(&c, || stats, true, Instant::now()), &[], 62_000, false);
+        assert!(text.contains("1 open (3 accepted, 4 superseded by a newer one of their agent), 1 device\n"), "{text}");
+        assert!(text.contains("; dedup index 70000 ranges, 12 chunks refused at a device's cap\n"), "{text}");
         let painted = render(&doc, &["the sink is unhealthy".to_owned()], 62_000, true);
         assert!(painted.contains("\x1b[33mdegraded\x1b[0m") && painted.contains("  ! the sink is unhealthy"));
     }
