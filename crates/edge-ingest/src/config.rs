@@ -13,8 +13,8 @@ use serde::Deserialize;
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/edge-ingest/edge-ingest.toml";
 /// Environment prefix for overrides.
 pub const ENV_PREFIX: &str = "EDGE_INGEST";
-/// The least `store.max_index_ranges_per_device` accepted.
-pub const MIN_INDEX_RANGES_PER_DEVICE: u64 = 1024;
+/// The least `store.max_index_gaps_per_device` accepted.
+pub const MIN_INDEX_GAPS_PER_DEVICE: u64 = 1024;
 
 /// The file as written by the operator.
 #[derive(Debug, Clone, PartialEq, Deserialize, Default)]
@@ -83,7 +83,7 @@ pub struct RawStore {
     pub data_dir: PathBuf,
     pub segment_max_bytes: ByteSize,
     pub direct_writes: bool,
-    pub max_index_ranges_per_device: u64,
+    pub max_index_gaps_per_device: u64,
 }
 
 impl Default for RawStore {
@@ -92,7 +92,7 @@ impl Default for RawStore {
             data_dir: PathBuf::from("/var/lib/edge-ingest"),
             segment_max_bytes: ByteSize::mib(256),
             direct_writes: true,
-            max_index_ranges_per_device: crate::store::DEFAULT_MAX_INDEX_RANGES_PER_DEVICE,
+            max_index_gaps_per_device: crate::store::DEFAULT_MAX_INDEX_GAPS_PER_DEVICE,
         }
     }
 }
@@ -290,11 +290,11 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     if raw.store.segment_max_bytes.as_u64() < 1 << 20 {
         bail!("store.segment_max_bytes: expected at least 1 MiB, got {}", raw.store.segment_max_bytes);
     }
-    if raw.store.max_index_ranges_per_device < MIN_INDEX_RANGES_PER_DEVICE {
+    if raw.store.max_index_gaps_per_device < MIN_INDEX_GAPS_PER_DEVICE {
         bail!(
-            "store.max_index_ranges_per_device: expected at least {MIN_INDEX_RANGES_PER_DEVICE} (an agent's uploads in \
+            "store.max_index_gaps_per_device: expected at least {MIN_INDEX_GAPS_PER_DEVICE} (an agent's uploads in \
              parallel leave gaps for a while), got {}",
-            raw.store.max_index_ranges_per_device
+            raw.store.max_index_gaps_per_device
         );
     }
     let sink = validate_sink(&raw.sink)?;
@@ -329,7 +329,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     let mut store = crate::store::StoreOptions::new(raw.store.data_dir);
     store.segment_max_bytes = raw.store.segment_max_bytes.as_u64();
     store.direct_writes = raw.store.direct_writes;
-    store.max_index_ranges_per_device = raw.store.max_index_ranges_per_device;
+    store.max_index_gaps_per_device = raw.store.max_index_gaps_per_device;
     Ok(Config {
         server: crate::server::ServerOptions {
             listen,

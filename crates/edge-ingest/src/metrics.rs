@@ -174,20 +174,21 @@ const LIVE_STORE_BUSY: Live = Live::gauge(
 const LIVE_INDEX_RANGES: Live = Live::gauge(
     STORE_INDEX_RANGES,
     "Seq ranges in the file store's in-memory dedup index, over every device, spool and stream: one per \
-           gapless stream, one more per gap while it lasts (what the index costs in memory). Always 0 \
-           with the JetStream sink.",
+           gapless stream, one more per gap (what the index costs in memory). Always 0 with the JetStream \
+           sink.",
 );
 const LIVE_INDEX_REFUSED: Live = Live::counter(
     STORE_INDEX_REFUSED_TOTAL,
-    "Chunks answered retry (overloaded) because storing them would take their device's part of the dedup \
-           index past store.max_index_ranges_per_device: a new stream, or a seq with a gap on both sides. \
-           The store logs each such device once; an honest agent never gets near the cap.",
+    "Chunks answered retry (overloaded) because storing them would open a gap past \
+           store.max_index_gaps_per_device in their device's part of the dedup index (a seq with neither \
+           neighbour stored). The store logs each such device once. An agent's gaps come from its parallel \
+           uploads, which close, and from runs of chunks its full spool dropped, one each.",
 );
 const LIVE_SUPERSEDED: Live = Live::counter(
     CONNECTIONS_SUPERSEDED_TOTAL,
     "Connections closed because a newer connection of the same agent (device and spool) said Hello: an \
-           agent that reconnected after an address change. Rising steadily: two gateways share one \
-           spool (a cloned disk).",
+           agent that reconnected after an address change, or two gateways sharing one spool and certificate \
+           (a cloned disk), which replace each other at every reconnect; the log names the device.",
 );
 const LIVE_ALL: [&Live; 14] = [
     &LIVE_CONNECTIONS,

@@ -80,17 +80,17 @@ fn list_keys_take_comma_separated_values_from_the_environment() {
 #[test]
 fn the_index_cap_per_device_is_checked_with_its_name() {
     let (_dir, _tls, config) = valid_config();
-    let key = "EDGE_INGEST__STORE__MAX_INDEX_RANGES_PER_DEVICE";
+    let key = "EDGE_INGEST__STORE__MAX_INDEX_GAPS_PER_DEVICE";
     let (code, text) = check_with(&config, &[(key, "1000000")]);
     assert_eq!(code, 0, "{text}");
     for bad in ["10", "many", "-1"] {
         let (code, text) = check_with(&config, &[(key, bad)]);
         assert_eq!(code, 78, "{bad}: {text}");
-        assert!(text.contains("max_index_ranges_per_device"), "{bad}: names the key: {text}");
+        assert!(text.contains("max_index_gaps_per_device"), "{bad}: names the key: {text}");
     }
     let body = std::fs::read_to_string(&config).expect("read config");
-    std::fs::write(&config, format!("{body}max_index_ranges_per_device = 1023\n")).expect("write config");
+    std::fs::write(&config, format!("{body}max_index_gaps_per_device = 1023\n")).expect("write config");
     let (code, text) = check(&config);
     assert_eq!(code, 78, "{text}");
-    assert!(text.contains("store.max_index_ranges_per_device") && text.contains("1024"), "{text}");
+    assert!(text.contains("store.max_index_gaps_per_device") && text.contains("1024"), "{text}");
 }

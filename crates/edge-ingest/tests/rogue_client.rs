@@ -711,25 +711,29 @@ async fn a_new_connection_of_an_agent_closes_its_old_one_and_gets_the_devices_bu
     assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[fresh]);
 }
 
-/// A device that numbers its chunks sparsely grows its part of the dedup index until it reaches
-/// the store's cap; from there its chunks that would add a range (a gap on both sides, a new
-/// stream) are answered Retry(Overloaded) and not stored, on a connection that stays open, while
-/// its chunks that join its ranges are stored and another device is not affected.
+/// A device that numbers its chunks sparsely opens gaps in its part of the dedup index until it
+/// reaches the store's cap; from there its chunks that would open one more (neither neighbour
+/// stored) are answered Retry(Overloaded) and not stored, on a connection that stays open,
+/// while its chunks that start a stream or join its ranges are stored and another device is not
+/// affected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_device_numbering_sparsely_is_refused_new_ranges_at_its_index_cap() {
+async fn a_device_numbering_sparsely_is_refused_new_gaps_at_its_index_cap() {
     const CAP: u64 = 4;
-    let rig = Rig::start_with(&Tuning::default(), &Tuning::default(), |o| o.max_index_ranges_per_device = CAP).await;
+    let rig = Rig::start_with(&Tuning::default(), &Tuning::default(), |o| o.max_index_gaps_per_device = CAP).await;
     let mut honest = rig.honest_agent().await;
     let mut rogue = bounded("rogue connects", async {
         let conn = rig.rogue.connect().await;
         Agent::connect(&conn, ROGUE_SPOOL, AGENT).await
     })
     .await;
-    let sparse: Vec<_> = (0..CAP).map(|i| chunk("rogue.sparse", 2 * i)).collect();
+    // Seq 0 starts the stream, every other seq after it opens a gap: CAP of them.
+    let sparse: Vec<_> = (0..=CAP).map(|i| chunk("rogue.sparse", 2 * i)).collect();
     rogue.upload_stored("a chunk every other seq, up to the cap", &sparse).await;
-    let (beyond, other) = (chunk("rogue.sparse", 2 * CAP), chunk("rogue.other", 0));
+    let (beyond, other_gap) = (chunk("rogue.sparse", 2 * CAP + 2), chunk("rogue.other", 5));
+    let other_first = chunk("rogue.other", 0);
+    rogue.upload_stored("a new stream's first chunk", std::slice::from_ref(&other_first)).await;
     let retry = AckStatus::Retry(RetryReason::Overloaded);
-    let past_cap = [beyond.clone(), other];
+    let past_cap = [beyond.clone(), other_gap];
     let honest_batch = honest_chunks(0..CAP + 2);
     let (statuses, ()) = tokio::join!(
         bounded("chunks past the cap", rogue.upload(&past_cap)),
@@ -748,9 +752,9 @@ async fn a_device_numbering_sparsely_is_refused_new_ranges_at_its_index_cap() {
 
     let (exported, _) = rig.finish().await;
     let mut stored = sparse;
-    stored.extend([joining, beyond]);
+    stored.extend([other_first, joining, beyond]);
     assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &stored);
-    assert_eq!(exported.iter().filter(|e| e.key.stream == "rogue.other").count(), 0, "the new stream was not stored");
+    assert_exported_once(&exported, HONEST, HONEST_SPOOL, &honest_batch);
 }
 
 /// A Hello that comes on an older connection after a newer one's (late, on a path the agent has

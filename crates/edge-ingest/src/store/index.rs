@@ -7,9 +7,11 @@
 //! the "low watermark"; the ranges above it are the sparse part.
 //!
 //! The index is rebuilt from the segment headers at open and only ever grows while the store
-//! runs, after the fsync that made the key durable. What it costs is counted per device
-//! ([`DedupIndex::device_ranges`]), so that the store can refuse a device whose keys would grow
-//! it past a cap (`StoreOptions::max_index_ranges_per_device`) before it writes them.
+//! runs, after the fsync that made the key durable. The ranges past each stream's first (its
+//! gaps) are counted per device ([`DedupIndex::device_gaps`]), so that the store can refuse a
+//! device whose keys would open more than a cap of them (`StoreOptions::max_index_gaps_per_device`)
+//! before it writes them. Streams are not capped: an agent's producers name them, and each one
+//! costs a stored chunk on disk too.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -62,11 +64,12 @@ impl SeqSet {
     }
 }
 
-/// The stored seqs of one device, over its spools and streams, and the ranges they cost.
+/// The stored seqs of one device, over its spools and streams, and their gaps.
 #[derive(Debug, Default)]
 struct DeviceIndex {
     spools: HashMap<[u8; 16], HashMap<String, SeqSet>>,
-    ranges: u64,
+    /// Ranges past the first of each stream.
+    gaps: u64,
 }
 
 /// The dedup index over all stored chunks.
@@ -93,10 +96,15 @@ impl DedupIndex {
             .is_some_and(|set| set.contains(seq))
     }
 
-    /// Seq ranges of `device` over all of its spools and streams (each stream has one at
-    /// least): what its part of the index costs.
-    pub fn device_ranges(&self, device: &str) -> u64 {
-        self.devices.get(device).map_or(0, |d| d.ranges)
+    /// Whether any seq of `(device, spool, stream)` is stored.
+    pub fn has_stream(&self, device: &str, spool: &[u8; 16], stream: &str) -> bool {
+        self.devices.get(device).and_then(|d| d.spools.get(spool)).is_some_and(|streams| streams.contains_key(stream))
+    }
+
+    /// Seq ranges of `device` past the first of each of its streams: the gaps in what it
+    /// stored, over all of its spools.
+    pub fn device_gaps(&self, device: &str) -> u64 {
+        self.devices.get(device).map_or(0, |d| d.gaps)
     }
 
     /// Records `key` as stored; `false` if it already was.
@@ -120,7 +128,8 @@ impl DedupIndex {
             // An insert adds a range, extends one, or merges two: the count moves by +1, 0 or -1.
             let after = set.range_count() as u64;
             self.ranges = self.ranges + after - before;
-            device.ranges = device.ranges + after - before;
+            // A new stream's first range is no gap: `before` is 0 and `after` 1 for it.
+            device.gaps = device.gaps + after.saturating_sub(1) - before.saturating_sub(1);
         }
         added
     }
@@ -199,11 +208,14 @@ mod tests {
         idx.insert(&k5);
         assert_eq!(idx.ranges(), 5);
         idx.insert(&k3);
-        idx.insert(&ChunkKey { seq: 4, ..k });
+        idx.insert(&ChunkKey { seq: 4, ..k.clone() });
         assert_eq!(idx.ranges(), 4, "seqs 1..=5 merged back into one range");
-        assert_eq!(idx.device_ranges("d"), 3, "three of the four streams are device d's");
-        assert_eq!(idx.device_ranges("e"), 1);
-        assert_eq!(idx.device_ranges("nobody"), 0);
+        assert_eq!(idx.device_gaps("d"), 0, "every stream of d is one range");
+        idx.insert(&ChunkKey { seq: 9, ..k });
+        assert_eq!(idx.device_gaps("d"), 1, "seq 9 leaves a gap after 1..=5");
+        assert_eq!(idx.device_gaps("e"), 0);
+        assert_eq!(idx.device_gaps("nobody"), 0);
+        assert!(idx.has_stream("d", &[1; 16], "s") && !idx.has_stream("d", &[1; 16], "u"));
     }
 
     proptest! {

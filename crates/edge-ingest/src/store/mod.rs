@@ -133,12 +133,11 @@ pub use writer::Store;
 /// Default size at which a segment is rolled: 256 MiB.
 pub const DEFAULT_SEGMENT_MAX_BYTES: u64 = 256 << 20;
 
-/// Default of [`StoreOptions::max_index_ranges_per_device`]. An agent's gapless streams cost one
-/// range each, the gaps its parallel uploads leave a few more while they last, and each run of
-/// chunks a full spool dropped one for good; 65,536 is far above all of that, and bounds what
-/// one device can make the index hold (a range is two `u64`s in a B-tree node; a stream is a
-/// range, a name of at most 64 bytes and map entries).
-pub const DEFAULT_MAX_INDEX_RANGES_PER_DEVICE: u64 = 65_536;
+/// Default of [`StoreOptions::max_index_gaps_per_device`]. The gaps an agent's parallel
+/// uploads leave close as its chunks arrive; each run of chunks a full spool dropped leaves one
+/// for good. 65,536 is far above that, and bounds the ranges one device can make the index hold
+/// past one per stream (a range is two `u64`s in a B-tree node).
+pub const DEFAULT_MAX_INDEX_GAPS_PER_DEVICE: u64 = 65_536;
 
 /// How to open a [`Store`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,12 +150,13 @@ pub struct StoreOptions {
     /// `false` writes everything through it. Where the file system refuses `O_DIRECT`, the
     /// store writes through the page cache whatever this says.
     pub direct_writes: bool,
-    /// Seq ranges one device may make the in-memory dedup index hold, over all of its spools
-    /// and streams: a chunk that would add one more (a new stream, or a seq with neither
-    /// neighbour stored) is refused ([`StoreFailure::IndexFull`], answered "retry later"),
-    /// while chunks that extend or join the device's ranges are still stored. Counted from
-    /// what open rebuilt; a device already past it keeps what it has.
-    pub max_index_ranges_per_device: u64,
+    /// Gaps one device may make the in-memory dedup index hold, over all of its spools and
+    /// streams: ranges of a stream's stored seqs past its first. A chunk that would open one
+    /// more (a seq with neither neighbour stored, in a stream that has others) is refused
+    /// ([`StoreFailure::IndexFull`], answered "retry later"), while chunks that start a
+    /// stream, extend a range or join two are still stored. Counted from what open rebuilt; a
+    /// device already past it keeps what it has.
+    pub max_index_gaps_per_device: u64,
 }
 
 impl StoreOptions {
@@ -166,7 +166,7 @@ impl StoreOptions {
             data_dir: data_dir.into(),
             segment_max_bytes: DEFAULT_SEGMENT_MAX_BYTES,
             direct_writes: true,
-            max_index_ranges_per_device: DEFAULT_MAX_INDEX_RANGES_PER_DEVICE,
+            max_index_gaps_per_device: DEFAULT_MAX_INDEX_GAPS_PER_DEVICE,
         }
     }
 }
@@ -286,16 +286,16 @@ pub enum StoreFailure {
     /// the same way.
     #[error("chunk rejected: {0}")]
     Rejected(String),
-    /// Storing the chunk would grow its device's part of the dedup index past
-    /// [`StoreOptions::max_index_ranges_per_device`]: its stream is new, or its seq leaves a gap on
-    /// both sides. The server answers "retry later" (overloaded): the agent keeps the chunk,
-    /// and it is stored once a neighbour is, or the cap is raised.
+    /// Storing the chunk would open a gap past [`StoreOptions::max_index_gaps_per_device`]
+    /// in its device's part of the dedup index: neither of its seq's neighbours is stored, in a
+    /// stream that has other seqs. The server answers "retry later" (overloaded): the agent
+    /// keeps the chunk, and it is stored once a neighbour is, or the cap is raised.
     #[error(
-        "the device's dedup index holds {ranges} seq ranges, store.max_index_ranges_per_device is {max}: a new stream or a seq with a gap on both sides is refused"
+        "the device's dedup index holds {gaps} gaps, store.max_index_gaps_per_device is {max}: a seq with neither neighbour stored is refused"
     )]
     IndexFull {
-        /// The device's ranges now.
-        ranges: u64,
+        /// The device's gaps now.
+        gaps: u64,
         /// The cap.
         max: u64,
     },

@@ -233,11 +233,12 @@ impl Store {
         let mut first_of: HashMap<&ChunkKey, usize> = HashMap::new();
         let mut repeats: Vec<(usize, usize)> = Vec::new();
         let mut plan: Vec<Planned> = Vec::new();
-        // For a device within a batch of its cap: what the planned keys change in its range
-        // count, and the planned keys, by which the next key's neighbours are found (the count
-        // once the batch is in the index).
+        // For a device within a batch of its cap: what the planned keys change in its gap
+        // count, and the planned keys and their streams, by which the next key's neighbours and
+        // stream are found (the count once the batch is in the index).
         let mut delta: HashMap<&str, i64> = HashMap::new();
         let mut planned: HashSet<(&str, &[u8; 16], &str, u64)> = HashSet::new();
+        let mut planned_streams: HashSet<(&str, &[u8; 16], &str)> = HashSet::new();
         for (idx, chunk) in batch.iter().enumerate() {
             let crc = match validate(chunk) {
                 Ok(crc) => crc,
@@ -256,9 +257,9 @@ impl Store {
                 Entry::Vacant(slot) => {
                     let k = &chunk.key;
                     let device = k.device.as_str();
-                    let stored = self.index.device_ranges(device);
-                    let max = self.opts.max_index_ranges_per_device;
-                    // A batch adds at most one range per key: a device that many below its cap
+                    let stored = self.index.device_gaps(device);
+                    let max = self.opts.max_index_gaps_per_device;
+                    // A batch opens at most one gap per key: a device that many below its cap
                     // (every device, as a rule) needs no count at all.
                     if stored.saturating_add(batch.len() as u64) >= max {
                         let (spool, stream) = (&k.spool, k.stream.as_str());
@@ -268,25 +269,34 @@ impl Store {
                                     || self.index.contains_parts(device, spool, stream, seq)
                             })
                         };
-                        let change = 1 - i64::from(here(k.seq.checked_sub(1))) - i64::from(here(k.seq.checked_add(1)));
-                        let ranges = stored.saturating_add_signed(delta.get(device).copied().unwrap_or(0));
-                        if change > 0 && ranges >= max {
+                        // A stream's first key opens no gap; a later one opens one, extends a
+                        // range or joins two.
+                        let known = planned_streams.contains(&(device, spool, stream))
+                            || self.index.has_stream(device, spool, stream);
+                        let change = if known {
+                            1 - i64::from(here(k.seq.checked_sub(1))) - i64::from(here(k.seq.checked_add(1)))
+                        } else {
+                            0
+                        };
+                        let gaps = stored.saturating_add_signed(delta.get(device).copied().unwrap_or(0));
+                        if change > 0 && gaps >= max {
                             if self.index_full_devices.insert(k.device.clone()) {
                                 tracing::warn!(
                                     device,
                                     stream,
                                     seq = k.seq,
-                                    ranges,
+                                    gaps,
                                     max,
-                                    "device's dedup index is full: its chunks that start a stream or leave a gap on both sides are answered retry until a neighbour is stored (raise store.max_index_ranges_per_device if the device is honest); logged once per device until restart"
+                                    "device's dedup index is full: its chunks that leave a gap on both sides in a stream are answered retry until a neighbour is stored (raise store.max_index_gaps_per_device if the device is honest); logged once per device until restart"
                                 );
                             }
                             self.stats.index_refused += 1;
-                            outcomes[idx] = Some(PersistOutcome::Failed(StoreFailure::IndexFull { ranges, max }));
+                            outcomes[idx] = Some(PersistOutcome::Failed(StoreFailure::IndexFull { gaps, max }));
                             continue;
                         }
                         *delta.entry(device).or_insert(0) += change;
                         planned.insert((device, spool, stream, k.seq));
+                        planned_streams.insert((device, spool, stream));
                     }
                     slot.insert(idx);
                     let len = (format::entry_header_len(&chunk.key) + chunk.payload.len()) as u64;
@@ -954,10 +964,10 @@ mod tests {
     }
 
     #[test]
-    fn a_device_at_its_index_cap_gets_retry_for_new_ranges_only_and_the_count_survives_a_restart() {
+    fn a_device_at_its_index_cap_gets_retry_for_new_gaps_only_and_the_count_survives_a_restart() {
         let dir = tempfile::tempdir().expect("tempdir");
         let capped = |dir: &Path| {
-            let opts = StoreOptions { max_index_ranges_per_device: 3, ..StoreOptions::new(dir) };
+            let opts = StoreOptions { max_index_gaps_per_device: 3, ..StoreOptions::new(dir) };
             Store::open(opts).expect("open store").0
         };
         let of = |device: &str, stream: &str, seq: u64| {
@@ -966,45 +976,51 @@ mod tests {
             c.key.stream = stream.into();
             c
         };
-        let full = |ranges| PersistOutcome::Failed(StoreFailure::IndexFull { ranges, max: 3 });
+        let full = |gaps| PersistOutcome::Failed(StoreFailure::IndexFull { gaps, max: 3 });
+        use PersistOutcome::{Duplicate, Stored};
         let mut store = capped(dir.path());
-        // Seqs 1, 3 and 5 cost three ranges; in the same batch, 7 would be a fourth.
-        let out = store.persist(vec![of("d", "s", 1), of("d", "s", 3), of("d", "s", 5), of("d", "s", 7)]);
-        assert_eq!(out, vec![PersistOutcome::Stored, PersistOutcome::Stored, PersistOutcome::Stored, full(3)]);
-        // At the cap: a repeat is still a duplicate, a seq next to a range is stored, a new
-        // stream and a new gap are refused, and another device is not affected.
-        let out =
-            store.persist(vec![of("d", "s", 3), of("d", "s", 6), of("d", "t", 1), of("d", "s", 9), of("e", "s", 9)]);
-        assert_eq!(
-            out,
-            vec![PersistOutcome::Duplicate, PersistOutcome::Stored, full(3), full(3), PersistOutcome::Stored]
-        );
+        // Seq 1 starts the stream, 3, 5 and 7 open three gaps; in the same batch, 9 would be a
+        // fourth.
+        let out = store.persist([1, 3, 5, 7, 9].map(|seq| of("d", "s", seq)).to_vec());
+        assert_eq!(out, vec![Stored, Stored, Stored, Stored, full(3)]);
+        // At the cap: a repeat is still a duplicate, a seq next to a range is stored, so is a
+        // new stream's first seq, a new gap in either stream is refused, and another device is
+        // not affected.
+        let out = store.persist(vec![
+            of("d", "s", 3),
+            of("d", "s", 8),
+            of("d", "t", 1),
+            of("d", "t", 5),
+            of("d", "s", 11),
+            of("e", "s", 9),
+        ]);
+        assert_eq!(out, vec![Duplicate, Stored, Stored, full(3), full(3), Stored]);
         assert_eq!(store.stats().index_refused, 3);
         assert_eq!(store.stats().last_failure, None, "a device's cap is no failure of the store");
         drop(store);
 
         // The count is rebuilt at open: still full. Filling the gap at 2 joins two ranges,
-        // after which the new stream fits.
+        // after which a new gap fits.
         let mut store = capped(dir.path());
-        assert_eq!(store.persist(vec![of("d", "t", 1)]), vec![full(3)]);
-        assert_eq!(store.persist(vec![of("d", "s", 2)]), vec![PersistOutcome::Stored]);
-        assert_eq!(store.persist(vec![of("d", "t", 1)]), vec![PersistOutcome::Stored]);
-        assert_eq!(store.stats().index_ranges, 4, "d: 1..=3, 5..=6, t's 1; e: 9");
+        assert_eq!(store.persist(vec![of("d", "s", 11)]), vec![full(3)]);
+        assert_eq!(store.persist(vec![of("d", "s", 2)]), vec![Stored]);
+        assert_eq!(store.persist(vec![of("d", "s", 11)]), vec![Stored]);
+        assert_eq!(store.stats().index_ranges, 6, "d: 1..=3, 5, 7..=8, 11 and t's 1; e: 9");
         let (mut seqs, _) = exported_seqs(dir.path());
         seqs.sort_unstable();
-        assert_eq!(seqs, [1, 1, 2, 3, 5, 6, 9], "every stored chunk and no refused one");
+        assert_eq!(seqs, [1, 1, 2, 3, 5, 7, 8, 9, 11], "every stored chunk and no refused one");
 
-        // Within a batch, keys are counted against those before them: consecutive seqs cost one
-        // range, and a seq that joins two lets a new range in after it.
+        // Within a batch, keys are counted against those before them: consecutive seqs open
+        // no gap, and a seq that joins two ranges lets a new gap in after it.
         let seqs = |from: u64, to: u64| (from..=to).map(|seq| of("f", "s", seq)).collect::<Vec<_>>();
         let mut batch = seqs(10, 14);
-        batch.extend([of("f", "s", 20), of("f", "s", 30)]);
-        assert!(store.persist(batch).iter().all(|o| *o == PersistOutcome::Stored), "three ranges");
-        assert_eq!(store.persist(seqs(40, 41)), vec![full(3), full(3)], "41's neighbour was refused");
+        batch.extend([20, 30, 40].map(|seq| of("f", "s", seq)));
+        assert!(store.persist(batch).iter().all(|o| *o == Stored), "a new stream and three gaps");
+        assert_eq!(store.persist(seqs(50, 51)), vec![full(3), full(3)], "51's neighbour was refused");
         let mut batch = seqs(15, 19);
-        batch.push(of("f", "s", 50));
-        assert!(store.persist(batch).iter().all(|o| *o == PersistOutcome::Stored), "19 joined 10..=18 and 20");
-        assert_eq!(store.persist(seqs(60, 60)), vec![full(3)]);
+        batch.push(of("f", "s", 60));
+        assert!(store.persist(batch).iter().all(|o| *o == Stored), "19 joined 10..=18 and 20");
+        assert_eq!(store.persist(seqs(70, 70)), vec![full(3)]);
     }
 
     /// Whether the file system under `dir` takes `O_DIRECT` (the tests of the direct path say
