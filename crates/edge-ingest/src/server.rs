@@ -1380,22 +1380,23 @@ async fn process_chunk(
                 ctx.shared.counters.chunks_duplicate_total.fetch_add(1, Ordering::Relaxed);
                 AckStatus::Duplicate
             }
-            // The device's own doing, logged by the store once per device; the agent keeps
-            // the chunk and slows down.
-            PersistOutcome::Failed(f @ StoreFailure::IndexFull { .. }) => {
-                debug!(device = %ctx.device, stream = %key_stream, seq, failure = %f, "store refused chunk");
-                AckStatus::Retry(RetryReason::Overloaded)
-            }
             PersistOutcome::Failed(f) => {
-                warn!(device = %ctx.device, stream = %key_stream, seq, failure = ?f, "store could not persist chunk");
-                match f {
+                let status = match f {
                     StoreFailure::DiskFull
                     | StoreFailure::Io(_)
                     | StoreFailure::ReadOnly
                     | StoreFailure::Unavailable(_) => AckStatus::Retry(RetryReason::SinkUnavailable),
                     StoreFailure::Rejected(_) => AckStatus::Rejected(RejectReason::Malformed),
+                    // The device's own doing: the agent keeps the chunk and slows down.
                     StoreFailure::IndexFull { .. } => AckStatus::Retry(RetryReason::Overloaded),
+                };
+                if matches!(f, StoreFailure::IndexFull { .. }) {
+                    // Logged by the store once per device.
+                    debug!(device = %ctx.device, stream = %key_stream, seq, failure = %f, "store refused chunk");
+                } else {
+                    warn!(device = %ctx.device, stream = %key_stream, seq, failure = ?f, "store could not persist chunk");
                 }
+                status
             }
         }
     };

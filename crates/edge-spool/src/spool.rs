@@ -392,8 +392,7 @@ impl Spool {
     /// Whether chunks sealed so far wait for a sync of the WAL before they may be sent (under
     /// [`Durability::Normal`](crate::Durability::Normal), once one failed: until the next open;
     /// readers do not list them meanwhile). Always `false` with `Full`, and with
-    /// [`Spool::defer_wal_sync`], whose
-    /// [`WalSync`] the caller waits for instead.
+    /// [`Spool::defer_wal_sync`], whose [`WalSync`] the caller waits for instead.
     pub fn seals_wait_for_sync(&self) -> bool {
         self.seals_unsynced
     }

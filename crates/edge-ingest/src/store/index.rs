@@ -89,16 +89,16 @@ impl DedupIndex {
 
     /// [`DedupIndex::contains`] for a key given by its parts.
     pub fn contains_parts(&self, device: &str, spool: &[u8; 16], stream: &str, seq: u64) -> bool {
-        self.devices
-            .get(device)
-            .and_then(|d| d.spools.get(spool))
-            .and_then(|streams| streams.get(stream))
-            .is_some_and(|set| set.contains(seq))
+        self.seqs(device, spool, stream).is_some_and(|set| set.contains(seq))
     }
 
     /// Whether any seq of `(device, spool, stream)` is stored.
     pub fn has_stream(&self, device: &str, spool: &[u8; 16], stream: &str) -> bool {
-        self.devices.get(device).and_then(|d| d.spools.get(spool)).is_some_and(|streams| streams.contains_key(stream))
+        self.seqs(device, spool, stream).is_some()
+    }
+
+    fn seqs(&self, device: &str, spool: &[u8; 16], stream: &str) -> Option<&SeqSet> {
+        self.devices.get(device).and_then(|d| d.spools.get(spool)).and_then(|streams| streams.get(stream))
     }
 
     /// Seq ranges of `device` past the first of each of its streams: the gaps in what it
