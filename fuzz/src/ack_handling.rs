@@ -73,7 +73,7 @@ pub fn run(data: &[u8]) {
     let mut s = ClientSession::new([9; 16], "fuzz".into(), limits.clone(), now);
     let hello = s.poll_transmit().expect("a new session transmits its Hello");
     let (frame, used) = ControlFrame::decode(&hello, &limits).expect("valid Hello").expect("complete Hello");
-    assert!(matches!(frame, ControlFrame::Hello { version: 1, .. }) && used == hello.len());
+    assert!(matches!(frame, ControlFrame::Hello { version: edge_proto::VERSION, .. }) && used == hello.len());
     let mut m = Model::default();
     let mut input = Input(data);
 
@@ -85,7 +85,7 @@ pub fn run(data: &[u8]) {
             0 => {
                 let b = input.byte().unwrap_or(0);
                 let welcome = ControlFrame::Welcome {
-                    version: if b & 0x80 != 0 { 2 } else { 1 },
+                    version: if b & 0x80 != 0 { edge_proto::VERSION + 1 } else { edge_proto::VERSION },
                     device: "dev".into(),
                     max_chunk_payload: u32::from(b & 0x40 == 0),
                     max_in_flight: u32::from(b & 7),
@@ -166,7 +166,8 @@ pub fn run(data: &[u8]) {
             }
             // Frames a server must never send: a Hello.
             7 => {
-                let hello = ControlFrame::Hello { version: 1, spool_id: [0; 16], agent: String::new() };
+                let hello =
+                    ControlFrame::Hello { version: edge_proto::VERSION, spool_id: [0; 16], agent: String::new() };
                 feed(&mut s, now, &hello)
             }
             // Several Acks in one buffer cut at a chosen point: out of order, duplicated.

@@ -122,6 +122,7 @@ pub fn seeds() -> Vec<Vec<u8>> {
         ControlFrame::Ack { stream: name("s"), seq: 3, status: AckStatus::Retry(RetryReason::Overloaded) },
         ControlFrame::Ack { stream: name("s"), seq: 4, status: AckStatus::Rejected(RejectReason::BadRecords) },
         ControlFrame::GoAway { code: ErrorCode::ShuttingDown },
+        ControlFrame::Floor { stream: name("temp"), seq: 41 },
     ];
     let mut out = Vec::new();
     let mut all = Vec::new();

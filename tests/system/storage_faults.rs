@@ -725,3 +725,106 @@ fn ingest_direct_writes_store_everything_exactly_once_on_xfs_and_btrfs() -> anyh
     eprintln!("{figures:#}");
     Ok(())
 }
+
+/// An agent whose full spool dropped a run of chunks, at an ingest where its device already has
+/// as many gaps in the dedup index as `store.max_index_gaps_per_device` allows: the first chunk
+/// after the dropped run would open one more gap, and no neighbour below it will ever come. The
+/// agent's floor (protocol version 2) tells the ingest so, the ingest closes the gap, and the
+/// backlog drains. Without the floor the agent retried that chunk forever. The agent restarts in
+/// between: it sends no floor over drops of its own run, which a power cut could still undo.
+#[test]
+fn an_agent_whose_full_spool_dropped_chunks_drains_at_an_ingest_at_its_devices_gap_cap() -> anyhow::Result<()> {
+    use edge_ingest::store::{ChunkKey, IncomingChunk, Payload, Store, StoreOptions};
+
+    let device = "gw-sf-floor";
+    let world = World::new(device, "")?;
+    crate::common::rewrite(
+        &world.agent_config,
+        "max_bytes = \"4GiB\"",
+        "max_bytes = \"1MiB\"\nfull_policy = \"drop_oldest\"\nchunk_target = \"32KiB\"",
+    )?;
+    let text = std::fs::read_to_string(&world.ingest_config)?;
+    std::fs::write(&world.ingest_config, format!("{text}max_index_gaps_per_device = 1024\n"))?;
+    let metrics = |addr| World::scrape(addr);
+    let value = |m: &BTreeMap<String, f64>, series: &str| m.get(series).copied().unwrap_or(0.0);
+
+    let mut ingest = world.start_ingest()?;
+    let mut agent = world.start_agent()?;
+    let rt = rt()?;
+    // Distinct, incompressible records of about 1 KB, so the spool fills by their count.
+    let record = |i: usize| {
+        let mut x = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let noise: String = (0..120)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                format!("{:08x}", x as u32)
+            })
+            .collect();
+        format!("{{\"i\":{i},\"noise\":\"{noise}\"}}")
+    };
+    let first: Vec<String> = (0..20).map(record).collect();
+    crate::common::push(&world, "t", &first)?;
+    drain(&rt, &world.intake_socket(), Duration::from_secs(60))?;
+    ingest.terminate(Duration::from_secs(30))?;
+
+    // About 3 MB through the 1 MiB spool with the ingest down: the oldest chunks go.
+    let later: Vec<String> = (20..3020).map(record).collect();
+    for part in later.chunks(250) {
+        crate::common::push(&world, "t", part)?;
+    }
+    let dropped = value(&metrics(world.agent_metrics)?, "edge_uploader_dropped_records_total{reason=\"spool_full\"}");
+    assert!(dropped > 0.0, "the spool dropped nothing");
+    agent.terminate(Duration::from_secs(30))?;
+    let mut agent = world.start_agent()?;
+
+    // Meanwhile the device filled its part of the ingest's index from another spool: 1025
+    // ranges in one stream, 1024 gaps, the cap.
+    {
+        let (mut store, _) = Store::open(StoreOptions::new(world.data_dir()))?;
+        let filler = (0..1025u64)
+            .map(|i| {
+                let payload = Payload::new(bytes::Bytes::from_static(&[1, 0, 0, 0, b'x']));
+                IncomingChunk {
+                    key: ChunkKey { device: device.into(), spool: [0xEE; 16], stream: "filler".into(), seq: 1 + 2 * i },
+                    records: 1,
+                    codec: edge_proto::Codec::None,
+                    raw_len: 5,
+                    checksum: payload.crc32c(),
+                    created_ms: 1,
+                    payload,
+                }
+            })
+            .collect();
+        let out = store.persist(filler);
+        assert!(out.iter().all(|o| o.is_durable()), "{out:?}");
+    }
+
+    let restarted = Instant::now();
+    let mut ingest = world.start_ingest()?;
+    let status = drain(&rt, &world.intake_socket(), Duration::from_secs(60))
+        .context("the agent must drain past the dropped run")?;
+    let ingest_metrics = metrics(world.ingest_metrics)?;
+    let refused = value(&ingest_metrics, "edge_ingest_store_index_refused_total");
+    let floors_applied = value(&ingest_metrics, "edge_ingest_store_index_floors_total");
+    let floors = value(&metrics(world.agent_metrics)?, "edge_uploader_floors_sent_total");
+    let dropped = status["spool"]["dropped_records"].as_f64().context("dropped_records in the status")?;
+    agent.terminate(Duration::from_secs(30))?;
+    ingest.terminate(Duration::from_secs(30))?;
+    assert!(refused > 0.0, "the first chunk after the dropped run met the cap");
+    assert!(floors_applied >= 1.0 && floors >= 1.0, "floors applied {floors_applied}, sent {floors}; {status}");
+
+    let stored = world.export_raw("t")?;
+    let distinct: std::collections::HashSet<&Vec<u8>> = stored.iter().collect();
+    assert_eq!(distinct.len(), stored.len(), "a record stored twice");
+    assert_eq!(stored.len() as f64, 3020.0 - dropped, "stored = pushed - dropped");
+    for want in [&first[0], &first[19], &later[later.len() - 1]] {
+        assert!(distinct.contains(&want.as_bytes().to_vec()), "{want:.40} is missing");
+    }
+    eprintln!(
+        "dropped {dropped}, refused {refused}, floors sent {floors}, applied {floors_applied}; drained {:?} after the restart",
+        restarted.elapsed()
+    );
+    Ok(())
+}

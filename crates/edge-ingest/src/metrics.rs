@@ -61,11 +61,13 @@ pub const STORE_BUSY_SECONDS: &str = "edge_ingest_store_busy_seconds";
 pub const STORE_INDEX_RANGES: &str = "edge_ingest_store_index_ranges";
 /// Chunks answered "retry" because their device's part of the dedup index is full.
 pub const STORE_INDEX_REFUSED_TOTAL: &str = "edge_ingest_store_index_refused_total";
+/// Agents' floors that changed the dedup index.
+pub const STORE_INDEX_FLOORS_TOTAL: &str = "edge_ingest_store_index_floors_total";
 /// Connections closed because a newer connection of the same agent said Hello.
 pub const CONNECTIONS_SUPERSEDED_TOTAL: &str = "edge_ingest_connections_superseded_total";
 
 /// Every metric name above.
-pub const ALL: [&str; 15] = [
+pub const ALL: [&str; 16] = [
     CONNECTIONS,
     CONNECTIONS_TOTAL,
     CHUNKS_TOTAL,
@@ -80,6 +82,7 @@ pub const ALL: [&str; 15] = [
     STORE_BUSY_SECONDS,
     STORE_INDEX_RANGES,
     STORE_INDEX_REFUSED_TOTAL,
+    STORE_INDEX_FLOORS_TOTAL,
     CONNECTIONS_SUPERSEDED_TOTAL,
 ];
 
@@ -182,7 +185,16 @@ const LIVE_INDEX_REFUSED: Live = Live::counter(
     "Chunks answered retry (overloaded) because storing them would open a gap past \
            store.max_index_gaps_per_device in their device's part of the dedup index (a seq with neither \
            neighbour stored). The store logs each such device once. An agent's gaps come from its parallel \
-           uploads, which close, and from runs of chunks its full spool dropped, one each.",
+           uploads, which close, and from runs of chunks its full spool dropped, one each, until its floor \
+           closes them (edge_ingest_store_index_floors_total).",
+);
+const LIVE_INDEX_FLOORS: Live = Live::counter(
+    STORE_INDEX_FLOORS_TOTAL,
+    "Agents' floors that changed the file store's dedup index: an agent answered retry at its device's \
+           cap tells the ingest that no seq of the stream below a mark will come any more (chunks its full \
+           spool dropped or it quarantined), and the seqs below it count as stored, which closes their gaps \
+           or keeps the next chunk from opening one. Not kept across restarts. Always 0 with the JetStream \
+           sink.",
 );
 const LIVE_SUPERSEDED: Live = Live::counter(
     CONNECTIONS_SUPERSEDED_TOTAL,
@@ -190,7 +202,7 @@ const LIVE_SUPERSEDED: Live = Live::counter(
            agent that reconnected after an address change, or two gateways sharing one spool and certificate \
            (a cloned disk), which replace each other at every reconnect; the log names the device.",
 );
-const LIVE_ALL: [&Live; 14] = [
+const LIVE_ALL: [&Live; 15] = [
     &LIVE_CONNECTIONS,
     &LIVE_CONNECTIONS_TOTAL,
     &LIVE_CHUNKS,
@@ -204,6 +216,7 @@ const LIVE_ALL: [&Live; 14] = [
     &LIVE_STORE_BUSY,
     &LIVE_INDEX_RANGES,
     &LIVE_INDEX_REFUSED,
+    &LIVE_INDEX_FLOORS,
     &LIVE_SUPERSEDED,
 ];
 
@@ -230,6 +243,7 @@ fn live_families(c: &ServerCounters, store: &StoreStatsView) -> Vec<MetricFamily
         LIVE_STORE_BUSY.family(&[("", st.busy.map_or(0.0, |d| d.as_secs_f64()))]),
         LIVE_INDEX_RANGES.family(&[("", st.index_ranges as f64)]),
         LIVE_INDEX_REFUSED.family(&[("", st.index_refused as f64)]),
+        LIVE_INDEX_FLOORS.family(&[("", st.index_floors as f64)]),
         LIVE_SUPERSEDED.family(&[("", n(&c.superseded_total))]),
     ]
 }
@@ -299,6 +313,7 @@ mod tests {
         assert_eq!(sample(&registry, CONNECTIONS), Some(1.0));
         assert_eq!(sample(&registry, CONNECTIONS_SUPERSEDED_TOTAL), Some(3.0));
         assert_eq!(sample(&registry, STORE_INDEX_REFUSED_TOTAL), Some(0.0));
+        assert_eq!(sample(&registry, STORE_INDEX_FLOORS_TOTAL), Some(0.0));
         assert_eq!(sample(&registry, &format!("{PERSIST_LATENCY_SECONDS}_bucket{{le=\"0.005\"}}")), Some(1.0));
         assert_eq!(sample(&registry, &format!("{PERSIST_LATENCY_SECONDS}_bucket{{le=\"0.0025\"}}")), Some(0.0));
         assert_eq!(sample(&registry, STORE_FSYNCS_TOTAL), Some(0.0));

@@ -1095,10 +1095,18 @@ async fn run_connection(
             st.flush();
             let mut hello = None;
             while let Some(ev) = st.session.poll_event() {
-                // Hello is the only server event; a new variant must be handled here.
-                let ServerEvent::Hello { spool_id, agent } = ev;
-                info!(%device, spool = %hex(&spool_id), %agent, early_chunks = held.len(), "agent connected");
-                hello = Some(spool_id);
+                match ev {
+                    ServerEvent::Hello { spool_id, agent, version } => {
+                        info!(%device, spool = %hex(&spool_id), %agent, version, early_chunks = held.len(), "agent connected");
+                        hello = Some(spool_id);
+                    }
+                    // Only after the Hello (the session sees to it), which may share a read.
+                    ServerEvent::Floor { stream, seq } => {
+                        if let Some(spool) = hello {
+                            shared.store.raise_floor(device, spool, stream.as_str(), seq);
+                        }
+                    }
+                }
             }
             if let Some(id) = hello {
                 break id;
@@ -1140,6 +1148,7 @@ async fn run_connection(
     for recv in held {
         chunk_tasks.spawn(handle_chunk_stream(recv, ctx()));
     }
+    let mut floors = Floors::default();
     let result = loop {
         let mut buf = [0u8; 1024];
         tokio::select! {
@@ -1153,12 +1162,19 @@ async fn run_connection(
                 break Err(ConnEnd::AcksUnread { queued: queued.load(Ordering::Acquire), limit: backlog_limit });
             }
             r = ctl_recv.read(&mut buf) => match r {
-                // The agent sends nothing after Hello today; anything it does send goes through
-                // the session so violations close the connection.
+                // After the Hello the agent sends only floors; anything else is a violation
+                // that the session turns into an error, which closes the connection.
                 Ok(Some(n)) => {
                     let mut st = lock(&state);
                     st.session.handle_control_bytes(Instant::now(), &buf[..n])?;
                     st.flush();
+                    while let Some(ev) = st.session.poll_event() {
+                        if let ServerEvent::Floor { stream, seq } = ev
+                            && floors.raise(&stream, seq)
+                        {
+                            shared.store.raise_floor(device, spool_id, stream.as_str(), seq);
+                        }
+                    }
                 }
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(ConnEnd::Lost(e.to_string())),
@@ -1188,6 +1204,34 @@ async fn run_connection(
     }
     writer.abort();
     result
+}
+
+/// The floors a connection passed to the sink, so that only a higher one per stream goes on,
+/// for at most [`Floors::MAX_STREAMS`] streams: a floor costs the store thread a queued message,
+/// and a device repeating them must not flood it. One dropped is harmless: the agent sends it
+/// again on a later refusal or connection.
+#[derive(Debug, Default)]
+struct Floors(HashMap<StreamName, u64>);
+
+impl Floors {
+    const MAX_STREAMS: usize = 4096;
+
+    /// Whether `seq` is a new floor of `stream` to pass on.
+    fn raise(&mut self, stream: &StreamName, seq: u64) -> bool {
+        let full = self.0.len() >= Self::MAX_STREAMS;
+        match self.0.get_mut(stream) {
+            Some(last) if *last >= seq => false,
+            Some(last) => {
+                *last = seq;
+                true
+            }
+            None if full => false,
+            None => {
+                self.0.insert(stream.clone(), seq);
+                true
+            }
+        }
+    }
 }
 
 /// Keeps a chunk stream that arrived before the Hello, at most `max` of them.
@@ -1482,6 +1526,21 @@ pub fn hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_passes_on_only_higher_floors_for_a_bounded_number_of_streams() {
+        let name = |s: &str| StreamName::new(s).expect("valid name");
+        let mut f = Floors::default();
+        assert!(f.raise(&name("a"), 5));
+        assert!(!f.raise(&name("a"), 5), "the same floor again");
+        assert!(!f.raise(&name("a"), 3), "a lower one");
+        assert!(f.raise(&name("a"), 9));
+        for i in 1..Floors::MAX_STREAMS {
+            assert!(f.raise(&name(&format!("s{i}")), 1));
+        }
+        assert!(!f.raise(&name("one-too-many"), 1), "past the bound: dropped");
+        assert!(f.raise(&name("a"), 10), "a known stream still moves");
+    }
 
     #[test]
     fn handshakes_are_accepted_then_address_validated_then_refused() {

@@ -23,6 +23,17 @@ impl Sink {
         }
     }
 
+    /// Applies an agent's floor: no seq of `(device, spool, stream)` below `seq` will come as
+    /// new data any more. The file store closes the gaps below it in its dedup index
+    /// ([`crate::store::Store::raise_floor`]); JetStream deduplicates by message id within its
+    /// window and keeps no such index, so there it does nothing.
+    pub fn raise_floor(&self, device: &str, spool: [u8; 16], stream: &str, seq: u64) {
+        match self {
+            Sink::Files(store) => store.raise_floor(device, spool, stream, seq),
+            Sink::JetStream(_) => {}
+        }
+    }
+
     /// Statistics for `/metrics` and `/v1/status`.
     pub fn stats_view(&self) -> StoreStatsView {
         match self {

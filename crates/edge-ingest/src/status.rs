@@ -150,6 +150,7 @@ pub fn document(
             "fsyncs": stats.fsyncs,
             "index_ranges": stats.index_ranges,
             "index_refused": stats.index_refused,
+            "index_floors": stats.index_floors,
             "queued": stats.queued,
             "busy_ms": stats.busy.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         },
@@ -405,8 +406,9 @@ pub fn render(doc: &Value, reasons: &[String], now_ms: u64, color: bool) -> Stri
         ));
     } else {
         let refused = num(&s["index_refused"]);
+        let floors = num(&s["index_floors"]);
         out.push_str(&format!(
-            "sink: {health}, {} segments, {} chunks, {}, {} fsyncs, {} queued; dedup index {} ranges{}\n",
+            "sink: {health}, {} segments, {} chunks, {}, {} fsyncs, {} queued; dedup index {} ranges{}{}\n",
             num(&s["segments"]),
             num(&s["chunks"]),
             bytes(&s["bytes"]),
@@ -414,6 +416,7 @@ pub fn render(doc: &Value, reasons: &[String], now_ms: u64, color: bool) -> Stri
             num(&s["queued"]),
             num(&s["index_ranges"]),
             if refused > 0 { format!(", {refused} chunks refused at a device's cap") } else { String::new() },
+            if floors > 0 { format!(", {floors} agents' floors applied") } else { String::new() },
         ));
     }
     if let Some(f) = s["last_failure"].as_str() {
@@ -469,6 +472,7 @@ mod tests {
             fsyncs: 9,
             index_ranges: 3,
             index_refused: 5,
+            index_floors: 6,
             ..StoreStats::default()
         };
         c.superseded_total.store(2, Relaxed);
@@ -487,6 +491,7 @@ mod tests {
         assert_eq!(doc["sink"]["segments"], 2);
         assert_eq!(doc["sink"]["index_ranges"], 3);
         assert_eq!(doc["sink"]["index_refused"], 5);
+        assert_eq!(doc["sink"]["index_floors"], 6);
         assert_eq!(doc["totals"]["superseded"], 2);
         assert!(doc["sink"]["last_failure"].is_null());
         assert!(degraded_reasons(&doc).is_empty());
@@ -539,10 +544,15 @@ mod tests {
         assert!(text.contains("1 open (3 accepted), 1 device\n"), "{text}");
         assert!(text.contains("; dedup index 0 ranges\n"), "nothing refused, nothing said: {text}");
         c.superseded_total.store(4, Relaxed);
-        let stats = StoreStats { index_ranges: 70_000, index_refused: 12, ..StoreStats::default() };
+        let stats = StoreStats { index_ranges: 70_000, index_refused: 12, index_floors: 3, ..StoreStats::default() };
         let text = render(&document(&c, || stats, true, Instant::now()), &[], 62_000, false);
         assert!(text.contains("1 open (3 accepted, 4 superseded by a newer one of their agent), 1 device\n"), "{text}");
-        assert!(text.contains("; dedup index 70000 ranges, 12 chunks refused at a device's cap\n"), "{text}");
+        assert!(
+            text.contains(
+                "; dedup index 70000 ranges, 12 chunks refused at a device's cap, 3 agents' floors applied\n"
+            ),
+            "{text}"
+        );
         let painted = render(&doc, &["the sink is unhealthy".to_owned()], 62_000, true);
         assert!(painted.contains("\x1b[33mdegraded\x1b[0m") && painted.contains("  ! the sink is unhealthy"));
     }

@@ -163,8 +163,8 @@ impl Attack {
                 frames.extend_from_slice(&hello(VERSION));
                 held.control(&conn, &frames).await;
             }
-            Attack::FutureVersionHello => held.control(&conn, &hello(2)).await,
-            Attack::FutureLayoutHello => held.control(&conn, &[0x01, 3, 0, 0, 0, 2, 0, 0xee]).await,
+            Attack::FutureVersionHello => held.control(&conn, &hello(VERSION + 1)).await,
+            Attack::FutureLayoutHello => held.control(&conn, &[0x01, 3, 0, 0, 0, 3, 0, 0xee]).await,
             Attack::BadChunkMagic => {
                 held.agent = Some(Agent::connect(&conn, self.spool(), AGENT).await);
                 let mut bytes = b"EDGX".to_vec();

@@ -1,6 +1,6 @@
 //! The agent's side of a connection: a sans-IO state machine.
 //!
-//! [`ClientSession`] speaks the control stream (Hello out; Welcome, Ack and GoAway in) and keeps
+//! [`ClientSession`] speaks the control stream (Hello and Floor out; Welcome, Ack and GoAway in) and keeps
 //! the set of chunks in flight, so that an ack for a chunk it never sent is caught. It does not
 //! see chunk payloads: the driver encodes a [`ChunkHeader`](crate::ChunkHeader) and the payload on
 //! a uni-stream of its own, after registering the chunk with
@@ -23,7 +23,7 @@ use crate::error::{ErrorCode, ProtoError};
 use crate::frame::{AckStatus, ControlFrame, FrameDecoder, MAX_AGENT_LEN};
 use crate::name::StreamName;
 use crate::wire::truncate_str;
-use crate::{Limits, VERSION};
+use crate::{FLOOR_VERSION, Limits, VERSION};
 
 /// Something the driver of a [`ClientSession`] should act on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,6 +94,8 @@ pub struct EarlyLimits {
 /// [`chunk_abandoned`](Self::chunk_abandoned) and do not send that key again on this connection.
 #[derive(Debug)]
 pub struct ClientSession {
+    /// The version of our Hello, which the Welcome must repeat.
+    version: u16,
     state: State,
     /// Set by the first GoAway; from then on no new chunk may be registered.
     go_away: Option<ErrorCode>,
@@ -124,22 +126,34 @@ impl ClientSession {
     /// `agent` is cut to [`MAX_AGENT_LEN`] bytes on a char boundary. The handshake must complete
     /// by `now + limits.handshake_timeout`.
     pub fn new(spool_id: [u8; 16], agent: String, limits: Limits, now: Instant) -> Self {
-        Self::start(spool_id, agent, limits, now, None)
+        Self::with_version(spool_id, agent, limits, now, None, VERSION)
     }
 
     /// Starts a session like [`new`](Self::new) that may register chunks before the Welcome,
     /// within `early`: the limits of the last Welcome from the same server. The Welcome
     /// replaces them.
     pub fn resume(spool_id: [u8; 16], agent: String, limits: Limits, now: Instant, early: EarlyLimits) -> Self {
-        Self::start(spool_id, agent, limits, now, Some(early))
+        Self::with_version(spool_id, agent, limits, now, Some(early), VERSION)
     }
 
-    fn start(spool_id: [u8; 16], agent: String, limits: Limits, now: Instant, early: Option<EarlyLimits>) -> Self {
+    /// Starts a session like [`new`](Self::new) (with `early`, like [`resume`](Self::resume))
+    /// that speaks protocol `version`: [`VERSION`], or [`MIN_VERSION`](crate::MIN_VERSION) to an
+    /// older server that closed a connection with [`ErrorCode::UnsupportedVersion`]. The
+    /// Welcome must repeat it.
+    pub fn with_version(
+        spool_id: [u8; 16],
+        agent: String,
+        limits: Limits,
+        now: Instant,
+        early: Option<EarlyLimits>,
+        version: u16,
+    ) -> Self {
         let mut agent = agent;
         agent.truncate(truncate_str(&agent, MAX_AGENT_LEN).len());
         let mut transmit = Vec::new();
-        ControlFrame::Hello { version: VERSION, spool_id, agent }.encode(&mut transmit);
+        ControlFrame::Hello { version, spool_id, agent }.encode(&mut transmit);
         Self {
+            version,
             state: State::Handshaking { deadline: now.checked_add(limits.handshake_timeout), early },
             go_away: None,
             decoder: FrameDecoder::new(&limits),
@@ -151,6 +165,11 @@ impl ClientSession {
     }
 
     // === Getters ===
+
+    /// The protocol version of our Hello.
+    pub fn version(&self) -> u16 {
+        self.version
+    }
 
     /// Whether the Welcome arrived and the session has not failed (it may be draining).
     pub fn is_connected(&self) -> bool {
@@ -270,8 +289,8 @@ impl ClientSession {
                 if !matches!(self.state, State::Handshaking { .. }) {
                     return Err(ProtoError::UnexpectedFrame { frame: "Welcome", reason: "after Welcome" });
                 }
-                if version != VERSION {
-                    return Err(ProtoError::WelcomeVersionMismatch { version });
+                if version != self.version {
+                    return Err(ProtoError::WelcomeVersionMismatch { version, sent: self.version });
                 }
                 if max_in_flight == 0 {
                     return Err(ProtoError::InvalidWelcome { reason: "max_in_flight is 0" });
@@ -303,11 +322,30 @@ impl ClientSession {
             ControlFrame::Hello { .. } => {
                 return Err(ProtoError::UnexpectedFrame { frame: "Hello", reason: "from the server" });
             }
+            ControlFrame::Floor { .. } => {
+                return Err(ProtoError::UnexpectedFrame { frame: "Floor", reason: "from the server" });
+            }
         }
         Ok(())
     }
 
     // === Mutators ===
+
+    /// Queues a [`ControlFrame::Floor`]: no seq of `stream` below `seq` will be sent as new
+    /// data any more (each one was acked, or dropped or quarantined by the agent). Returns
+    /// whether it was queued: `false` on a session of protocol version 1, which has no Floor
+    /// (the server then keeps the gaps). Fails if the session is closed or not yet connected.
+    pub fn floor(&mut self, stream: &StreamName, seq: u64) -> Result<bool, ProtoError> {
+        self.check_open()?;
+        if !self.is_connected() {
+            return Err(ProtoError::NotConnected);
+        }
+        if self.version < FLOOR_VERSION {
+            return Ok(false);
+        }
+        ControlFrame::Floor { stream: stream.clone(), seq }.encode(&mut self.transmit);
+        Ok(true)
+    }
 
     /// Registers a chunk as in flight; call it before writing the chunk's stream.
     ///
@@ -502,9 +540,45 @@ mod tests {
     }
 
     #[test]
+    fn a_session_of_the_older_version_is_welcomed_in_it_and_sends_no_floor() {
+        let now = Instant::now();
+        let older = crate::MIN_VERSION;
+        let mut c = ClientSession::with_version([1; 16], "a".into(), Limits::default(), now, None, older);
+        let hello = c.poll_transmit().expect("Hello");
+        let (frame, _) = ControlFrame::decode(&hello, &Limits::default()).expect("valid").expect("complete");
+        assert!(matches!(frame, ControlFrame::Hello { version, .. } if version == older), "{frame:?}");
+        let s = StreamName::new("t").expect("valid name");
+        assert_eq!(c.floor(&s, 3), Err(ProtoError::NotConnected), "no Floor before the Welcome");
+        let w = encode(ControlFrame::Welcome {
+            version: older,
+            device: "d".into(),
+            max_chunk_payload: 1024,
+            max_in_flight: 8,
+        });
+        c.handle_control_bytes(now, &w).expect("Welcome of our version");
+        assert_eq!(c.floor(&s, 3), Ok(false), "version 1 has no Floor");
+        assert_eq!(c.poll_transmit(), None);
+
+        let mut c = ClientSession::new([1; 16], "a".into(), Limits::default(), now);
+        c.poll_transmit().expect("Hello");
+        let w = encode(ControlFrame::Welcome {
+            version: VERSION,
+            device: "d".into(),
+            max_chunk_payload: 1024,
+            max_in_flight: 8,
+        });
+        c.handle_control_bytes(now, &w).expect("Welcome");
+        assert_eq!(c.floor(&s, 3), Ok(true));
+        let bytes = c.poll_transmit().expect("Floor");
+        let (frame, _) = ControlFrame::decode(&bytes, &Limits::default()).expect("valid").expect("complete");
+        assert_eq!(frame, ControlFrame::Floor { stream: s, seq: 3 });
+    }
+
+    #[test]
     fn a_welcome_with_another_version_or_zero_limits_is_a_violation() {
         let now = Instant::now();
-        for (version, mcp, mif) in [(2, 1024, 8), (VERSION, 1024, 0), (VERSION, 0, 8)] {
+        for (version, mcp, mif) in [(VERSION - 1, 1024, 8), (VERSION + 1, 1024, 8), (VERSION, 1024, 0), (VERSION, 0, 8)]
+        {
             let mut c = ClientSession::new([1; 16], "a".into(), Limits::default(), now);
             let w = encode(ControlFrame::Welcome {
                 version,

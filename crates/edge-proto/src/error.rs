@@ -156,11 +156,11 @@ pub enum ProtoError {
 
     // --- Session rules (peer errors) ---
     /// The agent's Hello carries a version the server does not speak (code `UnsupportedVersion`).
-    #[error("unsupported protocol version {version}, this side speaks {}", crate::VERSION)]
+    #[error("unsupported protocol version {version}, this side speaks {} to {}", crate::MIN_VERSION, crate::VERSION)]
     UnsupportedVersion { version: u16 },
     /// The server's Welcome carries a version other than ours (code `ProtocolViolation`).
-    #[error("server welcomed us with version {version}, we sent {}", crate::VERSION)]
-    WelcomeVersionMismatch { version: u16 },
+    #[error("server welcomed us with version {version}, we sent {sent}")]
+    WelcomeVersionMismatch { version: u16, sent: u16 },
     /// A Welcome advertises a zero limit (code `ProtocolViolation`).
     #[error("invalid Welcome: {reason}")]
     InvalidWelcome { reason: &'static str },

@@ -20,6 +20,7 @@
 //! | 0x02 | Welcome | `version: u16`, `max_chunk_payload: u32`, `max_in_flight: u32`, `device_len: u8` (≤ 255), `device` |
 //! | 0x03 | Ack     | `stream_len: u8` (1..=64), `stream` (`[A-Za-z0-9_.-]`), `seq: u64`, `status: u8` |
 //! | 0x04 | GoAway  | `code: u32` (an [`ErrorCode`]) |
+//! | 0x05 | Floor   | `stream_len: u8` (1..=64), `stream`, `seq: u64` (version 2 on, agent → server) |
 //!
 //! Any other type byte (0x00 included) is an error, detected from the header alone.
 //!
@@ -33,8 +34,9 @@
 //! | 0x20 / 0x21 / 0x22 / 0x23 | Rejected: BadChecksum / TooLarge / Malformed / BadRecords |
 //!
 //! `version` is the first field of Hello in every protocol version, so a server can always read
-//! it: a Hello whose version differs from [`VERSION`] and whose rest does not parse with this
-//! layout decodes as [`ProtoError::UnsupportedVersion`] rather than as a malformed frame.
+//! it: a Hello whose version is not one of [`MIN_VERSION`]`..=`[`VERSION`] and whose rest does
+//! not parse with this layout decodes as [`ProtoError::UnsupportedVersion`] rather than as a
+//! malformed frame.
 //!
 //! # Encoding strings over their limit
 //!
@@ -47,7 +49,7 @@ use std::collections::VecDeque;
 use crate::error::{ErrorCode, ProtoError};
 use crate::name::{MAX_STREAM_NAME_LEN, StreamName};
 use crate::wire::{Reader, put_short_str, put_u16, put_u32, put_u64};
-use crate::{Limits, VERSION};
+use crate::{Limits, MIN_VERSION, VERSION};
 
 /// Bytes of the frame header: `type: u8` and `body_len: u32`.
 pub const FRAME_HEADER_LEN: usize = 5;
@@ -60,6 +62,7 @@ const TYPE_HELLO: u8 = 0x01;
 const TYPE_WELCOME: u8 = 0x02;
 const TYPE_ACK: u8 = 0x03;
 const TYPE_GO_AWAY: u8 = 0x04;
+const TYPE_FLOOR: u8 = 0x05;
 
 /// The server's answer to one chunk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -182,6 +185,16 @@ pub enum ControlFrame {
         /// Why the server is going away.
         code: ErrorCode,
     },
+    /// Agent → server, version 2 on: no chunk of `stream` from this spool with a seq below
+    /// `seq` will be sent as new data any more. Each one is stored, or was dropped or
+    /// quarantined by the agent, so the server may count them all as stored (a later copy of
+    /// one is a duplicate) and close the gaps they leave in its dedup index.
+    Floor {
+        /// The stream.
+        stream: StreamName,
+        /// The lowest seq of `stream` the agent may still send as new data.
+        seq: u64,
+    },
 }
 
 impl ControlFrame {
@@ -192,6 +205,7 @@ impl ControlFrame {
             Self::Welcome { .. } => "Welcome",
             Self::Ack { .. } => "Ack",
             Self::GoAway { .. } => "GoAway",
+            Self::Floor { .. } => "Floor",
         }
     }
 
@@ -205,6 +219,7 @@ impl ControlFrame {
             Self::Welcome { .. } => TYPE_WELCOME,
             Self::Ack { .. } => TYPE_ACK,
             Self::GoAway { .. } => TYPE_GO_AWAY,
+            Self::Floor { .. } => TYPE_FLOOR,
         };
         out.push(ty);
         put_u32(out, 0); // Patched below, once the body length is known.
@@ -226,6 +241,10 @@ impl ControlFrame {
                 out.push(status.to_u8());
             }
             Self::GoAway { code } => put_u32(out, code.to_u32()),
+            Self::Floor { stream, seq } => {
+                put_short_str(out, stream.as_str(), MAX_STREAM_NAME_LEN);
+                put_u64(out, *seq);
+            }
         }
         // Every body is at most a few hundred bytes (bounded string fields), far below u32::MAX.
         let body_len = u32::try_from(out.len() - start - FRAME_HEADER_LEN).unwrap_or(u32::MAX);
@@ -253,7 +272,7 @@ impl ControlFrame {
 
 fn check_type(ty: u8) -> Result<(), ProtoError> {
     match ty {
-        TYPE_HELLO | TYPE_WELCOME | TYPE_ACK | TYPE_GO_AWAY => Ok(()),
+        TYPE_HELLO | TYPE_WELCOME | TYPE_ACK | TYPE_GO_AWAY | TYPE_FLOOR => Ok(()),
         other => Err(ProtoError::UnknownFrameType(other)),
     }
 }
@@ -277,7 +296,7 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<ControlFrame, ProtoError> {
             let version = r.u16("version")?;
             match decode_hello_rest(r, version) {
                 Ok(frame) => frame,
-                Err(_) if version != VERSION => {
+                Err(_) if !(MIN_VERSION..=VERSION).contains(&version) => {
                     return Err(ProtoError::UnsupportedVersion { version });
                 }
                 Err(e) => return Err(e),
@@ -304,6 +323,12 @@ fn decode_body(ty: u8, body: &[u8]) -> Result<ControlFrame, ProtoError> {
             let code = ErrorCode::from_u32(raw).ok_or(ProtoError::UnknownErrorCode(raw))?;
             r.finish("GoAway")?;
             ControlFrame::GoAway { code }
+        }
+        TYPE_FLOOR => {
+            let stream = StreamName::from_bytes(r.short_bytes("stream", MAX_STREAM_NAME_LEN)?)?;
+            let seq = r.u64("seq")?;
+            r.finish("Floor")?;
+            ControlFrame::Floor { stream, seq }
         }
         other => return Err(ProtoError::UnknownFrameType(other)),
     };
@@ -460,6 +485,8 @@ mod tests {
             ControlFrame::Ack { stream: name("a"), seq: 0, status: AckStatus::Retry(RetryReason::Overloaded) },
             ControlFrame::Ack { stream: name("b"), seq: 1, status: AckStatus::Rejected(RejectReason::BadRecords) },
             ControlFrame::GoAway { code: ErrorCode::ShuttingDown },
+            ControlFrame::Floor { stream: name("temp"), seq: 17 },
+            ControlFrame::Floor { stream: name("z"), seq: u64::MAX },
         ]
     }
 
@@ -600,15 +627,17 @@ mod tests {
 
     #[test]
     fn a_future_hello_layout_reads_as_unsupported_version() {
-        // Version 2 with a body this version cannot parse.
-        let bytes = [0x01, 3, 0, 0, 0, 2, 0, 0xee];
+        // Version 3 with a body this version cannot parse.
+        let bytes = [0x01, 3, 0, 0, 0, 3, 0, 0xee];
         let err = ControlFrame::decode(&bytes, &Limits::default()).expect_err("unsupported");
-        assert_eq!(err, ProtoError::UnsupportedVersion { version: 2 });
+        assert_eq!(err, ProtoError::UnsupportedVersion { version: 3 });
         assert_eq!(err.code(), ErrorCode::UnsupportedVersion);
-        // The same body with our version is simply malformed.
-        let bytes = [0x01, 3, 0, 0, 0, 1, 0, 0xee];
-        let err = ControlFrame::decode(&bytes, &Limits::default()).expect_err("malformed");
-        assert_eq!(err.code(), ErrorCode::ProtocolViolation);
+        // The same body with a version we speak is simply malformed.
+        for version in MIN_VERSION..=VERSION {
+            let bytes = [0x01, 3, 0, 0, 0, version.to_le_bytes()[0], 0, 0xee];
+            let err = ControlFrame::decode(&bytes, &Limits::default()).expect_err("malformed");
+            assert_eq!(err.code(), ErrorCode::ProtocolViolation, "version {version}");
+        }
     }
 
     #[test]

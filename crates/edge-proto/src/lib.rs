@@ -22,6 +22,15 @@
 //! stop code means the chunk was not accepted. [`ControlFrame::GoAway`] tells the
 //! agent to open no new chunk streams, wait for the acks of those in flight, and reconnect.
 //!
+//! # Versions
+//!
+//! The agent names its version in the Hello; the server answers a version it speaks
+//! ([`MIN_VERSION`]`..=`[`VERSION`]) with a Welcome of the same version, and closes the connection
+//! with [`ErrorCode::UnsupportedVersion`] otherwise, so that an agent newer than its server can
+//! connect again with an older version. Version 2 adds [`ControlFrame::Floor`]: the agent tells
+//! the server that no seq of a stream below a mark will come as new data any more (chunks it
+//! dropped or quarantined), so the server's dedup index can close those gaps.
+//!
 //! # Byte layouts
 //!
 //! All integers are little-endian. Strings are UTF-8, prefixed by a `u8` byte length, and have a
@@ -35,6 +44,7 @@
 //! | 0x02 | Welcome | `version: u16, max_chunk_payload: u32, max_in_flight: u32, device_len: u8, device` |
 //! | 0x03 | Ack     | `stream_len: u8, stream, seq: u64, status: u8` |
 //! | 0x04 | GoAway  | `code: u32` |
+//! | 0x05 | Floor   | `stream_len: u8, stream, seq: u64` (version 2 on, agent → server) |
 //!
 //! Chunk stream prefix (module [`chunk`]): `magic: b"EDGC" | header_len: u16 | header`, where the
 //! header is `stream_len: u8, stream, seq: u64, records: u32, raw_len: u32, payload_len: u32,
@@ -77,8 +87,15 @@ pub use name::{MAX_STREAM_NAME_LEN, NameError, StreamName};
 /// The ALPN protocol identifier negotiated in the TLS handshake.
 pub const ALPN: &[u8] = b"edge/1";
 
-/// The protocol version carried in `Hello` and `Welcome`.
-pub const VERSION: u16 = 1;
+/// The newest protocol version, the one the agent sends in its `Hello` first.
+pub const VERSION: u16 = 2;
+
+/// The oldest protocol version the server still speaks (and the agent falls back to when its
+/// server refuses [`VERSION`]): version 1 has no [`ControlFrame::Floor`].
+pub const MIN_VERSION: u16 = 1;
+
+/// The first version with [`ControlFrame::Floor`].
+pub const FLOOR_VERSION: u16 = 2;
 
 /// Compression of a chunk payload on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

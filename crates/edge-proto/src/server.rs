@@ -1,6 +1,6 @@
 //! The ingest server's side of a connection: a sans-IO state machine.
 //!
-//! [`ServerSession`] speaks the control stream (Hello in; Welcome, Ack and GoAway out) and keeps
+//! [`ServerSession`] speaks the control stream (Hello and Floor in; Welcome, Ack and GoAway out) and keeps
 //! the set of chunks accepted and not yet acked, so that a chunk before Hello, a chunk sent twice
 //! at once, or more chunks than the Welcome allowed are caught. (A chunk *stream* may arrive
 //! before the Hello: the driver holds it and hands its chunk in once the Hello is in.) It does not see payloads: the
@@ -20,7 +20,7 @@ use crate::error::{ErrorCode, ProtoError};
 use crate::frame::{AckStatus, ControlFrame, FrameDecoder, MAX_DEVICE_LEN};
 use crate::name::StreamName;
 use crate::wire::truncate_str;
-use crate::{Limits, VERSION};
+use crate::{FLOOR_VERSION, Limits, MIN_VERSION, VERSION};
 
 /// Something the driver of a [`ServerSession`] should act on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +31,16 @@ pub enum ServerEvent {
         spool_id: [u8; 16],
         /// The agent's self-description (at most 128 bytes of UTF-8).
         agent: String,
+        /// The protocol version the agent speaks, which the Welcome repeats.
+        version: u16,
+    },
+    /// The agent's [`ControlFrame::Floor`]: no seq of `stream` below `seq` will come from its
+    /// spool as new data any more.
+    Floor {
+        /// The stream.
+        stream: StreamName,
+        /// The lowest seq the agent may still send as new data.
+        seq: u64,
     },
 }
 
@@ -81,7 +91,7 @@ enum State {
     /// Waiting for the Hello until `deadline` (`None` if it would overflow).
     AwaitingHello { deadline: Option<Instant> },
     /// Hello received, Welcome queued.
-    Established { spool_id: [u8; 16] },
+    Established { spool_id: [u8; 16], version: u16 },
     /// An error ended the session.
     Closed { code: ErrorCode },
 }
@@ -113,7 +123,15 @@ impl ServerSession {
     /// The agent's spool identity, once its Hello arrived.
     pub fn spool_id(&self) -> Option<[u8; 16]> {
         match self.state {
-            State::Established { spool_id } => Some(spool_id),
+            State::Established { spool_id, .. } => Some(spool_id),
+            _ => None,
+        }
+    }
+
+    /// The protocol version of the agent's Hello, once it arrived.
+    pub fn version(&self) -> Option<u16> {
+        match self.state {
+            State::Established { version, .. } => Some(version),
             _ => None,
         }
     }
@@ -156,9 +174,11 @@ impl ServerSession {
 
     /// Feeds bytes read from the control stream, in pieces of any size.
     ///
-    /// The first frame must be a Hello with version [`VERSION`]; anything else closes the session
-    /// (a Hello of another version with [`ProtoError::UnsupportedVersion`], queueing nothing). On
-    /// a valid Hello the Welcome is queued and [`ServerEvent::Hello`] emitted. Any later frame
+    /// The first frame must be a Hello with a version from [`MIN_VERSION`] to [`VERSION`];
+    /// anything else closes the session (a Hello of another version with
+    /// [`ProtoError::UnsupportedVersion`], queueing nothing). On a valid Hello the Welcome, of
+    /// the Hello's version, is queued and [`ServerEvent::Hello`] emitted. After it the agent
+    /// may send [`ControlFrame::Floor`] (version 2 on; [`ServerEvent::Floor`]); any other frame
     /// from the agent is a violation.
     pub fn handle_control_bytes(&mut self, now: Instant, bytes: &[u8]) -> Result<(), ProtoError> {
         self.check_open()?;
@@ -192,20 +212,30 @@ impl ServerSession {
                 if !matches!(self.state, State::AwaitingHello { .. }) {
                     return Err(ProtoError::UnexpectedFrame { frame: "Hello", reason: "after Hello" });
                 }
-                if version != VERSION {
+                if !(MIN_VERSION..=VERSION).contains(&version) {
                     return Err(ProtoError::UnsupportedVersion { version });
                 }
-                self.state = State::Established { spool_id };
+                self.state = State::Established { spool_id, version };
                 ControlFrame::Welcome {
-                    version: VERSION,
+                    version,
                     device: self.device.clone(),
                     max_chunk_payload: self.limits.max_chunk_payload,
                     max_in_flight: self.max_in_flight,
                 }
                 .encode(&mut self.transmit);
-                self.events.push_back(ServerEvent::Hello { spool_id, agent });
+                self.events.push_back(ServerEvent::Hello { spool_id, agent, version });
                 Ok(())
             }
+            ControlFrame::Floor { stream, seq } => match self.state {
+                State::Established { version, .. } if version >= FLOOR_VERSION => {
+                    self.events.push_back(ServerEvent::Floor { stream, seq });
+                    Ok(())
+                }
+                State::Established { .. } => {
+                    Err(ProtoError::UnexpectedFrame { frame: "Floor", reason: "in protocol version 1" })
+                }
+                _ => Err(ProtoError::UnexpectedFrame { frame: "Floor", reason: "before Hello" }),
+            },
             other => Err(ProtoError::UnexpectedFrame { frame: other.name(), reason: "from the agent" }),
         }
     }
@@ -372,17 +402,49 @@ mod tests {
         );
         assert_eq!(
             s.poll_event(),
-            Some(ServerEvent::Hello { spool_id: [9; 16], agent: "edge-uploader/0.1.0 h".into() })
+            Some(ServerEvent::Hello { spool_id: [9; 16], agent: "edge-uploader/0.1.0 h".into(), version: VERSION })
         );
         assert_eq!(s.spool_id(), Some([9; 16]));
+        assert_eq!(s.version(), Some(VERSION));
         assert_eq!(s.poll_timeout(), None);
+    }
+
+    #[test]
+    fn an_agent_of_the_older_version_is_welcomed_in_its_version_and_may_not_send_floors() {
+        let now = Instant::now();
+        let mut s = ServerSession::new("dev".into(), Limits::default(), 8, now);
+        s.handle_control_bytes(now, &hello(MIN_VERSION)).expect("the older version is spoken");
+        let bytes = s.poll_transmit().expect("Welcome");
+        let (frame, _) = ControlFrame::decode(&bytes, &Limits::default()).expect("valid").expect("complete");
+        let ControlFrame::Welcome { version, .. } = frame else { panic!("not a Welcome: {frame:?}") };
+        assert_eq!(version, MIN_VERSION);
+        assert_eq!(s.version(), Some(MIN_VERSION));
+        let floor = encode(ControlFrame::Floor { stream: name("t"), seq: 5 });
+        let err = s.handle_control_bytes(now, &floor).expect_err("no Floor in version 1");
+        assert_eq!(err, ProtoError::UnexpectedFrame { frame: "Floor", reason: "in protocol version 1" });
+        assert_eq!(s.close_code(), Some(ErrorCode::ProtocolViolation));
+    }
+
+    #[test]
+    fn a_floor_after_the_hello_is_an_event_and_before_it_a_violation() {
+        let (mut s, now) = established(8);
+        s.poll_event().expect("Hello event");
+        s.handle_control_bytes(now, &encode(ControlFrame::Floor { stream: name("t"), seq: 5 })).expect("Floor");
+        assert_eq!(s.poll_event(), Some(ServerEvent::Floor { stream: name("t"), seq: 5 }));
+        assert_eq!(s.poll_transmit(), None, "a Floor is not answered");
+
+        let mut early = ServerSession::new("dev".into(), Limits::default(), 8, now);
+        let floor = encode(ControlFrame::Floor { stream: name("t"), seq: 5 });
+        let err = early.handle_control_bytes(now, &floor).expect_err("Floor before Hello");
+        assert_eq!(err, ProtoError::UnexpectedFrame { frame: "Floor", reason: "before Hello" });
     }
 
     #[test]
     fn a_hello_of_another_version_closes_without_sending_anything() {
         let now = Instant::now();
         let mut s = ServerSession::new("dev".into(), Limits::default(), 8, now);
-        assert_eq!(s.handle_control_bytes(now, &hello(2)), Err(ProtoError::UnsupportedVersion { version: 2 }));
+        let next = VERSION + 1;
+        assert_eq!(s.handle_control_bytes(now, &hello(next)), Err(ProtoError::UnsupportedVersion { version: next }));
         assert_eq!(s.poll_transmit(), None);
         assert_eq!(s.poll_event(), None);
         assert_eq!(s.close_code(), Some(ErrorCode::UnsupportedVersion));

@@ -46,6 +46,7 @@ fn control_frame() -> impl Strategy<Value = ControlFrame> {
         (stream_name(), any::<u64>(), ack_status())
             .prop_map(|(stream, seq, status)| { ControlFrame::Ack { stream, seq, status } }),
         error_code().prop_map(|code| ControlFrame::GoAway { code }),
+        (stream_name(), any::<u64>()).prop_map(|(stream, seq)| ControlFrame::Floor { stream, seq }),
     ]
 }
 

@@ -41,7 +41,14 @@ fn handshake_completes_in_one_round_trip() {
     assert!(pair.client.can_open_chunk());
     assert_eq!(pair.server.spool_id(), Some([0x5a; 16]));
     let (at, ev) = &pair.server_events[0];
-    assert_eq!(*ev, ServerEvent::Hello { spool_id: [0x5a; 16], agent: "edge-uploader/test pair".into() });
+    assert_eq!(
+        *ev,
+        ServerEvent::Hello {
+            spool_id: [0x5a; 16],
+            agent: "edge-uploader/test pair".into(),
+            version: edge_proto::VERSION
+        }
+    );
     assert_eq!(*at - pair.start, pair.latency);
     let (at, ev) = &pair.client_events[0];
     assert_eq!(

@@ -785,6 +785,7 @@ pub fn status_json(intake: &Intake) -> serde_json::Value {
             "network_wakeups_total": u.network_wakeups_total.load(Ordering::Relaxed),
             "probes_sent_total": u.probes_sent_total.load(Ordering::Relaxed),
             "probe_wakeups_total": u.probe_wakeups_total.load(Ordering::Relaxed),
+            "floors_sent_total": u.floors_sent_total.load(Ordering::Relaxed),
             "in_flight": u.in_flight.load(Ordering::Relaxed),
             "chunks_acked_total": u.chunks_acked(),
             "chunks_duplicate_total": u.duplicate.chunks(),

@@ -86,6 +86,8 @@ pub const NETWORK_WAKEUPS_TOTAL: &str = "edge_uploader_network_wakeups_total";
 pub const PROBES_SENT_TOTAL: &str = "edge_uploader_probes_sent_total";
 /// Reconnect backoff waits ended early by an answered probe.
 pub const PROBE_WAKEUPS_TOTAL: &str = "edge_uploader_probe_wakeups_total";
+/// Floors sent to the ingest: a stream's lowest seq still to come.
+pub const FLOORS_SENT_TOTAL: &str = "edge_uploader_floors_sent_total";
 /// Histogram: connection attempt started → session established (the server's Welcome).
 pub const CONNECT_SECONDS: &str = "edge_uploader_connect_seconds";
 /// Chunk payload bytes sent and waiting for their ack.
@@ -112,7 +114,7 @@ pub const SPOOL_COMMIT_SECONDS: &str = "edge_uploader_spool_commit_seconds";
 pub const SPOOL_BUSY_SECONDS: &str = "edge_uploader_spool_busy_seconds";
 
 /// Every metric name above.
-pub const ALL: [&str; 35] = [
+pub const ALL: [&str; 36] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
@@ -137,6 +139,7 @@ pub const ALL: [&str; 35] = [
     NETWORK_WAKEUPS_TOTAL,
     PROBES_SENT_TOTAL,
     PROBE_WAKEUPS_TOTAL,
+    FLOORS_SENT_TOTAL,
     CONNECT_SECONDS,
     BYTES_IN_FLIGHT,
     QUIC_RTT_SECONDS,
@@ -473,6 +476,13 @@ const LIVE_PROBE_WAKEUPS: Live = Live::counter(
     "Reconnect backoff waits ended early since start because the ingest server answered a probe \
            (upload.probe_interval): the agent tried again at once instead of at the end of the wait.",
 );
+const LIVE_FLOORS_SENT: Live = Live::counter(
+    FLOORS_SENT_TOTAL,
+    "Floors sent to the ingest since start: after a chunk was answered retry (overloaded), the \
+           lowest seq of its stream still to come, so that an ingest at the device's cap of gaps in its dedup \
+           index closes the gaps of chunks this agent dropped (spool full) or quarantined. None to an ingest \
+           of protocol version 1.",
+);
 const LIVE_BYTES_IN_FLIGHT: Live = Live::gauge(
     BYTES_IN_FLIGHT,
     "Chunk payload bytes sent to the server and waiting for their ack (held below upload.max_in_flight_bytes plus one chunk).",
@@ -498,7 +508,7 @@ const LIVE_WIRE_BYTES: Live = Live::counter(
            counted on every attempt, so a chunk sent again counts again. Against \
            edge_uploader_upload_bytes_total it shows what compression saves on the uplink.",
 );
-const LIVE_ALL: [&Live; 25] = [
+const LIVE_ALL: [&Live; 26] = [
     &LIVE_STREAM_BUFFER,
     &LIVE_REQUEST_BUFFER,
     &LIVE_REQUESTS_WAITING,
@@ -519,6 +529,7 @@ const LIVE_ALL: [&Live; 25] = [
     &LIVE_NETWORK_WAKEUPS,
     &LIVE_PROBES_SENT,
     &LIVE_PROBE_WAKEUPS,
+    &LIVE_FLOORS_SENT,
     &LIVE_BYTES_IN_FLIGHT,
     &LIVE_CORRUPT,
     &LIVE_QUARANTINED,
@@ -561,6 +572,7 @@ fn live_families(spool: &SpoolStatsView, intake: &IntakeCounters, u: &UploadCoun
         LIVE_NETWORK_WAKEUPS.family(&[("", u.network_wakeups_total.load(Relaxed) as f64)]),
         LIVE_PROBES_SENT.family(&[("", u.probes_sent_total.load(Relaxed) as f64)]),
         LIVE_PROBE_WAKEUPS.family(&[("", u.probe_wakeups_total.load(Relaxed) as f64)]),
+        LIVE_FLOORS_SENT.family(&[("", u.floors_sent_total.load(Relaxed) as f64)]),
         LIVE_BYTES_IN_FLIGHT.family(&[("", u.in_flight_bytes.load(Relaxed) as f64)]),
         LIVE_CORRUPT.family(&[("", u.spool_corrupt_chunks.load(Relaxed) as f64)]),
         LIVE_QUARANTINED.family(&[("", s.quarantined_chunks as f64)]),
@@ -741,6 +753,7 @@ mod tests {
         assert_eq!(rig.sample(NETWORK_WAKEUPS_TOTAL), Some(2.0));
         assert_eq!(rig.sample(PROBES_SENT_TOTAL), Some(9.0));
         assert_eq!(rig.sample(PROBE_WAKEUPS_TOTAL), Some(4.0));
+        assert_eq!(rig.sample(FLOORS_SENT_TOTAL), Some(0.0));
         assert_eq!(rig.sample(BYTES_IN_FLIGHT), Some(4096.0));
         assert_eq!(rig.sample(INTAKE_STREAM_BUFFER_BYTES), Some(f64::from(2 << 20)));
         assert_eq!(rig.intake.stream_buffer_peak_bytes.load(Ordering::Relaxed), 3 << 20);

@@ -128,6 +128,9 @@ pub struct SpoolHandle {
     in_flight: edge_spool::ChunksInFlight,
     /// Set once, by the spool thread, when a WAL sync failed under `Normal`.
     sync_failed: watch::Receiver<Option<String>>,
+    /// The spool's count of dropped chunks when it was opened and synced (see
+    /// [`SpoolHandle::dropped_since_open`]).
+    dropped_at_open: u64,
 }
 
 /// Joins the spool thread when the last handle is gone.
@@ -166,7 +169,9 @@ impl SpoolHandle {
         let commit_seconds = crate::metrics::spool_commit_histogram();
         let busy = Arc::new(Busy::new());
         let (sync_failed_tx, sync_failed) = watch::channel(None);
+        let dropped_at_open = spool.stats().dropped_chunks;
         let handle = SpoolHandle {
+            dropped_at_open,
             in_flight: spool.chunks_in_flight(),
             tx,
             stats: stats.clone(),
@@ -190,6 +195,15 @@ impl SpoolHandle {
             .name("edge-spool".into())
             .spawn(move || writer_loop(spool, rx, shared, syncer))?;
         Ok((handle, SpoolThread { join: Some(join) }))
+    }
+
+    /// Whether the spool dropped chunks (`drop_oldest`) since it was opened. Those drops may not
+    /// be durable yet: evictions are not in the segments' commit records, and a power cut before
+    /// the next sync of the WAL brings the chunks back. Drops from before the open are durable
+    /// (the open syncs everything, the WAL included), so only then may the uploader tell the
+    /// server that such chunks will never come (its floor).
+    pub fn dropped_since_open(&self) -> bool {
+        self.stats().dropped_chunks > self.dropped_at_open
     }
 
     /// The spool's identity, sent to the server in Hello.

@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use edge_proto::client::{ClientEvent, ClientSession, EarlyLimits};
-use edge_proto::{AckStatus, ChunkHeader, Codec, ErrorCode, Limits, RetryReason, STOP_ANSWERED, StreamName};
+use edge_proto::{
+    AckStatus, ChunkHeader, Codec, ErrorCode, Limits, MIN_VERSION, RetryReason, STOP_ANSWERED, StreamName, VERSION,
+};
 use edge_spool::{ChunkId, ChunkMeta, SpoolError};
 use rand::Rng;
 use tokio::task::JoinSet;
@@ -105,6 +107,9 @@ pub struct UploadCounters {
     pub probes_sent_total: AtomicU64,
     /// Backoff waits ended early because the server answered a probe.
     pub probe_wakeups_total: AtomicU64,
+    /// Floors sent to the server (a stream's lowest seq still to come, after a chunk of it was
+    /// answered retry, overloaded).
+    pub floors_sent_total: AtomicU64,
     /// The latest connection attempt and how far it got.
     pub attempt: Mutex<Option<Arc<AttemptTimes>>>,
     /// Chunks the server answered `Stored`.
@@ -322,6 +327,10 @@ pub async fn run(
     // handshakes is not helped by more attempts).
     let mut probe_allowed = true;
     let mut woken_by = Wake::Backoff;
+    // Whether the server closed the last connection for our protocol version: the next one
+    // speaks the older version, the one after it the newest again (the server may have been
+    // upgraded meanwhile).
+    let mut older_server = false;
     while !cancel.is_cancelled() {
         // Only what happens from now on can bring back a path this attempt did not have.
         if let Some(n) = network.as_mut() {
@@ -361,9 +370,15 @@ pub async fn run(
                     times: &times,
                     learned: &learned,
                     compressor: compressor.as_ref(),
+                    version: if older_server { MIN_VERSION } else { VERSION },
                 }
                 .run()
                 .await;
+                let refused_version = !older_server && closed_for_version(conn.close_reason().as_ref());
+                if refused_version {
+                    warn!(server = %opts.server, version = VERSION, older = MIN_VERSION, "the ingest does not speak our protocol version: the next connection speaks the older one, which cannot tell it about dropped chunks (upgrade the ingest)");
+                }
+                older_server = refused_version;
                 sampler.stop().await;
                 counters.connected.store(false, Ordering::Release);
                 counters.set_session(&opts, None);
@@ -509,6 +524,13 @@ async fn connect(endpoint: &quinn::Endpoint, opts: &UploaderOptions) -> anyhow::
     Ok(connecting.await?)
 }
 
+/// Whether the server closed the connection for the protocol version of our Hello.
+fn closed_for_version(reason: Option<&quinn::ConnectionError>) -> bool {
+    let Some(quinn::ConnectionError::ApplicationClosed(close)) = reason else { return false };
+    let code = u32::try_from(close.error_code.into_inner()).ok().and_then(ErrorCode::from_u32);
+    code == Some(ErrorCode::UnsupportedVersion)
+}
+
 /// Whether the server closed the connection for the device certificate: expired since the
 /// handshake (`Unauthorized`), or revoked.
 fn closed_for_certificate(reason: Option<&quinn::ConnectionError>) -> bool {
@@ -593,6 +615,9 @@ struct Connection<'a> {
     learned: &'a Mutex<Option<EarlyLimits>>,
     /// `None`: chunks go out as stored (`spool.compression = "none"`).
     compressor: Option<&'a Arc<Compressor>>,
+    /// The protocol version of the Hello: [`VERSION`], or [`MIN_VERSION`] right after the
+    /// server refused it.
+    version: u16,
 }
 
 enum SendOutcome {
@@ -696,15 +721,41 @@ impl<'a> Connection<'a> {
         ));
     }
 
+    /// Tells the server `stream`'s floor ([`Pending`]) on the control stream; nothing on a
+    /// session of protocol version 1, which has no such frame.
+    async fn send_floor(
+        &self,
+        state: &Mutex<CtlState>,
+        ctl_send: &mut quinn::SendStream,
+        stream: &str,
+        floor: u64,
+    ) -> Result<(), ConnError> {
+        // The name was valid when the chunk was sent: only such chunks are answered.
+        let Ok(name) = StreamName::new(stream) else { return Ok(()) };
+        let bytes = {
+            let mut st = crate::lock(state);
+            if !st.session.floor(&name, floor)? {
+                return Ok(());
+            }
+            st.session.poll_transmit()
+        };
+        if let Some(bytes) = bytes {
+            debug!(stream, floor, "telling the server no seq below the floor will come");
+            self.counters.floors_sent_total.fetch_add(1, Ordering::Relaxed);
+            ctl_send
+                .write_all(&bytes)
+                .await
+                .map_err(|e| ConnError::Control(edge_telemetry::logging::error_chain(&e)))?;
+        }
+        Ok(())
+    }
+
     async fn serve(&self, sent_early: &mut bool) -> Result<bool, ConnError> {
         let (mut ctl_send, mut ctl_recv) = self.conn.open_bi().await?;
         let agent = format!("edge-uploader/{}", env!("CARGO_PKG_VERSION"));
         let early = if self.opts.early_chunks { *crate::lock(self.learned) } else { None };
         let (id, limits, now) = (self.spool.id().0, self.opts.limits.clone(), Instant::now());
-        let session = match early {
-            Some(e) => ClientSession::resume(id, agent, limits, now, e),
-            None => ClientSession::new(id, agent, limits, now),
-        };
+        let session = ClientSession::with_version(id, agent, limits, now, early, self.version);
         let state = Arc::new(Mutex::new(CtlState { session, waiters: HashMap::new(), goaway: false }));
         loop {
             let hello = crate::lock(&state).session.poll_transmit();
@@ -716,6 +767,7 @@ impl<'a> Connection<'a> {
         }
         let mut tasks: JoinSet<(ChunkMeta, SendOutcome)> = JoinSet::new();
         let mut in_flight = InFlight::default();
+        let mut pending = Pending::default();
         let mut cursor: Option<ChunkId> = None;
         // While no connection could take chunks, the spool thread sealed by size only: the
         // records that came meanwhile are sealed now, so they can go in this first flight.
@@ -738,6 +790,7 @@ impl<'a> Connection<'a> {
                 }
                 cursor = Some(meta.id);
                 in_flight.insert(meta.id, raw.len() as u64);
+                pending.add(&meta);
                 self.spawn_send(&mut tasks, &state, meta, raw, e.max_chunk_payload);
             }
             *sent_early = !tasks.is_empty();
@@ -825,7 +878,7 @@ impl<'a> Connection<'a> {
 
         // Chunks handed back on this connection (answered Retry, or lost) to offer again, lowest id
         // first. All of them are at or before `cursor` and none is in flight, so reading them
-        // never reads a payload that is already on its way.
+        // never reads a payload that is already on its way. They stay in `pending`.
         let mut redo: BTreeSet<ChunkId> = BTreeSet::new();
         let mut progress = false;
         let mut drain_deadline: Option<tokio::time::Instant> = None;
@@ -855,6 +908,9 @@ impl<'a> Connection<'a> {
                     // Anything else means the chunk left the spool meanwhile (dropped by the
                     // cap): the read of the chunk after it was in vain, and is discarded.
                     fetched.retain(|(meta, _)| meta.id == id);
+                    if fetched.is_empty() {
+                        pending.done(id);
+                    }
                     fetched
                 } else {
                     match self.spool.handoff().next() {
@@ -905,7 +961,10 @@ impl<'a> Connection<'a> {
                     if in_flight.contains(meta.id) {
                         continue;
                     }
-                    let Some(raw) = self.admit(&meta, data)? else { continue };
+                    let Some(raw) = self.admit(&meta, data)? else {
+                        pending.done(meta.id);
+                        continue;
+                    };
                     if raw.len() as u64 > u64::from(max_chunk_payload) && self.compressor.is_none() {
                         // Sending it would only get the connection closed, again and again. (A
                         // compressed chunk is measured after compression, by its send task.)
@@ -914,9 +973,11 @@ impl<'a> Connection<'a> {
                             meta.id,
                             format!("{} bytes, over the server's limit of {max_chunk_payload}", raw.len()),
                         );
+                        pending.done(meta.id);
                         continue;
                     }
                     in_flight.insert(meta.id, raw.len() as u64);
+                    pending.add(&meta);
                     self.publish(&in_flight);
                     self.spawn_send(&mut tasks, &state, meta, raw, max_chunk_payload);
                 }
@@ -957,6 +1018,7 @@ impl<'a> Connection<'a> {
                             progress = true;
                             *sent_early = false;
                             retry_backoff.reset();
+                            pending.done(meta.id);
                             // Counted before the spool learns of the ack, so whoever sees the
                             // spool drained also sees the counters complete.
                             self.counters.acked(&meta, status == AckStatus::Duplicate);
@@ -972,13 +1034,28 @@ impl<'a> Connection<'a> {
                             warn!(stream = %meta.stream, seq = meta.seq, ?reason, ?delay, "server asked to retry the chunk later");
                             redo.insert(meta.id);
                             retry_at.get_or_insert(tokio::time::Instant::now() + delay);
+                            // An ingest at this device's cap of gaps refuses a chunk with no
+                            // neighbour stored: if the chunks below it were dropped or
+                            // quarantined here, no neighbour ever comes. The stream's floor
+                            // tells it so, and it closes those gaps. Not while drops of this
+                            // run may still be undone by a power cut (`dropped_since_open`):
+                            // a chunk brought back would be answered duplicate, and lost.
+                            if reason == RetryReason::Overloaded
+                                && !self.spool.dropped_since_open()
+                                && let Some(floor) = pending.floor_to_send(&meta.stream)
+                                && let Err(e) = self.send_floor(&state, &mut ctl_send, &meta.stream, floor).await
+                            {
+                                break Err(e);
+                            }
                         }
                         SendOutcome::Acked(AckStatus::Rejected(reason)) => {
+                            pending.done(meta.id);
                             self.counters.rejected.add(&meta);
                             error!(stream = %meta.stream, seq = meta.seq, ?reason, "server rejected the chunk for good; quarantined");
                             self.spool.quarantine(meta.id, format!("rejected by server: {reason:?}"));
                         }
                         SendOutcome::Unsendable(why) => {
+                            pending.done(meta.id);
                             error!(stream = %meta.stream, seq = meta.seq, %why, "chunk cannot be sent; quarantined");
                             self.spool.quarantine(meta.id, why);
                         }
@@ -1048,6 +1125,39 @@ impl InFlight {
     fn publish(&self, counters: &UploadCounters) {
         counters.in_flight.store(self.chunks.len() as u64, Ordering::Relaxed);
         counters.in_flight_bytes.store(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// The chunks of one connection not done with yet: in flight, or handed back to be offered
+/// again. A stream's lowest seq among them is its floor: the spool is read in sealing order, in
+/// which each stream's seqs grow, so every chunk of the stream below it was read on this
+/// connection and then acked, or left the spool (dropped by its cap, or quarantined), and
+/// none of them will be sent as new data again.
+#[derive(Debug, Default)]
+struct Pending {
+    keys: HashMap<ChunkId, (String, u64)>,
+    /// The floor last sent per stream on this connection.
+    sent: HashMap<String, u64>,
+}
+
+impl Pending {
+    fn add(&mut self, meta: &ChunkMeta) {
+        self.keys.insert(meta.id, (meta.stream.clone(), meta.seq));
+    }
+
+    fn done(&mut self, id: ChunkId) {
+        self.keys.remove(&id);
+    }
+
+    /// The floor of `stream` if it is above the last one sent for it on this connection (a
+    /// scan of the pending chunks: this runs only when the server refuses one).
+    fn floor_to_send(&mut self, stream: &str) -> Option<u64> {
+        let floor = self.keys.values().filter(|(s, _)| s == stream).map(|&(_, seq)| seq).min()?;
+        if self.sent.get(stream).is_some_and(|&sent| sent >= floor) {
+            return None;
+        }
+        self.sent.insert(stream.to_owned(), floor);
+        Some(floor)
     }
 }
 

@@ -742,3 +742,67 @@ async fn a_chunk_of_more_records_than_the_ingest_takes_is_quarantined_and_the_ne
     assert_eq!(counters.stored.chunks(), 1);
     assert_eq!(agent.left(), (0, 1), "the stored chunk left the spool, the other one is quarantined");
 }
+
+/// Accepts the agent's control stream and reads its Hello; returns the streams and its version.
+async fn hello_version(conn: &quinn::Connection) -> (quinn::SendStream, quinn::RecvStream, u16) {
+    let (send, mut recv) = bounded("control stream", conn.accept_bi()).await.expect("control stream");
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 4096];
+    loop {
+        if let Some((frame, _)) = edge_proto::ControlFrame::decode(&got, &Limits::default()).expect("a valid frame") {
+            let edge_proto::ControlFrame::Hello { version, .. } = frame else { panic!("not a Hello: {frame:?}") };
+            return (send, recv, version);
+        }
+        let n = bounded("Hello", recv.read(&mut buf)).await.expect("read control").expect("control stream open");
+        got.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// An ingest older than the agent closes its connection with `UnsupportedVersion`: the next
+/// connection speaks the older version, and is welcomed in it, and the one after that tries the
+/// newest again (the ingest may have been upgraded meanwhile).
+#[tokio::test]
+async fn an_agent_refused_for_its_version_speaks_the_older_one_next_and_the_newest_after_that() {
+    use edge_proto::{ErrorCode, MIN_VERSION, VERSION};
+    let Rig { agent: _agent, _endpoint: endpoint, conn, counters, cancel, uploader } =
+        Rig::start(1000, &Tuning::default()).await;
+    let accept = || async {
+        bounded("a new connection", async { endpoint.accept().await.expect("endpoint open").await })
+            .await
+            .expect("handshake")
+    };
+    let (_send, _recv, version) = hello_version(&conn).await;
+    assert_eq!(version, VERSION, "the first Hello speaks the newest version");
+    conn.close(ErrorCode::UnsupportedVersion.to_u32().into(), b"unsupported protocol version");
+
+    let conn = accept().await;
+    let (mut send, mut recv, version) = hello_version(&conn).await;
+    assert_eq!(version, MIN_VERSION, "refused: the next Hello speaks the older version");
+    // Welcomed in it (this server speaks both), the agent stores its chunk.
+    let hello = {
+        let mut h = Vec::new();
+        edge_proto::ControlFrame::Hello { version, spool_id: [0; 16], agent: "a".into() }.encode(&mut h);
+        h
+    };
+    let mut session = ServerSession::new(DEVICE.into(), Limits::default(), 16, Instant::now());
+    session.handle_control_bytes(Instant::now(), &hello).expect("version 1 is spoken");
+    flush(&mut send, &mut session).await;
+    tokio::spawn(async move {
+        let mut buf = [0u8; 64];
+        while let Ok(Some(_)) = recv.read(&mut buf).await {}
+    });
+    store_next_chunk(&conn, &mut send, &mut session).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while counters.stored.chunks() != 1 {
+        assert!(Instant::now() < deadline, "the ack of version 1 never reached the agent");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    conn.close(0u32.into(), b"outage");
+
+    let conn = accept().await;
+    let (_send, _recv, version) = hello_version(&conn).await;
+    assert_eq!(version, VERSION, "after a connection in the older version, the newest again");
+    cancel.cancel();
+    conn.close(0u32.into(), b"done");
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+}

@@ -87,7 +87,18 @@ impl Shared {
 #[derive(Debug)]
 enum Msg {
     Persist(IncomingChunk, oneshot::Sender<PersistOutcome>),
+    /// An agent's floor for one of its streams ([`Store::raise_floor`]).
+    Floor(Floor),
     Shutdown,
+}
+
+/// An agent's floor, queued for the store thread.
+#[derive(Debug)]
+struct Floor {
+    device: String,
+    spool: [u8; 16],
+    stream: String,
+    seq: u64,
 }
 
 impl StoreHandle {
@@ -125,6 +136,15 @@ impl StoreHandle {
         rx.await.unwrap_or_else(|_| {
             PersistOutcome::Failed(StoreFailure::Io("store thread stopped before answering".into()))
         })
+    }
+
+    /// Queues an agent's floor for `(device, spool, stream)` ([`Store::raise_floor`]) without
+    /// waiting for it. The store thread applies it after the chunks queued before it are
+    /// persisted, so that none of those is answered `Duplicate` by the floor instead.
+    pub fn raise_floor(&self, device: &str, spool: [u8; 16], stream: &str, seq: u64) {
+        let floor = Floor { device: device.to_owned(), spool, stream: stream.to_owned(), seq };
+        // A stopped thread applies nothing, and answers nothing either.
+        let _ = self.inner.tx.send(Msg::Floor(floor));
     }
 
     /// Counters as of the last finished batch, plus the queue length. No round trip to the
@@ -246,6 +266,13 @@ fn run(
         let _ = gate.recv();
     }
     let mut carry: Option<(IncomingChunk, oneshot::Sender<PersistOutcome>)> = None;
+    // Floors that came while a batch was gathered: applied once it is persisted.
+    let mut floors: Vec<Floor> = Vec::new();
+    let apply = |store: &mut Store, f: Floor| {
+        if store.raise_floor(&f.device, &f.spool, &f.stream, f.seq).is_some() {
+            *shared.stats.lock().unwrap_or_else(PoisonError::into_inner) = store.stats();
+        }
+    };
     loop {
         let first = match carry.take() {
             Some(req) => req,
@@ -253,6 +280,10 @@ fn run(
                 Some(Msg::Persist(chunk, reply)) => {
                     shared.queued.fetch_sub(1, Ordering::Relaxed);
                     (chunk, reply)
+                }
+                Some(Msg::Floor(f)) => {
+                    apply(&mut store, f);
+                    continue;
                 }
                 Some(Msg::Shutdown) | None => break,
             },
@@ -273,6 +304,7 @@ fn run(
                     chunks.push(chunk);
                     replies.push(reply);
                 }
+                Ok(Msg::Floor(f)) => floors.push(f),
                 Ok(Msg::Shutdown) => {
                     stop = true;
                     break;
@@ -288,6 +320,9 @@ fn run(
         for (reply, outcome) in replies.into_iter().zip(outcomes) {
             // The caller may have gone away (connection closed); the chunk is stored anyway.
             let _ = reply.send(outcome);
+        }
+        for f in floors.drain(..) {
+            apply(&mut store, f);
         }
         if stop {
             break;

@@ -6,8 +6,12 @@
 //! cost one range per gap until the gap fills, then the ranges merge again. The first range is
 //! the "low watermark"; the ranges above it are the sparse part.
 //!
-//! The index is rebuilt from the segment headers at open and only ever grows while the store
-//! runs, after the fsync that made the key durable. The ranges past each stream's first (its
+//! The index is rebuilt from the segment headers at open and grows while the store runs, after
+//! the fsync that made each key durable. An agent's floor ([`DedupIndex::raise_floor`], from its
+//! `Floor` frame: no seq of the stream below it will come as new data any more) adds the seqs
+//! below it, stored or not, and so closes the gaps the agent's dropped and quarantined chunks
+//! left; floors are not written down, and after a restart the agent's next floor closes them
+//! again. The ranges past each stream's first (its
 //! gaps) are counted per device ([`DedupIndex::device_gaps`]), so that the store can refuse a
 //! device whose keys would open more than a cap of them (`StoreOptions::max_index_gaps_per_device`)
 //! before it writes them. Streams are not capped: an agent's producers name them, and each one
@@ -55,6 +59,28 @@ impl SeqSet {
                 self.ranges.insert(seq, seq);
             }
         }
+        true
+    }
+
+    /// Adds every seq below `floor` if the set has a range that starts at or below it: the
+    /// ranges that start there merge into one from 0. Returns whether the set changed. A set
+    /// whose every range starts above `floor` is left alone, for a range below its first
+    /// would only add one (the seqs below a stream's first range open no gap).
+    pub fn raise_floor(&mut self, floor: u64) -> bool {
+        let Some(last) = floor.checked_sub(1) else { return false };
+        if self.ranges.get(&0).is_some_and(|&end| end >= last) {
+            return false;
+        }
+        // A range that starts at `floor` itself is adjacent to `0..=last`.
+        let touched: Vec<(u64, u64)> = self.ranges.range(..=floor).map(|(&s, &e)| (s, e)).collect();
+        if touched.is_empty() {
+            return false;
+        }
+        let end = touched.iter().fold(last, |end, &(_, e)| end.max(e));
+        for (start, _) in touched {
+            self.ranges.remove(&start);
+        }
+        self.ranges.insert(0, end);
         true
     }
 
@@ -132,6 +158,25 @@ impl DedupIndex {
             device.gaps = device.gaps + after.saturating_sub(1) - before.saturating_sub(1);
         }
         added
+    }
+
+    /// Applies an agent's floor for one of its streams ([`SeqSet::raise_floor`]): every seq
+    /// below `floor` counts as stored from now on. Returns `None` if that changed nothing,
+    /// else the gaps it closed (0 when the floor only extends the stream's first range, so that
+    /// the next key does not open a gap). A stream the index does not know is left alone: its
+    /// first key opens no gap anyway.
+    pub fn raise_floor(&mut self, device: &str, spool: &[u8; 16], stream: &str, floor: u64) -> Option<u64> {
+        let d = self.devices.get_mut(device)?;
+        let set = d.spools.get_mut(spool).and_then(|streams| streams.get_mut(stream))?;
+        let before = set.range_count() as u64;
+        if !set.raise_floor(floor) {
+            return None;
+        }
+        // Ranges merge into the first one: the count falls or stays, and stays at least 1.
+        let closed = before - set.range_count() as u64;
+        self.ranges -= closed;
+        d.gaps -= closed;
+        Some(closed)
     }
 
     /// Number of keys stored.
@@ -218,7 +263,60 @@ mod tests {
         assert!(idx.has_stream("d", &[1; 16], "s") && !idx.has_stream("d", &[1; 16], "u"));
     }
 
+    #[test]
+    fn a_floor_closes_the_gaps_below_it_and_counts_them() {
+        let mut idx = DedupIndex::default();
+        let key = |stream: &str, seq| ChunkKey { device: "d".into(), spool: [1; 16], stream: stream.into(), seq };
+        // Stream s: 3, 5, 7, 9..=10 (three gaps); stream t: 20 (none).
+        for seq in [3, 5, 7, 9, 10] {
+            idx.insert(&key("s", seq));
+        }
+        idx.insert(&key("t", 20));
+        assert_eq!((idx.device_gaps("d"), idx.ranges()), (3, 5));
+        assert_eq!(idx.raise_floor("d", &[1; 16], "s", 6), Some(1), "3 and 5 merge below 6; 7 stays apart");
+        assert!(idx.contains(&key("s", 0)) && idx.contains(&key("s", 4)) && !idx.contains(&key("s", 6)));
+        assert_eq!((idx.device_gaps("d"), idx.ranges()), (2, 4));
+        assert_eq!(idx.raise_floor("d", &[1; 16], "s", 9), Some(2), "a range starting at the floor joins it");
+        assert_eq!((idx.device_gaps("d"), idx.ranges()), (0, 2));
+        assert!(idx.contains(&key("s", 8)) && idx.contains(&key("s", 10)) && !idx.contains(&key("s", 11)));
+        assert_eq!(idx.raise_floor("d", &[1; 16], "s", 5), None, "a lower floor changes nothing");
+        assert_eq!(idx.raise_floor("d", &[1; 16], "s", 15), Some(0), "extends the one range: no gap closed");
+        assert!(idx.contains(&key("s", 14)) && !idx.contains(&key("s", 15)));
+        assert_eq!(idx.raise_floor("d", &[1; 16], "t", 10), None, "below a stream's first range: left alone");
+        assert!(!idx.contains(&key("t", 0)));
+        assert_eq!(idx.raise_floor("d", &[1; 16], "unknown", 10), None);
+        assert_eq!(idx.raise_floor("d", &[2; 16], "s", 10), None, "another spool's stream");
+        assert_eq!(idx.raise_floor("e", &[1; 16], "s", 10), None, "another device's");
+        assert!(!idx.has_stream("d", &[1; 16], "unknown"), "a floor adds no stream");
+        assert_eq!(idx.chunks(), 6, "a floor stores no key");
+    }
+
     proptest! {
+        #[test]
+        fn seq_set_with_floors_agrees_with_a_btreeset(ops in proptest::collection::vec((any::<bool>(), 0u64..64), 0..200)) {
+            let mut real = SeqSet::default();
+            let mut model = BTreeSet::new();
+            for (floor, n) in ops {
+                if floor {
+                    // Only a set with a seq at or below the floor takes it.
+                    let takes = model.first().is_some_and(|&first| first <= n);
+                    let before = model.len();
+                    if takes {
+                        model.extend(0..n);
+                    }
+                    prop_assert_eq!(real.raise_floor(n), model.len() != before);
+                } else {
+                    prop_assert_eq!(real.insert(n), model.insert(n));
+                }
+                for probe in 0..66 {
+                    prop_assert_eq!(real.contains(probe), model.contains(&probe));
+                }
+                let runs = model.iter().zip(model.iter().skip(1)).filter(|&(a, b)| a + 1 != *b).count()
+                    + usize::from(!model.is_empty());
+                prop_assert_eq!(real.range_count(), runs);
+            }
+        }
+
         #[test]
         fn seq_set_agrees_with_a_btreeset(seqs in proptest::collection::vec(0u64..64, 0..200)) {
             let mut real = SeqSet::default();

@@ -395,6 +395,9 @@ pub struct StoreStats {
     /// Chunks refused since open because their device's part of the dedup index is full
     /// ([`StoreFailure::IndexFull`]; counted in `failed` too).
     pub index_refused: u64,
+    /// Agents' floors that changed the dedup index since open (a `Floor` frame: no seq of the
+    /// stream below it will come as new data any more).
+    pub index_floors: u64,
     /// The failure of the most recent commit, `None` once a commit succeeds again.
     pub last_failure: Option<StoreFailure>,
     /// Requests waiting for the store thread (filled by [`StoreHandle::stats`] only).

@@ -345,6 +345,21 @@ impl Store {
         outcomes
     }
 
+    /// Applies an agent's floor to the dedup index: every seq of `(device, spool, stream)`
+    /// below `floor` counts as stored from now on, stored or not, so a copy of one is answered
+    /// `Duplicate` (see `index`). The agent sends it for the chunks it dropped or quarantined,
+    /// which will never come, and whose gaps would otherwise count against the device's cap
+    /// for good, or be opened by the next chunk after them. Returns `None` if the floor changed
+    /// nothing, else the gaps it closed. Not written down: after a restart the gaps are back
+    /// until the agent's next floor.
+    pub fn raise_floor(&mut self, device: &str, spool: &[u8; 16], stream: &str, floor: u64) -> Option<u64> {
+        let closed = self.index.raise_floor(device, spool, stream, floor)?;
+        tracing::debug!(device, stream, floor, closed, "agent's floor raised in the dedup index");
+        self.stats.index_floors += 1;
+        self.stats.index_ranges = self.index.ranges();
+        Some(closed)
+    }
+
     /// Current counters.
     pub fn stats(&self) -> StoreStats {
         self.stats.clone()
@@ -355,7 +370,8 @@ impl Store {
         &self.opts
     }
 
-    /// Whether `key` is durably stored.
+    /// Whether `key` is durably stored, or below its agent's floor for the stream (see
+    /// [`Store::raise_floor`]).
     pub fn contains(&self, key: &ChunkKey) -> bool {
         self.index.contains(key)
     }
@@ -1021,6 +1037,47 @@ mod tests {
         batch.push(of("f", "s", 60));
         assert!(store.persist(batch).iter().all(|o| *o == Stored), "19 joined 10..=18 and 20");
         assert_eq!(store.persist(seqs(70, 70)), vec![full(3)]);
+    }
+
+    #[test]
+    fn an_agents_floor_closes_its_gaps_at_the_cap_and_is_learned_again_after_a_restart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let capped = |dir: &Path| {
+            let opts = StoreOptions { max_index_gaps_per_device: 2, ..StoreOptions::new(dir) };
+            Store::open(opts).expect("open store").0
+        };
+        let of = |stream: &str, seq: u64| {
+            let mut c = chunk(seq, b"x");
+            c.key.stream = stream.into();
+            c
+        };
+        let full = || PersistOutcome::Failed(StoreFailure::IndexFull { gaps: 2, max: 2 });
+        use PersistOutcome::{Duplicate, Stored};
+        let (device, spool) = {
+            let k = of("s", 0).key;
+            (k.device, k.spool)
+        };
+        let mut store = capped(dir.path());
+        // Seqs 2, 3 and 4 dropped by the agent's full spool, 6 quarantined: two gaps, the cap.
+        assert!(store.persist([1, 5, 7].map(|seq| of("s", seq)).to_vec()).iter().all(|o| *o == Stored));
+        assert_eq!(store.persist(vec![of("s", 9)]), vec![full()], "8 still to come: a third gap");
+        assert_eq!(store.raise_floor(&device, &spool, "s", 8), Some(2), "below 8 nothing more will come");
+        assert_eq!(store.stats().index_floors, 1);
+        assert_eq!(store.stats().index_ranges, 1);
+        assert_eq!(store.persist(vec![of("s", 9)]), vec![Stored], "room for the gap at 8 now");
+        assert_eq!(store.persist(vec![of("s", 3), of("s", 8)]), vec![Duplicate, Stored], "3 is below the floor");
+        assert_eq!(store.raise_floor(&device, &spool, "other", 8), None, "no such stream: nothing to close");
+        drop(store);
+
+        // Floors are not written down: the gaps are back after a restart, until the next one.
+        let mut store = capped(dir.path());
+        assert_eq!(store.stats().index_ranges, 3, "1, 5 and 7..=9");
+        assert_eq!(store.persist(vec![of("s", 11)]), vec![full()]);
+        assert_eq!(store.raise_floor(&device, &spool, "s", 10), Some(2));
+        assert_eq!(store.persist(vec![of("s", 11)]), vec![Stored]);
+        let (mut seqs, _) = exported_seqs(dir.path());
+        seqs.sort_unstable();
+        assert_eq!(seqs, [1, 5, 7, 8, 9, 11], "stored chunks only: a floor stores nothing");
     }
 
     /// Whether the file system under `dir` takes `O_DIRECT` (the tests of the direct path say
