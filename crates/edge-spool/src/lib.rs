@@ -402,6 +402,51 @@ pub enum AppendOutcome {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ChunkId(pub i64);
 
+/// How far the spool's drops ([`FullPolicy::DropOldest`]) are committed and how far durable,
+/// as totals of dropped chunks ([`SpoolStats::dropped_chunks`]), shared with the agent
+/// ([`Spool::drop_marks`]). A drop is visible to readers at its `COMMIT` but, with deferred
+/// syncs ([`Spool::defer_wal_sync`]), durable only once the WAL is synced: evictions are not in
+/// the segments' commit records, and a power cut before that sync brings the dropped chunks
+/// back. The uploader tells the server that a stream's dropped chunks will never come only when
+/// [`all_durable`](DropMarks::all_durable) holds.
+#[derive(Debug, Clone, Default)]
+pub struct DropMarks(std::sync::Arc<DropMarksInner>);
+
+#[derive(Debug, Default)]
+struct DropMarksInner {
+    committing: std::sync::atomic::AtomicU64,
+    durable: std::sync::atomic::AtomicU64,
+}
+
+impl DropMarks {
+    /// Both marks at `total`: the state of a spool just opened and synced.
+    fn at(total: u64) -> Self {
+        let m = Self::default();
+        m.0.committing.store(total, std::sync::atomic::Ordering::SeqCst);
+        m.0.durable.store(total, std::sync::atomic::Ordering::SeqCst);
+        m
+    }
+
+    /// The spool, before the `COMMIT` of a transaction that drops chunks: the total after it.
+    /// (A transaction that then fails leaves the mark too high, which only withholds floors.)
+    fn committing(&self, total: u64) {
+        self.0.committing.fetch_max(total, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whoever makes commits durable: the commits up to the one that left `total` dropped
+    /// chunks are durable now.
+    pub fn durable(&self, total: u64) {
+        self.0.durable.fetch_max(total, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether every drop a reader may have seen is durable.
+    pub fn all_durable(&self) -> bool {
+        // `committing` first: it is raised before a drop is visible, and `durable` only grows.
+        let committing = self.0.committing.load(std::sync::atomic::Ordering::SeqCst);
+        committing <= self.0.durable.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 /// The chunks an uploader has sent and not yet seen answered, told to the spool
 /// ([`Spool::chunks_in_flight`]). Under [`FullPolicy::DropOldest`] the spool evicts the oldest
 /// chunk that is *not* among them first: one on its way is likely stored by the server already,

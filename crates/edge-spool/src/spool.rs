@@ -49,6 +49,8 @@ pub struct Spool {
     seals_unsynced: bool,
     /// What the uploader has in flight, spared by `DropOldest` while it can be.
     in_flight: crate::ChunksInFlight,
+    /// How far `DropOldest`'s drops are committed and durable.
+    drops: crate::DropMarks,
     /// The first of those syncs that failed: no later one is trusted (see `sync_normal_seals`).
     wal_sync_failed: Option<String>,
     /// Whether the WAL's directory was synced once its file existed (under `Normal`).
@@ -125,6 +127,7 @@ impl Spool {
             known_synced: 0,
             seals_unsynced: false,
             in_flight: crate::ChunksInFlight::default(),
+            drops: crate::DropMarks::default(),
             wal_sync_failed: None,
             wal_dir_synced: false,
             #[cfg(test)]
@@ -154,6 +157,8 @@ impl Spool {
                 return Err(SpoolError::Io { path, source: std::io::Error::other(e) });
             }
         }
+        // Every drop so far is durable: committed under `FULL`, or synced by the open.
+        spool.drops = crate::DropMarks::at(u64::try_from(spool.state.meta.dropped_chunks).unwrap_or(0));
         Ok((spool, report))
     }
 
@@ -303,6 +308,15 @@ impl Spool {
             // After `COMMIT`, so that a sync already running does not take the need.
             syncs.need_wal();
         }
+        // Drops are in no commit record either: durable only with the WAL.
+        if st.meta.dropped_chunks > self.state.meta.dropped_chunks {
+            let total = u64::try_from(st.meta.dropped_chunks).unwrap_or(0);
+            match &self.syncs {
+                Some(syncs) => syncs.need_wal(),
+                None if self.opts.durability == crate::Durability::Full => self.drops.durable(total),
+                None => {}
+            }
+        }
         if self.syncs.is_some() && st.next_batch_id > self.state.next_batch_id {
             self.unsynced.push_back((self.segments.last_write(), st.next_batch_id.saturating_sub(1)));
         }
@@ -374,6 +388,15 @@ impl Spool {
                 self.seals_unsynced = true;
             }
         }
+    }
+
+    /// How far this spool's drops are committed and durable (see
+    /// [`DropMarks`](crate::DropMarks)). Under `FULL` without deferred syncs a drop is durable
+    /// at its `COMMIT`, and marked so; with them, whoever runs the [`WalSync`] marks it once a
+    /// sync after its commit returned (the commit asks that sync to include the WAL); under
+    /// [`Durability::Normal`](crate::Durability::Normal) only the next open makes it durable.
+    pub fn drop_marks(&self) -> crate::DropMarks {
+        self.drops.clone()
     }
 
     /// The set of chunks in flight the uploader keeps up to date, shared with this spool (see
@@ -533,6 +556,9 @@ impl Spool {
         }
         if !sealed.is_empty() {
             crate::crash_point!("spool::seal::before_commit");
+        }
+        if dropped.chunks > 0 {
+            self.drops.committing(u64::try_from(st.meta.dropped_chunks).unwrap_or(0));
         }
         #[cfg(test)]
         if std::mem::take(&mut self.fail_next_commit) {
@@ -1749,6 +1775,34 @@ mod tests {
             let out = spool.append(&[req(vec![batch("a", &[0; 60]), batch("a", &[0; 41])])], 2).expect("append");
             assert_eq!(out, vec![AppendOutcome::Full], "{policy:?}");
             assert_eq!(spool.stats().sealed_chunks, 1, "{policy:?}: nothing evicted for a hopeless request");
+        }
+    }
+
+    #[test]
+    fn a_drop_is_marked_durable_at_commit_under_full_and_only_by_the_syncer_with_deferred_syncs() {
+        let three = |s: &str| Batch { stream: s.into(), data: vec![7; 30], records: 3 };
+        for deferred in [false, true] {
+            let (_dir, mut opts) = setup();
+            opts.max_bytes = 100;
+            opts.chunk_target_bytes = 30;
+            opts.full_policy = FullPolicy::DropOldest;
+            let (mut spool, _) = open(&opts);
+            let sync = if deferred { spool.defer_wal_sync().expect("defer") } else { None };
+            let marks = spool.drop_marks();
+            spool.append(&[req(vec![three("a")]), req(vec![three("b")]), req(vec![three("a")])], 1).expect("append");
+            assert!(marks.all_durable(), "nothing dropped yet");
+            spool.append(&[req(vec![batch("c", &[1; 40])])], 2).expect("append");
+            assert_eq!(spool.stats().dropped_chunks, 1);
+            if deferred {
+                assert!(!marks.all_durable(), "dropped and visible, not durable before the WAL's sync");
+                sync.expect("full defers").sync(None).expect("sync");
+                assert!(!marks.all_durable(), "the syncer marks it, not the sync");
+                marks.durable(1);
+            }
+            assert!(marks.all_durable(), "deferred: {deferred}");
+            drop(spool);
+            let (spool, _) = open(&opts);
+            assert!(spool.drop_marks().all_durable(), "an open starts with every drop durable");
         }
     }
 

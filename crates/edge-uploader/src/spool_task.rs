@@ -128,9 +128,8 @@ pub struct SpoolHandle {
     in_flight: edge_spool::ChunksInFlight,
     /// Set once, by the spool thread, when a WAL sync failed under `Normal`.
     sync_failed: watch::Receiver<Option<String>>,
-    /// The spool's count of dropped chunks when it was opened and synced (see
-    /// [`SpoolHandle::dropped_since_open`]).
-    dropped_at_open: u64,
+    /// How far the spool's drops are durable (see [`SpoolHandle::drops_durable`]).
+    drops: edge_spool::DropMarks,
 }
 
 /// Joins the spool thread when the last handle is gone.
@@ -169,9 +168,9 @@ impl SpoolHandle {
         let commit_seconds = crate::metrics::spool_commit_histogram();
         let busy = Arc::new(Busy::new());
         let (sync_failed_tx, sync_failed) = watch::channel(None);
-        let dropped_at_open = spool.stats().dropped_chunks;
+        let drops = spool.drop_marks();
         let handle = SpoolHandle {
-            dropped_at_open,
+            drops: drops.clone(),
             in_flight: spool.chunks_in_flight(),
             tx,
             stats: stats.clone(),
@@ -185,7 +184,7 @@ impl SpoolHandle {
             busy: busy.clone(),
             sync_failed,
         };
-        let settler = Settler { sealed, handoff, settling: Arc::new(AtomicU64::new(0)), commit_seconds };
+        let settler = Settler { sealed, handoff, settling: Arc::new(AtomicU64::new(0)), commit_seconds, drops };
         let syncer = match wal_sync {
             Some(wal) => Some(Syncer::spawn(wal, settler.clone(), busy.clone())?),
             None => None,
@@ -197,13 +196,13 @@ impl SpoolHandle {
         Ok((handle, SpoolThread { join: Some(join) }))
     }
 
-    /// Whether the spool dropped chunks (`drop_oldest`) since it was opened. Those drops may not
-    /// be durable yet: evictions are not in the segments' commit records, and a power cut before
-    /// the next sync of the WAL brings the chunks back. Drops from before the open are durable
-    /// (the open syncs everything, the WAL included), so only then may the uploader tell the
-    /// server that such chunks will never come (its floor).
-    pub fn dropped_since_open(&self) -> bool {
-        self.stats().dropped_chunks > self.dropped_at_open
+    /// Whether every chunk the spool dropped (`drop_oldest`) so far is durably gone. A drop is
+    /// visible at once but durable only with the next sync of the WAL (the sync thread marks
+    /// it; under `durability = "normal"` only the next start): a power cut before it brings the
+    /// chunks back. Only when this holds may the uploader tell the server that a stream's
+    /// dropped chunks will never come (its floor).
+    pub fn drops_durable(&self) -> bool {
+        self.drops.all_durable()
     }
 
     /// The spool's identity, sent to the server in Hello.
@@ -493,6 +492,9 @@ struct Settle {
     sealed_through: Option<ChunkId>,
     /// When the spool thread began the commit.
     started: Instant,
+    /// The spool's dropped-chunk total after the commit, if the commit dropped chunks: durable
+    /// once the commit is (see [`SpoolHandle::drops_durable`]).
+    drops_through: Option<u64>,
 }
 
 impl Settle {
@@ -501,7 +503,10 @@ impl Settle {
     /// with nothing due), is made durable by the next sync, or never needs to be: an ack lost
     /// in a power cut only costs a duplicate.
     fn awaited(&self) -> bool {
-        !self.replies.is_empty() || !self.seal_waiters.is_empty() || !self.handed.is_empty()
+        !self.replies.is_empty()
+            || !self.seal_waiters.is_empty()
+            || !self.handed.is_empty()
+            || self.drops_through.is_some()
     }
 }
 
@@ -513,13 +518,17 @@ struct Settler {
     /// Chunks sealed by commits not settled yet (see [`held_back`]).
     settling: Arc<AtomicU64>,
     commit_seconds: Histogram,
+    drops: edge_spool::DropMarks,
 }
 
 impl Settler {
     /// `durable` is `Err` when the commit may be lost: its producers get the error, and
     /// nothing it sealed is handed over.
     fn settle(&self, s: Settle, durable: Result<(), &AppendFailure>) {
-        let Settle { replies, answer, seal_waiters, handed, sealed_through: _, started } = s;
+        let Settle { replies, answer, seal_waiters, handed, sealed_through: _, started, drops_through } = s;
+        if let (Ok(()), Some(total)) = (durable, drops_through) {
+            self.drops.durable(total);
+        }
         self.commit_seconds.observe(started.elapsed().as_secs_f64());
         let sealed_count = handed.len() as u64;
         let sealed_any = !handed.is_empty();
@@ -757,6 +766,7 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
             handed,
             sealed_through: spool.newest_chunk(),
             started,
+            drops_through: (dropped_chunks != dropped_before).then_some(dropped_chunks),
         };
         if !settle.awaited() {
             continue;

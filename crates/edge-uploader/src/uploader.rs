@@ -1037,11 +1037,11 @@ impl<'a> Connection<'a> {
                             // An ingest at this device's cap of gaps refuses a chunk with no
                             // neighbour stored: if the chunks below it were dropped or
                             // quarantined here, no neighbour ever comes. The stream's floor
-                            // tells it so, and it closes those gaps. Not while drops of this
-                            // run may still be undone by a power cut (`dropped_since_open`):
-                            // a chunk brought back would be answered duplicate, and lost.
+                            // tells it so, and it closes those gaps. Not while a drop may still
+                            // be undone by a power cut (`drops_durable`): a chunk brought back
+                            // would be answered duplicate, and lost uncounted.
                             if reason == RetryReason::Overloaded
-                                && !self.spool.dropped_since_open()
+                                && self.spool.drops_durable()
                                 && let Some(floor) = pending.floor_to_send(&meta.stream)
                                 && let Err(e) = self.send_floor(&state, &mut ctl_send, &meta.stream, floor).await
                             {
