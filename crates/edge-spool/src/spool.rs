@@ -394,7 +394,8 @@ impl Spool {
     /// [`DropMarks`](crate::DropMarks)). Under `FULL` without deferred syncs a drop is durable
     /// at its `COMMIT`, and marked so; with them, whoever runs the [`WalSync`] marks it once a
     /// sync after its commit returned (the commit asks that sync to include the WAL); under
-    /// [`Durability::Normal`](crate::Durability::Normal) only the next open makes it durable.
+    /// [`Durability::Normal`](crate::Durability::Normal) only the next open makes it durable,
+    /// and the spool marks nothing: its owner decides what it waits for.
     pub fn drop_marks(&self) -> crate::DropMarks {
         self.drops.clone()
     }

@@ -197,10 +197,11 @@ impl SpoolHandle {
     }
 
     /// Whether every chunk the spool dropped (`drop_oldest`) so far is durably gone. A drop is
-    /// visible at once but durable only with the next sync of the WAL (the sync thread marks
-    /// it; under `durability = "normal"` only the next start): a power cut before it brings the
-    /// chunks back. Only when this holds may the uploader tell the server that a stream's
-    /// dropped chunks will never come (its floor).
+    /// visible at once but durable only with the next sync of the WAL, which the sync thread
+    /// marks: a power cut before it brings the chunks back. Only when this holds may the
+    /// uploader tell the server that a stream's dropped chunks will never come (its floor).
+    /// Under `durability = "normal"` a commit is marked when it returns, as it is answered: a
+    /// power cut may lose any of them there.
     pub fn drops_durable(&self) -> bool {
         self.drops.all_durable()
     }
@@ -778,7 +779,8 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
                     settler.settle(settle, Err(&AppendFailure::Storage("the spool's sync thread has stopped".into())));
                 }
             }
-            // Every commit was durable when it returned.
+            // Every commit was durable when it returned (`FULL` without deferred syncs), or is
+            // answered as it returns (`durability = "normal"`).
             None => settler.settle(settle, Ok(())),
         }
     }
