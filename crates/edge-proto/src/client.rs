@@ -166,11 +166,6 @@ impl ClientSession {
 
     // === Getters ===
 
-    /// The protocol version of our Hello.
-    pub fn version(&self) -> u16 {
-        self.version
-    }
-
     /// Whether the Welcome arrived and the session has not failed (it may be draining).
     pub fn is_connected(&self) -> bool {
         matches!(self.state, State::Connected { .. })
@@ -561,13 +556,7 @@ mod tests {
 
         let mut c = ClientSession::new([1; 16], "a".into(), Limits::default(), now);
         c.poll_transmit().expect("Hello");
-        let w = encode(ControlFrame::Welcome {
-            version: VERSION,
-            device: "d".into(),
-            max_chunk_payload: 1024,
-            max_in_flight: 8,
-        });
-        c.handle_control_bytes(now, &w).expect("Welcome");
+        c.handle_control_bytes(now, &welcome(8)).expect("Welcome");
         assert_eq!(c.floor(&s, 3), Ok(true));
         let bytes = c.poll_transmit().expect("Floor");
         let (frame, _) = ControlFrame::decode(&bytes, &Limits::default()).expect("valid").expect("complete");

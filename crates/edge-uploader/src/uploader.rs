@@ -19,7 +19,7 @@
 //! 4. when the connection ends, every chunk that was not acked is simply still in the spool:
 //!    the next connection starts scanning from the oldest sealed chunk again.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -721,7 +721,7 @@ impl<'a> Connection<'a> {
         ));
     }
 
-    /// Tells the server `stream`'s floor ([`Pending`]) on the control stream; nothing on a
+    /// Tells the server `stream`'s floor ([`floor_of`]) on the control stream; nothing on a
     /// session of protocol version 1, which has no such frame.
     async fn send_floor(
         &self,
@@ -767,7 +767,8 @@ impl<'a> Connection<'a> {
         }
         let mut tasks: JoinSet<(ChunkMeta, SendOutcome)> = JoinSet::new();
         let mut in_flight = InFlight::default();
-        let mut pending = Pending::default();
+        // The floor last sent per stream on this connection.
+        let mut floors_sent: HashMap<String, u64> = HashMap::new();
         let mut cursor: Option<ChunkId> = None;
         // While no connection could take chunks, the spool thread sealed by size only: the
         // records that came meanwhile are sealed now, so they can go in this first flight.
@@ -789,8 +790,7 @@ impl<'a> Connection<'a> {
                     break;
                 }
                 cursor = Some(meta.id);
-                in_flight.insert(meta.id, raw.len() as u64);
-                pending.add(&meta);
+                in_flight.insert(&meta, raw.len() as u64);
                 self.spawn_send(&mut tasks, &state, meta, raw, e.max_chunk_payload);
             }
             *sent_early = !tasks.is_empty();
@@ -878,8 +878,9 @@ impl<'a> Connection<'a> {
 
         // Chunks handed back on this connection (answered Retry, or lost) to offer again, lowest id
         // first. All of them are at or before `cursor` and none is in flight, so reading them
-        // never reads a payload that is already on its way. They stay in `pending`.
-        let mut redo: BTreeSet<ChunkId> = BTreeSet::new();
+        // never reads a payload that is already on its way. Each with its stream and seq, for
+        // `floor_of`.
+        let mut redo: BTreeMap<ChunkId, (String, u64)> = BTreeMap::new();
         let mut progress = false;
         let mut drain_deadline: Option<tokio::time::Instant> = None;
         let mut retry_at: Option<tokio::time::Instant> = None;
@@ -903,14 +904,11 @@ impl<'a> Connection<'a> {
             // is read, and a payload is read only for a chunk that is then sent.
             let room = in_flight.has_room(window().min(allowed), self.opts.max_in_flight_bytes.load(Ordering::Relaxed));
             if !draining && retry_at.is_none() && room && (!redo.is_empty() || !exhausted) {
-                let fetched = if let Some(id) = redo.pop_first() {
+                let fetched = if let Some((id, _)) = redo.pop_first() {
                     let mut fetched = self.read(Some(ChunkId(id.0.saturating_sub(1)))).await?;
                     // Anything else means the chunk left the spool meanwhile (dropped by the
                     // cap): the read of the chunk after it was in vain, and is discarded.
                     fetched.retain(|(meta, _)| meta.id == id);
-                    if fetched.is_empty() {
-                        pending.done(id);
-                    }
                     fetched
                 } else {
                     match self.spool.handoff().next() {
@@ -961,10 +959,7 @@ impl<'a> Connection<'a> {
                     if in_flight.contains(meta.id) {
                         continue;
                     }
-                    let Some(raw) = self.admit(&meta, data)? else {
-                        pending.done(meta.id);
-                        continue;
-                    };
+                    let Some(raw) = self.admit(&meta, data)? else { continue };
                     if raw.len() as u64 > u64::from(max_chunk_payload) && self.compressor.is_none() {
                         // Sending it would only get the connection closed, again and again. (A
                         // compressed chunk is measured after compression, by its send task.)
@@ -973,11 +968,9 @@ impl<'a> Connection<'a> {
                             meta.id,
                             format!("{} bytes, over the server's limit of {max_chunk_payload}", raw.len()),
                         );
-                        pending.done(meta.id);
                         continue;
                     }
-                    in_flight.insert(meta.id, raw.len() as u64);
-                    pending.add(&meta);
+                    in_flight.insert(&meta, raw.len() as u64);
                     self.publish(&in_flight);
                     self.spawn_send(&mut tasks, &state, meta, raw, max_chunk_payload);
                 }
@@ -1018,7 +1011,6 @@ impl<'a> Connection<'a> {
                             progress = true;
                             *sent_early = false;
                             retry_backoff.reset();
-                            pending.done(meta.id);
                             // Counted before the spool learns of the ack, so whoever sees the
                             // spool drained also sees the counters complete.
                             self.counters.acked(&meta, status == AckStatus::Duplicate);
@@ -1032,7 +1024,7 @@ impl<'a> Connection<'a> {
                             self.counters.retry.add(&meta);
                             let delay = retry_backoff.next_delay();
                             warn!(stream = %meta.stream, seq = meta.seq, ?reason, ?delay, "server asked to retry the chunk later");
-                            redo.insert(meta.id);
+                            redo.insert(meta.id, (meta.stream.clone(), meta.seq));
                             retry_at.get_or_insert(tokio::time::Instant::now() + delay);
                             // An ingest at this device's cap of gaps refuses a chunk with no
                             // neighbour stored: if the chunks below it were dropped or
@@ -1042,20 +1034,21 @@ impl<'a> Connection<'a> {
                             // would be answered duplicate, and lost uncounted.
                             if reason == RetryReason::Overloaded
                                 && self.spool.drops_durable()
-                                && let Some(floor) = pending.floor_to_send(&meta.stream)
-                                && let Err(e) = self.send_floor(&state, &mut ctl_send, &meta.stream, floor).await
+                                && let Some(floor) = floor_of(&meta.stream, &in_flight, &redo)
+                                && floors_sent.get(&meta.stream).is_none_or(|&sent| sent < floor)
                             {
-                                break Err(e);
+                                floors_sent.insert(meta.stream.clone(), floor);
+                                if let Err(e) = self.send_floor(&state, &mut ctl_send, &meta.stream, floor).await {
+                                    break Err(e);
+                                }
                             }
                         }
                         SendOutcome::Acked(AckStatus::Rejected(reason)) => {
-                            pending.done(meta.id);
                             self.counters.rejected.add(&meta);
                             error!(stream = %meta.stream, seq = meta.seq, ?reason, "server rejected the chunk for good; quarantined");
                             self.spool.quarantine(meta.id, format!("rejected by server: {reason:?}"));
                         }
                         SendOutcome::Unsendable(why) => {
-                            pending.done(meta.id);
                             error!(stream = %meta.stream, seq = meta.seq, %why, "chunk cannot be sent; quarantined");
                             self.spool.quarantine(meta.id, why);
                         }
@@ -1066,7 +1059,7 @@ impl<'a> Connection<'a> {
                             // going, the loop ends first and the next one rescans anyway.
                             let delay = retry_backoff.next_delay();
                             debug!(stream = %meta.stream, seq = meta.seq, %why, ?delay, "chunk not acked on this connection; offering it again");
-                            redo.insert(meta.id);
+                            redo.insert(meta.id, (meta.stream.clone(), meta.seq));
                             retry_at.get_or_insert(tokio::time::Instant::now() + delay);
                         }
                     }
@@ -1086,7 +1079,8 @@ impl<'a> Connection<'a> {
 /// The chunks in flight on one connection and their payload bytes, held against both limits.
 #[derive(Debug, Default)]
 struct InFlight {
-    chunks: HashMap<ChunkId, u64>,
+    /// Per chunk its payload bytes, and its stream and seq (for [`floor_of`]).
+    chunks: HashMap<ChunkId, (u64, (String, u64))>,
     bytes: u64,
 }
 
@@ -1103,15 +1097,15 @@ impl InFlight {
         self.chunks.contains_key(&id)
     }
 
-    fn insert(&mut self, id: ChunkId, bytes: u64) {
-        if let Some(old) = self.chunks.insert(id, bytes) {
+    fn insert(&mut self, meta: &ChunkMeta, bytes: u64) {
+        if let Some((old, _)) = self.chunks.insert(meta.id, (bytes, (meta.stream.clone(), meta.seq))) {
             self.bytes -= old;
         }
         self.bytes += bytes;
     }
 
     fn remove(&mut self, id: ChunkId) {
-        if let Some(bytes) = self.chunks.remove(&id) {
+        if let Some((bytes, _)) = self.chunks.remove(&id) {
             self.bytes -= bytes;
         }
     }
@@ -1128,37 +1122,20 @@ impl InFlight {
     }
 }
 
-/// The chunks of one connection not done with yet: in flight, or handed back to be offered
-/// again. A stream's lowest seq among them is its floor: the spool is read in sealing order, in
-/// which each stream's seqs grow, so every chunk of the stream below it was read on this
-/// connection and then acked, or left the spool (dropped by its cap, or quarantined), and
-/// none of them will be sent as new data again.
-#[derive(Debug, Default)]
-struct Pending {
-    keys: HashMap<ChunkId, (String, u64)>,
-    /// The floor last sent per stream on this connection.
-    sent: HashMap<String, u64>,
-}
-
-impl Pending {
-    fn add(&mut self, meta: &ChunkMeta) {
-        self.keys.insert(meta.id, (meta.stream.clone(), meta.seq));
-    }
-
-    fn done(&mut self, id: ChunkId) {
-        self.keys.remove(&id);
-    }
-
-    /// The floor of `stream` if it is above the last one sent for it on this connection (a
-    /// scan of the pending chunks: this runs only when the server refuses one).
-    fn floor_to_send(&mut self, stream: &str) -> Option<u64> {
-        let floor = self.keys.values().filter(|(s, _)| s == stream).map(|&(_, seq)| seq).min()?;
-        if self.sent.get(stream).is_some_and(|&sent| sent >= floor) {
-            return None;
-        }
-        self.sent.insert(stream.to_owned(), floor);
-        Some(floor)
-    }
+/// The floor of `stream` on this connection: its lowest seq among the chunks in flight and
+/// those handed back to be offered again. The spool is read in sealing order, in which each
+/// stream's seqs grow, so every chunk of the stream below it was read on this connection and
+/// then acked, or left the spool (dropped by its cap, or quarantined), and none of them will be
+/// sent as new data again. A scan of the window: this runs only when the server refuses a chunk.
+fn floor_of(stream: &str, in_flight: &InFlight, redo: &BTreeMap<ChunkId, (String, u64)>) -> Option<u64> {
+    in_flight
+        .chunks
+        .values()
+        .map(|(_, key)| key)
+        .chain(redo.values())
+        .filter(|(s, _)| s == stream)
+        .map(|&(_, seq)| seq)
+        .min()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1355,21 +1332,30 @@ mod tests {
     #[test]
     fn in_flight_room_needs_both_budgets_but_always_admits_one_chunk() {
         let mut f = InFlight::default();
+        let meta = |id| ChunkMeta {
+            id: ChunkId(id),
+            stream: "s".into(),
+            seq: id as u64,
+            records: 1,
+            bytes: 0,
+            first_ms: 0,
+            sealed_ms: 0,
+        };
         // Nothing in flight: a chunk goes even if the byte budget is smaller than it.
         assert!(f.has_room(1, 1));
-        f.insert(ChunkId(1), 10 << 20);
+        f.insert(&meta(1), 10 << 20);
         assert!(!f.has_room(32, 8 << 20), "10 MiB in flight is over an 8 MiB budget");
         f.remove(ChunkId(1));
         assert!(f.has_room(32, 8 << 20));
         for id in 1..=7 {
-            f.insert(ChunkId(id), 512 << 10);
+            f.insert(&meta(id), 512 << 10);
         }
         assert!(f.has_room(32, 4 << 20), "3.5 MiB of 4 MiB: room for one more");
-        f.insert(ChunkId(8), 512 << 10);
+        f.insert(&meta(8), 512 << 10);
         assert!(!f.has_room(32, 4 << 20), "4 MiB of 4 MiB: no room");
         assert!(!f.has_room(8, 1 << 30), "8 of 8 chunks: no room");
         // Re-inserting a chunk does not count its bytes twice; removing frees them.
-        f.insert(ChunkId(8), 512 << 10);
+        f.insert(&meta(8), 512 << 10);
         assert_eq!(f.bytes, 4 << 20);
         f.remove(ChunkId(8));
         f.remove(ChunkId(8));
