@@ -54,13 +54,14 @@ use std::borrow::Cow;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_nats::jetstream::context::{GetStreamErrorKind, PublishError, PublishErrorKind};
 use async_nats::jetstream::stream::{Config as StreamConfig, DiscardPolicy, RetentionPolicy, StorageType};
 use async_nats::{HeaderMap, jetstream};
 use bytes::Bytes;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -171,7 +172,8 @@ struct Inner {
     opts: JetStreamOptions,
     stats: StatsCell,
     /// Set once the stream was found or created with the right settings.
-    ready: AtomicBool,
+    /// Whether the stream is set up; watched by [`JetStreamSink::ready`].
+    ready: watch::Sender<bool>,
     cancel: CancellationToken,
 }
 
@@ -210,7 +212,7 @@ impl JetStreamSink {
                 js,
                 opts,
                 stats: StatsCell::new(),
-                ready: AtomicBool::new(false),
+                ready: watch::Sender::new(false),
                 cancel: CancellationToken::new(),
             }),
         };
@@ -268,8 +270,17 @@ impl JetStreamSink {
 
     /// Whether the stream is set up and the client connected.
     pub fn is_ready(&self) -> bool {
-        self.inner.ready.load(Ordering::Acquire)
-            && self.inner.client.connection_state() == async_nats::connection::State::Connected
+        *self.inner.ready.borrow() && self.inner.client.connection_state() == async_nats::connection::State::Connected
+    }
+
+    /// Waits until the stream is set up: at once if [`JetStreamSink::start`] did, else when the
+    /// background set-up succeeds (never, if the stream stays misconfigured or the sink is shut
+    /// down first). For embedders and
+    /// tests that want to know chunks will be published, not answered Retry.
+    pub async fn ready(&self) {
+        let mut rx = self.inner.ready.subscribe();
+        // The sender lives as long as `self`: `wait_for` cannot fail while it is borrowed.
+        let _ = rx.wait_for(|&ready| ready).await;
     }
 
     /// Stops the background set-up, flushes what was published and closes the connection.
@@ -354,7 +365,7 @@ impl Inner {
                 "the NATS server's max_payload leaves room for records of up to {largest} bytes, and agents accept records of up to {default_record} bytes by default (intake.max_record_bytes): a chunk holding a larger record is answered Retry until max_payload is raised to {needed} bytes or more",
             );
         }
-        self.ready.store(true, Ordering::Release);
+        self.ready.send_replace(true);
         info!(stream = %opts.stream, prefix = %opts.subject_prefix, "JetStream sink ready");
         Ok(())
     }
@@ -390,7 +401,7 @@ impl Inner {
     /// Publishes every part of `chunk`. `Ok(true)`: at least one part was new; `Ok(false)`:
     /// all of them were stored before.
     async fn publish(self: &Arc<Self>, chunk: &IncomingChunk) -> Result<bool, StoreFailure> {
-        if !self.ready.load(Ordering::Acquire) {
+        if !*self.ready.borrow() {
             return Err(StoreFailure::Unavailable(format!(
                 "JetStream stream {:?} is not set up yet",
                 self.opts.stream
@@ -455,7 +466,7 @@ impl Inner {
                 Err(e) => {
                     if e.kind() == PublishErrorKind::StreamNotFound {
                         // Deleted under us: set it up again before the next chunk.
-                        if self.ready.swap(false, Ordering::AcqRel) {
+                        if self.ready.send_replace(false) {
                             self.wait_for_nats(format!("stream {:?} disappeared", self.opts.stream));
                         }
                     }

@@ -53,6 +53,14 @@ fn operators_stream(stream: &str, prefix: &str) -> StreamConfig {
     }
 }
 
+/// Starts a sink and waits until its stream is set up: a first attempt that NATS refused for a
+/// moment is retried in the background, and these tests are about what comes after.
+async fn started(o: JetStreamOptions) -> JetStreamSink {
+    let sink = JetStreamSink::start(o).await.expect("sink");
+    tokio::time::timeout(Duration::from_secs(30), sink.ready()).await.expect("stream set up within 30 s");
+    sink
+}
+
 fn records(n: usize, size: usize, tag: u8) -> Vec<Vec<u8>> {
     (0..n).map(|i| vec![tag.wrapping_add(u8::try_from(i % 200).expect("small")); size]).collect()
 }
@@ -62,8 +70,8 @@ async fn a_chunk_is_stored_once_whichever_ingest_server_receives_it() {
     let (stream, prefix) = nats::unique("once");
     let js = nats::context(&nats::url()).await.expect("NATS with JetStream at EDGE_TEST_NATS_URL or 127.0.0.1:4222");
     // Two sinks, two connections: two ingest servers of one tier.
-    let a = JetStreamSink::start(opts(&stream, &prefix)).await.expect("sink a");
-    let b = JetStreamSink::start(opts(&stream, &prefix)).await.expect("sink b");
+    let a = started(opts(&stream, &prefix)).await;
+    let b = started(opts(&stream, &prefix)).await;
     let recs = records(5, 100, 1);
     let c = chunk("gw.01", "temp.c", 42, &recs);
     assert_eq!(a.persist(c.clone()).await, PersistOutcome::Stored);
@@ -96,7 +104,7 @@ async fn a_resend_after_the_dedup_window_is_still_a_duplicate() {
     })
     .await
     .expect("create stream");
-    let sink = JetStreamSink::start(opts(&stream, &prefix)).await.expect("sink");
+    let sink = started(opts(&stream, &prefix)).await;
     let c = chunk("gw-02", "s", 1, &records(3, 10, 9));
     assert_eq!(sink.persist(c.clone()).await, PersistOutcome::Stored);
     // Waits out the server's own timer: nothing of ours to await.
@@ -114,7 +122,7 @@ async fn a_large_chunk_is_cut_into_parts_and_a_partial_resend_completes_it() {
     let js = nats::context(&nats::url()).await.expect("NATS");
     let mut o = opts(&stream, &prefix);
     o.max_message_bytes = 1024;
-    let sink = JetStreamSink::start(o).await.expect("sink");
+    let sink = started(o).await;
     // 10 records of 300 bytes: 304 framed, three per part, so four parts.
     let recs = records(10, 300, 3);
     let c = chunk("gw-03", "big", 7, &recs);
@@ -155,7 +163,7 @@ async fn servers_that_would_cut_a_chunk_differently_cannot_share_a_stream() {
     let js = nats::context(&nats::url()).await.expect("NATS");
     let mut small = opts(&stream, &prefix);
     small.max_message_bytes = 1024;
-    let first = JetStreamSink::start(small.clone()).await.expect("the first server sets the stream up");
+    let first = started(small.clone()).await;
     let mut large = opts(&stream, &prefix);
     large.max_message_bytes = 2048;
     let refused = JetStreamSink::start(large.clone()).await.map(|_| ()).expect_err("another cut is refused");
@@ -174,7 +182,7 @@ async fn servers_that_would_cut_a_chunk_differently_cannot_share_a_stream() {
     js.create_stream(StreamConfig { description: Some("the operator's".into()), ..operators_stream(&stream, &prefix) })
         .await
         .expect("create stream");
-    let first = JetStreamSink::start(opts(&stream, &prefix)).await.expect("adopts the stream");
+    let first = started(opts(&stream, &prefix)).await;
     let mut other = opts(&stream, &prefix);
     other.max_message_bytes = 4096;
     let refused = JetStreamSink::start(other).await.map(|_| ()).expect_err("held to the first cut");
@@ -213,7 +221,7 @@ async fn a_stream_that_would_forget_what_it_stored_is_refused_by_setting() {
 async fn a_corrupt_payload_is_rejected_and_nothing_is_published() {
     let (stream, prefix) = nats::unique("corrupt");
     let js = nats::context(&nats::url()).await.expect("NATS");
-    let sink = JetStreamSink::start(opts(&stream, &prefix)).await.expect("sink");
+    let sink = started(opts(&stream, &prefix)).await;
     let mut c = chunk("gw-04", "s", 1, &records(2, 10, 0));
     c.checksum ^= 1;
     let outcome = sink.persist(c).await;
@@ -241,11 +249,7 @@ async fn with_nats_down_chunks_are_answered_retry_until_it_comes_back() {
 
     let server = nats::PrivateServer::start(port, dir.path()).expect("nats-server");
     // The client reconnects and the sink sets the stream up on its own; wait for that state.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !sink.is_ready() {
-        assert!(tokio::time::Instant::now() < deadline, "sink not ready 30 s after NATS came up");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    tokio::time::timeout(Duration::from_secs(30), sink.ready()).await.expect("sink ready 30 s after NATS came up");
     assert_eq!(sink.persist(c.clone()).await, PersistOutcome::Stored);
     assert!(sink.stats_view().get().last_failure.is_none());
 
@@ -294,7 +298,7 @@ async fn over_tls_the_sink_needs_the_ca_and_a_client_certificate_the_server_acce
 async fn a_record_over_the_servers_max_payload_is_retried_and_names_the_setting() {
     let (stream, prefix) = nats::unique("maxpayload");
     let js = nats::context(&nats::url()).await.expect("NATS");
-    let sink = JetStreamSink::start(opts(&stream, &prefix)).await.expect("sink");
+    let sink = started(opts(&stream, &prefix)).await;
     // One byte more than the room the server's max_payload leaves beside the headers (with
     // NATS's default of 1 MiB, less than the agent's default largest record).
     let client = async_nats::connect(nats::url()).await.expect("NATS client");

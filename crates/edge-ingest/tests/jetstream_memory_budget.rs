@@ -74,6 +74,8 @@ async fn a_compressed_chunk_holds_its_decoded_size_of_the_budget_with_the_jetstr
     })
     .await
     .expect("sink");
+    // Its first set-up may be refused for a moment and retried: the test is about what comes after.
+    tokio::time::timeout(Duration::from_secs(30), sink.ready()).await.expect("stream set up within 30 s");
 
     let pki = new_pki();
     let tuning = Tuning::default();

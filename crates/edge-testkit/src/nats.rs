@@ -24,10 +24,41 @@ pub fn unique(tag: &str) -> (String, String) {
     (stream, prefix)
 }
 
-/// A JetStream context on `url`.
+/// A JetStream context on `url`, on a server that holds [`ANCHOR`].
 pub async fn context(url: &str) -> anyhow::Result<jetstream::Context> {
     let client = async_nats::connect(url).await.with_context(|| format!("connecting to NATS at {url}"))?;
-    Ok(jetstream::new(client))
+    let js = jetstream::new(client);
+    ensure_anchor(&js).await?;
+    Ok(js)
+}
+
+/// A stream the tests create on every server they use and never delete. nats-server removes
+/// an account's directory of streams with its last stream, and a stream created meanwhile by
+/// a test running beside it fails ("error creating store for stream", 10049: the server logs
+/// `mkdir .../streams: no such file or directory`). While this one exists, no test deletes
+/// the last stream.
+pub const ANCHOR: &str = "EDGE_TEST_ANCHOR";
+
+async fn ensure_anchor(js: &jetstream::Context) -> anyhow::Result<()> {
+    let config = jetstream::stream::Config {
+        name: ANCHOR.into(),
+        subjects: vec!["edgetest-anchor.none".into()],
+        storage: jetstream::stream::StorageType::File,
+        max_messages: 1,
+        ..jetstream::stream::Config::default()
+    };
+    // Creating it can itself meet the race above, once per server.
+    let mut attempt = 0;
+    loop {
+        match js.get_or_create_stream(config.clone()).await {
+            Ok(_) => return Ok(()),
+            Err(_) if attempt < 20 => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(e).with_context(|| format!("creating stream {ANCHOR}")),
+        }
+    }
 }
 
 /// Deletes `stream` (no error if it is gone).
