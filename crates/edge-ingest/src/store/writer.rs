@@ -292,6 +292,9 @@ impl Store {
                             }
                             self.stats.index_refused += 1;
                             outcomes[idx] = Some(PersistOutcome::Failed(StoreFailure::IndexFull { gaps, max }));
+                            // A repeat of the key later in the batch takes this answer, and is
+                            // not counted again.
+                            slot.insert(idx);
                             continue;
                         }
                         *delta.entry(device).or_insert(0) += change;
@@ -1000,8 +1003,8 @@ mod tests {
         let out = store.persist([1, 3, 5, 7, 9].map(|seq| of("d", "s", seq)).to_vec());
         assert_eq!(out, vec![Stored, Stored, Stored, Stored, full(3)]);
         // At the cap: a repeat is still a duplicate, a seq next to a range is stored, so is a
-        // new stream's first seq, a new gap in either stream is refused, and another device is
-        // not affected.
+        // new stream's first seq, a new gap in either stream is refused (a repeat of it in the
+        // batch too, counted once), and another device is not affected.
         let out = store.persist(vec![
             of("d", "s", 3),
             of("d", "s", 8),
@@ -1009,9 +1012,10 @@ mod tests {
             of("d", "t", 5),
             of("d", "s", 11),
             of("e", "s", 9),
+            of("d", "s", 11),
         ]);
-        assert_eq!(out, vec![Duplicate, Stored, Stored, full(3), full(3), Stored]);
-        assert_eq!(store.stats().index_refused, 3);
+        assert_eq!(out, vec![Duplicate, Stored, Stored, full(3), full(3), Stored, full(3)]);
+        assert_eq!(store.stats().index_refused, 3, "9 before, 5 and 11 now");
         assert_eq!(store.stats().last_failure, None, "a device's cap is no failure of the store");
         drop(store);
 
