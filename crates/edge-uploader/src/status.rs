@@ -348,6 +348,16 @@ pub fn render(status: &Value, reasons: &[String], now_ms: u64) -> String {
         opt(&up["latency_p50_ms"]),
         opt(&up["latency_p99_ms"]),
     ));
+    // What else the ingest answered, and the floors that closed its gaps over chunks the spool
+    // dropped or quarantined (absent from an older agent's status: not shown).
+    if let Some(duplicate) = up["chunks_duplicate_total"].as_u64() {
+        out.push_str(&format!(
+            "answers: {duplicate} chunks duplicate (stored before), {} retry later, {} rejected (quarantined); {} floors sent\n",
+            opt(&up["chunks_retry_total"]),
+            opt(&up["chunks_rejected_total"]),
+            opt(&up["floors_sent_total"]),
+        ));
+    }
     if let Some(e) = up["last_error"].as_str() {
         out.push_str(&format!("last error: {e}\n"));
     }
@@ -561,6 +571,20 @@ mod tests {
         assert!(text.contains("to ingest:4433 (10.0.0.1:4433)") && text.contains("rtt 1.5 ms"), "{text}");
         assert!(text.contains("rates (last 60 s)") && text.contains("drain eta 5s"), "{text}");
         assert!(!text.contains("reconnecting:"), "connected: {text}");
+        assert!(!text.contains("answers:"), "an older agent's status: {text}");
+
+        let mut d = doc(true, Some(0));
+        d["upload"]["chunks_duplicate_total"] = json!(4);
+        d["upload"]["chunks_retry_total"] = json!(9);
+        d["upload"]["chunks_rejected_total"] = json!(1);
+        d["upload"]["floors_sent_total"] = json!(2);
+        let text = render(&d, &[], 1000);
+        assert!(
+            text.contains(
+                "answers: 4 chunks duplicate (stored before), 9 retry later, 1 rejected (quarantined); 2 floors sent"
+            ),
+            "{text}"
+        );
     }
 
     #[test]
