@@ -247,6 +247,11 @@ enum Cmd {
         per_commit: usize,
         #[arg(long, value_delimiter = ',', default_value = "4096,16384,65536")]
         page_sizes: Vec<u32>,
+        /// Streams the spool knows while the one under test is written (comma-separated), at the
+        /// first page size: each count past 1 is a variant of its own, its other streams idle
+        /// (one record each, sealed and acked before the phases are measured).
+        #[arg(long, value_delimiter = ',', default_value = "1")]
+        streams: Vec<u64>,
         #[arg(long, default_value_t = 3)]
         reps: usize,
         /// Where the files go (default: target/edge-bench-work/spool).
@@ -305,15 +310,16 @@ fn main() -> anyhow::Result<()> {
                 baseline::handshake_role(side == Side::HandshakeServer, &pki, bytes, port)
             }
         },
-        Cmd::Spool { mib, record, per_commit, page_sizes, reps, dir } => {
-            let opts = spool::Opts { mib, record, per_commit, page_sizes, reps: reps.max(1) };
+        Cmd::Spool { mib, record, per_commit, page_sizes, streams, reps, dir } => {
+            let opts = spool::Opts { mib, record, per_commit, page_sizes, streams, reps: reps.max(1) };
             let dir = dir.unwrap_or_else(|| PathBuf::from("target/edge-bench-work/spool"));
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             let samples = spool::run(&opts, &dir)?;
             let command = format!(
                 "cargo run --release -p edge-bench -- spool --mib {mib} --record {record} --per-commit {per_commit} \
-                 --page-sizes {} --reps {}",
+                 --page-sizes {} --streams {} --reps {}",
                 opts.page_sizes.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
+                opts.streams.iter().map(u64::to_string).collect::<Vec<_>>().join(","),
                 opts.reps
             );
             println!("{}", spool::markdown(&samples, &opts, &command));

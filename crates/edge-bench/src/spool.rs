@@ -15,6 +15,10 @@
 //!   `write` and one `fdatasync` per group commit, then read back in 512 KiB `pread`s with the
 //!   CRC-32C of each read, then the file deleted. No index, no crash recovery: the floor any
 //!   durable spool design pays on this machine.
+//! * **spool (page size N, S streams)** (`--streams`): the first page size's variant on a spool
+//!   that knows S − 1 other streams, idle (one record each, sealed and acked before the
+//!   phases): what a spool's commits cost by the number of streams it holds, as a multiple of
+//!   the same variant with one stream.
 //!
 //! Everything runs on the calling thread; CPU is this process's `utime + stime`, written bytes
 //! its `write_bytes` (`/proc/self/io`).
@@ -40,6 +44,8 @@ pub struct Opts {
     pub record: usize,
     pub per_commit: usize,
     pub page_sizes: Vec<u32>,
+    /// Streams the spool knows; counts past 1 are variants at the first page size.
+    pub streams: Vec<u64>,
     pub reps: usize,
 }
 
@@ -102,13 +108,20 @@ pub fn run(opts: &Opts, dir: &Path) -> anyhow::Result<Vec<Sample>> {
     let records = total / opts.record as u64;
     // A few distinct records, reused: generating bytes must not be what is measured.
     let pool: Vec<Vec<u8>> = (0..64).map(|n| record(opts.record, n)).collect();
+    let first_page = opts.page_sizes.first().copied().unwrap_or(4096);
+    let variants: Vec<(u32, u64)> = opts
+        .page_sizes
+        .iter()
+        .map(|&page| (page, 1))
+        .chain(opts.streams.iter().filter(|&&n| n > 1).map(|&n| (first_page, n)))
+        .collect();
     for rep in 0..opts.reps {
-        for &page in &opts.page_sizes {
-            let variant = format!("spool, page size {page}");
-            let d = dir.join(format!("spool-{page}"));
+        for &(page, streams) in &variants {
+            let variant = variant_name(page, streams);
+            let d = dir.join(format!("spool-{page}-{streams}"));
             let _ = std::fs::remove_dir_all(&d);
             std::fs::create_dir_all(&d)?;
-            let [w, r] = spool_once(&d.join("spool.db"), page, &pool, records, opts.per_commit, &variant)?;
+            let [w, r] = spool_once(&d.join("spool.db"), page, streams, &pool, records, opts.per_commit, &variant)?;
             progress(rep, &w, &r);
             out.extend([w, r]);
             std::fs::remove_dir_all(&d)?;
@@ -119,6 +132,10 @@ pub fn run(opts: &Opts, dir: &Path) -> anyhow::Result<Vec<Sample>> {
         out.extend([w, r]);
     }
     Ok(out)
+}
+
+fn variant_name(page: u32, streams: u64) -> String {
+    if streams > 1 { format!("spool, page size {page}, {streams} streams") } else { format!("spool, page size {page}") }
 }
 
 fn progress(rep: usize, w: &Sample, r: &Sample) {
@@ -137,6 +154,7 @@ fn progress(rep: usize, w: &Sample, r: &Sample) {
 fn spool_once(
     path: &Path,
     page: u32,
+    streams: u64,
     pool: &[Vec<u8>],
     records: u64,
     per_commit: usize,
@@ -157,6 +175,7 @@ fn spool_once(
     let got: u32 = rusqlite::Connection::open(path)?.pragma_query_value(None, "page_size", |r| r.get(0))?;
     anyhow::ensure!(got == page, "page size {got}, wanted {page}");
     let bytes = records * pool[0].len() as u64;
+    idle_streams(&mut spool, streams.saturating_sub(1))?;
 
     let meter = Meter::start()?;
     let mut n = 0u64;
@@ -170,7 +189,8 @@ fn spool_once(
             })
             .collect();
         n += reqs.len() as u64;
-        let report = spool.commit(&reqs, &[], SealWhat::Nothing, 1)?;
+        // As the agent's writer asks (a linger seal that finds nothing due here).
+        let report = spool.commit(&reqs, &[], SealWhat::Due, 1)?;
         anyhow::ensure!(report.appends?.iter().all(|o| *o == AppendOutcome::Accepted), "append refused");
     }
     spool.commit(&[], &[], SealWhat::All, 1)?;
@@ -194,6 +214,28 @@ fn spool_once(
     let read_ack = meter.sample(variant, "read+ack", bytes)?;
     anyhow::ensure!(read == bytes + 4 * records, "read {read} bytes back, wrote {bytes} + framing");
     Ok([write, read_ack])
+}
+
+/// Gives the spool `n` streams besides the one under test, with one record each, sealed and
+/// acked: streams a spool never forgets (their sequence numbers go on), with nothing to send.
+fn idle_streams(spool: &mut Spool, n: u64) -> anyhow::Result<()> {
+    let mut made = 0u64;
+    while made < n {
+        let reqs: Vec<AppendRequest> = (made..n.min(made + 1000))
+            .map(|i| {
+                let mut data = Vec::new();
+                encode_record(&mut data, b"idle");
+                AppendRequest { batches: vec![Batch { stream: format!("idle-{i:08}"), data, records: 1 }] }
+            })
+            .collect();
+        made += reqs.len() as u64;
+        let report = spool.commit(&reqs, &[], SealWhat::All, 1)?;
+        anyhow::ensure!(report.appends?.iter().all(|o| *o == AppendOutcome::Accepted), "append refused");
+        let acks: Vec<ChunkId> = report.sealed.iter().map(|m| m.id).collect();
+        spool.commit(&[], &acks, SealWhat::Nothing, 1)?;
+    }
+    anyhow::ensure!(spool.stats().streams.len() as u64 == n, "{n} idle streams made");
+    Ok(())
 }
 
 fn file_once(
@@ -274,6 +316,29 @@ pub fn markdown(samples: &[Sample], opts: &Opts, command: &str) -> String {
                 mbs.show(0),
                 wear.show(2)
             ));
+        }
+    }
+    let first_page = opts.page_sizes.first().copied().unwrap_or(4096);
+    let many: Vec<u64> = opts.streams.iter().copied().filter(|&n| n > 1).collect();
+    if !many.is_empty() {
+        let one = variant_name(first_page, 1);
+        md.push_str(&format!(
+            "\nBy the streams the spool knows (page size {first_page}; medians of this run, as multiples of one \
+             stream's):\n\n| streams | phase | CPU-s/GiB ÷ 1 stream's | MB/s ÷ 1 stream's |\n|---|---|---|---|\n"
+        ));
+        for phase in ["write", "read+ack"] {
+            for &n in &many {
+                let v = variant_name(first_page, n);
+                let ratio = |f: fn(&Sample) -> f64| match (pick(&v, phase, f), pick(&one, phase, f)) {
+                    (Some(a), Some(b)) if b.median > 0.0 => format!("{:.2}", a.median / b.median),
+                    _ => "–".to_owned(),
+                };
+                md.push_str(&format!(
+                    "| {n} | {phase} | {} | {} |\n",
+                    ratio(|s| s.cpu_s_per_gib),
+                    ratio(|s| s.mb_per_s)
+                ));
+            }
         }
     }
     md

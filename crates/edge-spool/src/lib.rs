@@ -264,6 +264,7 @@ pub use error::SpoolError;
 pub use reader::SpoolReader;
 pub use segment::disk_usage;
 pub use spool::Spool;
+pub use state::Snapshot;
 pub use walsync::WalSync;
 
 /// The identity of one spool file, 16 random bytes drawn when the file is created.

@@ -18,7 +18,7 @@ use crate::reserve::Reserve;
 use crate::rowcrc::{self, BatchRow, ChunkRow, SegRef};
 use crate::schema::{META_DROPPED_CHUNKS, META_DROPPED_RECORDS, META_ROW_CRC, META_SEGMENTS_SYNCED};
 use crate::segment::{SegmentUse, SegmentWriter};
-use crate::state::{self, OpenBatches, State, StreamState, min_opt};
+use crate::state::{self, Counted, OpenBatches, State, StreamState, min_opt};
 use crate::walsync::{SegmentSyncs, Visible, WalSync};
 use crate::{
     AckReport, AppendOutcome, AppendRequest, Batch, ChunkId, ChunkMeta, CommitReport, FullPolicy, OpenReport, SealWhat,
@@ -478,10 +478,13 @@ impl Spool {
                     sealed.extend(seal_stream(&tx, &mut st, &batch.stream, now_ms, &mut chunk_rows)?);
                 }
                 let stream = stream_entry(&tx, &mut st, &batch.stream)?;
+                let before = Counted::of(stream);
                 stream.open_records = stream.open_records.saturating_add(u64::from(batch.records));
                 stream.open_bytes = stream.open_bytes.saturating_add(len_u64(&batch.data));
                 stream.oldest_open_ms = min_opt(stream.oldest_open_ms, Some(now_ms));
                 let full = stream.open_bytes >= self.opts.chunk_target_bytes;
+                let after = Counted::of(stream);
+                st.recount(&before, &after);
                 pending.push(batch);
                 if full {
                     pending.flush(&tx, &mut st, now_ms)?;
@@ -531,12 +534,7 @@ impl Spool {
         if pending.len > 0 {
             // The commit record around the payload (`journal.rs`): the rows this commit adds.
             let record = journal::Record {
-                streams: st
-                    .names
-                    .iter()
-                    .filter(|(id, _)| **id >= first_new_stream)
-                    .map(|(id, name)| (*id, name.clone()))
-                    .collect(),
+                streams: st.names.range(first_new_stream..).map(|(id, name)| (*id, name.clone())).collect(),
                 batches: std::mem::take(&mut pending.rows),
                 chunks: chunk_rows,
             };
@@ -586,6 +584,7 @@ impl Spool {
         if report.unknown > 0 {
             tracing::debug!(acked = report.acked, unknown = report.unknown, "ack for chunks not in the spool");
         }
+        st.check_counts();
         Ok((st, (outcomes, report, sealed)))
     }
 
@@ -617,10 +616,14 @@ impl Spool {
             .and_then(|mut s| s.execute((chunk.0, reason)))
             .map_err(ctx("quarantining a chunk"))?;
         let stream = stream_by_id(&mut st, stream_id)?;
+        let before = Counted::of(stream);
         stream.sealed_chunks = stream.sealed_chunks.saturating_sub(1);
         stream.sealed_bytes = stream.sealed_bytes.saturating_sub(counted(bytes));
+        let after = Counted::of(stream);
+        st.recount(&before, &after);
         st.quarantined_chunks += 1;
         refresh_oldest_sealed(&tx, &mut st, &BTreeSet::from([stream_id]))?;
+        st.check_counts();
         crate::crash_point!("spool::quarantine::before_commit");
         tx.commit().map_err(ctx("committing a quarantine"))?;
         crate::crash_point!("spool::quarantine::after_commit");
@@ -653,6 +656,7 @@ impl Spool {
         settle_segments(&tx, &mut st)?;
         tx.commit().map_err(ctx("committing a purge"))?;
         st.quarantined_chunks = 0;
+        st.check_counts();
         self.segments.collect(self.state.segments.keys(), &st.segments, self.reserve.is_present());
         self.state = st;
         Ok(n as u64)
@@ -680,9 +684,17 @@ impl Spool {
         self.state.open_bytes()
     }
 
-    /// Counters, from memory (no I/O). True to disk after every call.
+    /// Counters, from memory (no I/O). True to disk after every call. A pass over every
+    /// stream: see [`Spool::snapshot`] for each commit.
     pub fn stats(&self) -> SpoolStats {
         self.state.stats()
+    }
+
+    /// What [`Spool::stats`] is made from, taken in O(1) whatever the number of streams: for a
+    /// writer that publishes the counters after every commit and lets readers make the
+    /// statistics when they ask.
+    pub fn snapshot(&self) -> crate::Snapshot {
+        self.state.snapshot()
     }
 
     /// Opens a second, read-only connection to the same file, for the uploader.
@@ -878,7 +890,20 @@ fn seal_names(st: &State, what: SealWhat, linger_ms: u64, now_ms: u64) -> Vec<St
         SealWhat::Due => s.oldest_open_ms.map_or(s.open_batches > 0, |t| now_ms < t || now_ms - t >= linger_ms),
         SealWhat::All => s.open_batches > 0,
     };
-    st.streams.iter().filter(|(_, s)| due(s)).map(|(name, _)| name.clone()).collect()
+    if what == SealWhat::Nothing {
+        return Vec::new();
+    }
+    // Only the streams with open batches (or an open time) can be due, whatever the spool
+    // holds besides; in name order, as the streams are.
+    let mut names: Vec<String> = st
+        .open
+        .iter()
+        .filter_map(|id| st.names.get(id))
+        .filter(|name| st.streams.get(name.as_str()).is_some_and(due))
+        .cloned()
+        .collect();
+    names.sort_unstable();
+    names
 }
 
 /// The batches one commit appends to one stream, back to back, gathered into one `batches` row:
@@ -969,7 +994,10 @@ impl<'a> PendingRow<'a> {
             ))
         })
         .map_err(ctx("inserting a batch"))?;
+        let before = Counted::of(stream);
         stream.open_batches += 1;
+        let after = Counted::of(stream);
+        st.recount(&before, &after);
         st.next_batch_id = batch_id.saturating_add(1);
         self.rows.push(row);
         let used = st.segments.entry(segment).or_default();
@@ -1123,8 +1151,11 @@ fn delete_chunk(tx: &Transaction<'_>, st: &mut State, id: ChunkId) -> Result<Opt
         .and_then(|mut s| s.execute([id.0]))
         .map_err(ctx("deleting a chunk"))?;
     let stream = stream_by_id(st, stream_id)?;
+    let before = Counted::of(stream);
     stream.sealed_chunks = stream.sealed_chunks.saturating_sub(1);
     stream.sealed_bytes = stream.sealed_bytes.saturating_sub(counted(bytes));
+    let after = Counted::of(stream);
+    st.recount(&before, &after);
     Ok(Some(DeletedChunk { stream_id, records: counted(records) }))
 }
 
@@ -1297,6 +1328,7 @@ fn seal_stream(
             s.execute((next_seq, last_batch, rowcrc::stream(stream.id, name, next_seq, last_batch), stream.id))
         })
         .map_err(ctx("advancing a stream's sequence"))?;
+    let before = Counted::of(stream);
     stream.next_seq = seq + 1;
     stream.sealed_through = last_batch;
     stream.sealed_chunks += 1;
@@ -1316,6 +1348,8 @@ fn seal_stream(
     stream.open_bytes = 0;
     stream.oldest_open_ms = None;
     stream.open_damaged = false;
+    let after = Counted::of(stream);
+    st.recount(&before, &after);
     st.next_chunk_id = chunk_id.saturating_add(1);
     Ok(Some(ChunkMeta {
         id: ChunkId(chunk_id),

@@ -3,8 +3,16 @@
 //! They are loaded from the database at open (accounting comes from disk, never from a guess)
 //! and kept up to date by the writer. Every write works on a clone and swaps it in only after
 //! `COMMIT` succeeded, so a rolled-back transaction leaves them untouched.
+//!
+//! What a commit needs of them costs it no work per stream of the spool, however many streams
+//! it has: the per-stream maps are persistent (`imbl`), so the clone and a published
+//! [`Snapshot`] share their nodes, and the sums a commit asks for (the capacity check) and the
+//! streams a linger seal looks at (those with open batches) are kept in step with every change
+//! of a stream's counters ([`State::recount`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use imbl::{OrdMap, OrdSet};
 
 use rusqlite::Connection;
 use rusqlite::types::Value;
@@ -49,9 +57,13 @@ impl StreamState {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct State {
     /// By stream name.
-    pub streams: BTreeMap<String, StreamState>,
+    pub streams: OrdMap<String, StreamState>,
     /// Stream name by `streams.id`.
-    pub names: HashMap<i64, String>,
+    pub names: OrdMap<i64, String>,
+    /// Sums over `streams`, kept in step by [`State::recount`].
+    pub totals: Totals,
+    /// Ids of the streams with open batches (or an open time): [`Counted::open`].
+    pub open: OrdSet<i64>,
     pub quarantined_chunks: u64,
     /// The id the next inserted batch gets: greater than every batch id in the file and every
     /// `streams.sealed_through`. SQLite's own rowid choice (largest id + 1) would reuse the ids
@@ -109,7 +121,9 @@ impl State {
         {
             // Open batches, stream by stream, over the (stream_id, id) index, counted as every
             // seal counts them (`sum_open_batches`).
-            for s in st.streams.values_mut() {
+            let names: Vec<String> = st.streams.keys().cloned().collect();
+            for name in names {
+                let Some(s) = st.streams.get_mut(&name) else { continue };
                 let open = sum_open_batches(conn, s.id, s.sealed_through)?;
                 (s.open_batches, s.open_records, s.open_bytes, s.oldest_open_ms, s.open_damaged) =
                     (open.batches, open.records, open.bytes, open.oldest_ms, open.damaged > 0);
@@ -221,7 +235,62 @@ impl State {
         }
         let meta = schema::read_verified_meta(conn)?;
         st.meta = meta;
+        (st.totals, st.open) = st.recounted();
         Ok(st)
+    }
+
+    /// The sums and the open set counted afresh from every stream: at open, and in debug
+    /// builds after every change, to check the ones kept in step ([`State::check_counts`]).
+    fn recounted(&self) -> (Totals, OrdSet<i64>) {
+        let mut totals = Totals::default();
+        let mut open = OrdSet::new();
+        for s in self.streams.values() {
+            let c = Counted::of(s);
+            totals.add(&c);
+            if c.open {
+                open.insert(c.id);
+            }
+        }
+        (totals, open)
+    }
+
+    /// Takes a change of one stream's counters, from `before` to `after` (both
+    /// [`Counted::of`] the stream), into the sums and the open set. Every change of
+    /// `open_bytes`, `open_batches`, `sealed_bytes`, `sealed_chunks`, `oldest_open_ms` goes
+    /// through here.
+    pub(crate) fn recount(&mut self, before: &Counted, after: &Counted) {
+        self.totals.sub(before);
+        self.totals.add(after);
+        match (before.open, after.open) {
+            (false, true) => {
+                self.open.insert(after.id);
+            }
+            (true, false) => {
+                self.open.remove(&after.id);
+            }
+            _ => {}
+        }
+    }
+
+    /// In debug builds (the tests), that the sums and the open set kept in step equal those
+    /// counted afresh. Nothing in release builds, where it would cost a pass over every stream.
+    pub(crate) fn check_counts(&self) {
+        #[cfg(debug_assertions)]
+        {
+            let (totals, open) = self.recounted();
+            assert_eq!(self.totals, totals, "stream sums kept in step");
+            assert_eq!(self.open, open, "open streams kept in step");
+        }
+    }
+
+    /// What the published statistics are made from: shares the maps' nodes (O(1)).
+    pub(crate) fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            streams: self.streams.clone(),
+            quarantined_chunks: self.quarantined_chunks,
+            dropped_records: u64::try_from(self.meta.dropped_records).unwrap_or(0),
+            dropped_chunks: u64::try_from(self.meta.dropped_chunks).unwrap_or(0),
+        }
     }
 
     fn stream_by_id_mut(&mut self, id: i64) -> Result<&mut StreamState, SpoolError> {
@@ -234,25 +303,106 @@ impl State {
     /// Stored payload bytes (open + sealed, quarantine excluded). The sums here saturate: a
     /// damaged row's size may be counted as anything up to `u64::MAX` (see [`sum_open_batches`]).
     pub(crate) fn total_bytes(&self) -> u64 {
-        self.streams.values().fold(0, |n, s| n.saturating_add(s.open_bytes).saturating_add(s.sealed_bytes))
+        saturated(self.totals.open_bytes + self.totals.sealed_bytes)
     }
 
     pub(crate) fn open_bytes(&self) -> u64 {
-        self.streams.values().fold(0, |n, s| n.saturating_add(s.open_bytes))
+        saturated(self.totals.open_bytes)
     }
 
     pub(crate) fn open_batches(&self) -> u64 {
-        self.streams.values().map(|s| s.open_batches).sum()
+        saturated(self.totals.open_batches)
     }
 
     pub(crate) fn sealed_chunks(&self) -> u64 {
-        self.streams.values().map(|s| s.sealed_chunks).sum()
+        saturated(self.totals.sealed_chunks)
     }
 
     pub(crate) fn stats(&self) -> SpoolStats {
+        self.snapshot().stats()
+    }
+}
+
+/// The sums over every stream of the counters a commit needs whole. Wide enough that no sum
+/// of `u64`s over any number of streams overflows, so a change is taken out exactly as it was
+/// put in; read saturated to `u64`, as the fold over the streams they replace saturated.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Totals {
+    pub open_bytes: u128,
+    pub sealed_bytes: u128,
+    pub open_batches: u128,
+    pub sealed_chunks: u128,
+}
+
+impl Totals {
+    fn add(&mut self, c: &Counted) {
+        self.open_bytes += u128::from(c.open_bytes);
+        self.sealed_bytes += u128::from(c.sealed_bytes);
+        self.open_batches += u128::from(c.open_batches);
+        self.sealed_chunks += u128::from(c.sealed_chunks);
+    }
+
+    /// Saturating: `c` was added before, so nothing saturates unless a change went around
+    /// [`State::recount`], which [`State::check_counts`] catches in the tests.
+    fn sub(&mut self, c: &Counted) {
+        self.open_bytes = self.open_bytes.saturating_sub(u128::from(c.open_bytes));
+        self.sealed_bytes = self.sealed_bytes.saturating_sub(u128::from(c.sealed_bytes));
+        self.open_batches = self.open_batches.saturating_sub(u128::from(c.open_batches));
+        self.sealed_chunks = self.sealed_chunks.saturating_sub(u128::from(c.sealed_chunks));
+    }
+}
+
+fn saturated(v: u128) -> u64 {
+    u64::try_from(v).unwrap_or(u64::MAX)
+}
+
+/// The part of a stream's counters that [`Totals`] and the open set are made of, taken before
+/// and after a change ([`State::recount`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Counted {
+    pub id: i64,
+    pub open_bytes: u64,
+    pub sealed_bytes: u64,
+    pub open_batches: u64,
+    pub sealed_chunks: u64,
+    /// Whether a linger seal has to look at the stream: it has open batches, or an open time.
+    pub open: bool,
+}
+
+impl Counted {
+    pub(crate) fn of(s: &StreamState) -> Counted {
+        Counted {
+            id: s.id,
+            open_bytes: s.open_bytes,
+            sealed_bytes: s.sealed_bytes,
+            open_batches: s.open_batches,
+            sealed_chunks: s.sealed_chunks,
+            open: s.open_batches > 0 || s.oldest_open_ms.is_some(),
+        }
+    }
+}
+
+/// The counters as of one commit, for statistics: taken in O(1) after each commit, turned into
+/// [`SpoolStats`] (a pass over the streams) only when someone asks.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    streams: OrdMap<String, StreamState>,
+    quarantined_chunks: u64,
+    dropped_records: u64,
+    dropped_chunks: u64,
+}
+
+impl Snapshot {
+    /// Chunks evicted by the cap, ever (as [`SpoolStats::dropped_chunks`]).
+    pub fn dropped_chunks(&self) -> u64 {
+        self.dropped_chunks
+    }
+
+    /// The statistics.
+    pub fn stats(&self) -> SpoolStats {
         let mut out = SpoolStats {
-            dropped_records: u64::try_from(self.meta.dropped_records).unwrap_or(0),
-            dropped_chunks: u64::try_from(self.meta.dropped_chunks).unwrap_or(0),
+            dropped_records: self.dropped_records,
+            dropped_chunks: self.dropped_chunks,
             quarantined_chunks: self.quarantined_chunks,
             ..SpoolStats::default()
         };

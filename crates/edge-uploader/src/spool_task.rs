@@ -28,8 +28,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use edge_spool::{
-    AppendOutcome, AppendRequest, ChunkId, ChunkMeta, ChunkPayload, FullPolicy, SealWhat, Spool, SpoolError, SpoolId,
-    SpoolReader, SpoolStats, WalSync,
+    AppendOutcome, AppendRequest, ChunkId, ChunkMeta, ChunkPayload, FullPolicy, SealWhat, Snapshot, Spool, SpoolError,
+    SpoolId, SpoolReader, SpoolStats, WalSync,
 };
 use prometheus::Histogram;
 use tokio::sync::{Notify, oneshot, watch};
@@ -107,7 +107,7 @@ enum Cmd {
 #[derive(Debug, Clone)]
 pub struct SpoolHandle {
     tx: mpsc::Sender<Cmd>,
-    stats: Arc<Mutex<SpoolStats>>,
+    stats: Arc<Mutex<Snapshot>>,
     sealed: Arc<Notify>,
     /// Set by the uploader while it is connected with nothing in flight and nothing left to
     /// send (see [`SpoolHandle::set_uploader_idle`]).
@@ -158,7 +158,7 @@ impl SpoolHandle {
     pub fn spawn(mut spool: Spool) -> std::io::Result<(SpoolHandle, SpoolThread)> {
         let wal_sync = spool.defer_wal_sync().map_err(std::io::Error::other)?;
         let (tx, rx) = mpsc::channel();
-        let stats = Arc::new(Mutex::new(spool.stats()));
+        let stats = Arc::new(Mutex::new(spool.snapshot()));
         let sealed = Arc::new(Notify::new());
         let id = spool.id();
         let uploader_idle = Arc::new(AtomicBool::new(false));
@@ -282,9 +282,11 @@ impl SpoolHandle {
         }
     }
 
-    /// The latest statistics snapshot (refreshed after every group commit).
+    /// The statistics as of the latest group commit (its snapshot is refreshed after every
+    /// one; the statistics are made here, a pass over the streams, not on the spool thread).
     pub fn stats(&self) -> SpoolStats {
-        crate::lock(&self.stats).clone()
+        let snapshot = crate::lock(&self.stats).clone();
+        snapshot.stats()
     }
 
     /// A read-only view of the statistics for observers (the metrics collector). Unlike a
@@ -338,7 +340,7 @@ impl SpoolHandle {
 /// See [`SpoolHandle::stats_view`].
 #[derive(Debug, Clone)]
 pub struct SpoolStatsView {
-    stats: Arc<Mutex<SpoolStats>>,
+    stats: Arc<Mutex<Snapshot>>,
     path: Arc<std::path::Path>,
     commit_seconds: Histogram,
     busy: Arc<Busy>,
@@ -350,9 +352,10 @@ impl SpoolStatsView {
         self.busy.longest()
     }
 
-    /// The latest statistics snapshot, as [`SpoolHandle::stats`].
+    /// The statistics as of the latest group commit, as [`SpoolHandle::stats`].
     pub fn get(&self) -> SpoolStats {
-        crate::lock(&self.stats).clone()
+        let snapshot = crate::lock(&self.stats).clone();
+        snapshot.stats()
     }
 
     /// As [`SpoolHandle::disk_bytes`].
@@ -403,7 +406,7 @@ fn held_back(spool: &Spool, handoff: &Handoff, settling: &AtomicU64) -> bool {
 
 /// What the spool thread shares with the handles.
 struct Shared {
-    stats: Arc<Mutex<SpoolStats>>,
+    stats: Arc<Mutex<Snapshot>>,
     uploader_idle: Arc<AtomicBool>,
     pending_acks: Arc<Mutex<Vec<ChunkId>>>,
     settler: Settler,
@@ -622,7 +625,7 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
     let Shared { stats, uploader_idle, pending_acks, settler, busy, sync_failed } = shared;
     let Settler { sealed, handoff, settling, .. } = settler.clone();
     let mut retained = Retained::default();
-    let mut dropped_chunks = spool.stats().dropped_chunks;
+    let mut dropped_chunks = spool.snapshot().dropped_chunks();
     let tick = (spool.options().linger / 2).clamp(Duration::from_millis(1), Duration::from_millis(50));
     let mut appends: Vec<(AppendRequest, oneshot::Sender<Result<(), AppendFailure>>)> = Vec::new();
     // When the thread first saw the acks now in `pending_acks`.
@@ -843,11 +846,11 @@ impl ReaderHandle {
     }
 }
 
-/// Replaces the shared statistics snapshot with the spool's current one; returns the count of
-/// chunks the cap has dropped so far.
-fn publish(spool: &Spool, stats: &Mutex<SpoolStats>) -> u64 {
-    let now = spool.stats();
-    let dropped = now.dropped_chunks;
+/// Replaces the shared snapshot of the counters with the spool's current one (O(1), however
+/// many streams); returns the count of chunks the cap has dropped so far.
+fn publish(spool: &Spool, stats: &Mutex<Snapshot>) -> u64 {
+    let now = spool.snapshot();
+    let dropped = now.dropped_chunks();
     *crate::lock(stats) = now;
     dropped
 }
