@@ -171,6 +171,8 @@ fn spool_once(
     let mut opts = SpoolOptions::new(path);
     opts.chunk_target_bytes = CHUNK;
     opts.max_bytes = u64::MAX / 2;
+    // `--streams` past the agent's default cap measures the spool, not the cap.
+    opts.max_streams = u64::MAX;
     let (mut spool, _report) = Spool::open(opts).context("opening the spool")?;
     let got: u32 = rusqlite::Connection::open(path)?.pragma_query_value(None, "page_size", |r| r.get(0))?;
     anyhow::ensure!(got == page, "page size {got}, wanted {page}");

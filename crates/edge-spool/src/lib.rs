@@ -341,7 +341,18 @@ pub struct SpoolOptions {
     /// disk space back sooner when streams drain at different speeds; larger ones mean fewer
     /// files.
     pub segment_target_bytes: u64,
+    /// Streams the spool may know. A spool never forgets a stream (its sequence numbers go on,
+    /// and the ingest deduplicates by them), and each costs memory for as long as the spool
+    /// lives: a request that names a stream past this many is refused
+    /// ([`AppendOutcome::TooManyStreams`]), so that a producer naming a new stream per record
+    /// finds out at once instead of growing the agent without bound. Streams known already
+    /// stay usable whatever it is lowered to.
+    pub max_streams: u64,
 }
+
+/// Default of [`SpoolOptions::max_streams`]: far above a gateway's sensors, and about 8 MiB of
+/// the agent's memory when all are used.
+pub const DEFAULT_MAX_STREAMS: u64 = 10_000;
 
 impl SpoolOptions {
     /// Defaults: [`Durability::Full`], 1 GiB, [`FullPolicy::Reject`], 1 MiB chunks of at most
@@ -360,6 +371,7 @@ impl SpoolOptions {
             linger: Duration::from_millis(50),
             disk_reserve_bytes: 8 << 20,
             segment_target_bytes: 16 << 20,
+            max_streams: DEFAULT_MAX_STREAMS,
         }
     }
 }
@@ -397,6 +409,9 @@ pub enum AppendOutcome {
     Accepted,
     /// Did not fit under `max_bytes`; none of its batches was stored.
     Full,
+    /// Named a stream the spool does not know while it knows `max_streams` already; none of
+    /// its batches was stored.
+    TooManyStreams,
 }
 
 /// Identifies a sealed chunk. Increases strictly in sealing order; never reused.

@@ -458,6 +458,11 @@ impl Spool {
         // pages for every 10 KiB request.
         let mut pending = PendingRow::new(target);
         for req in reqs {
+            // Before `make_room`, which may drop chunks for it.
+            if new_streams(&st, req) > self.opts.max_streams.saturating_sub(st.streams.len() as u64) {
+                outcomes.push(AppendOutcome::TooManyStreams);
+                continue;
+            }
             if !make_room(&tx, &mut st, &self.opts, req.bytes(), &self.in_flight, &mut dropped)? {
                 outcomes.push(AppendOutcome::Full);
                 continue;
@@ -559,6 +564,8 @@ impl Spool {
         if dropped.chunks > 0 {
             self.drops.committing(u64::try_from(st.meta.dropped_chunks).unwrap_or(0));
         }
+        // Before `COMMIT`: a debug build that finds the counters astray commits nothing.
+        st.check_counts();
         #[cfg(test)]
         if std::mem::take(&mut self.fail_next_commit) {
             return Err(SpoolError::Inconsistent("COMMIT failed (simulated)".into()));
@@ -584,7 +591,6 @@ impl Spool {
         if report.unknown > 0 {
             tracing::debug!(acked = report.acked, unknown = report.unknown, "ack for chunks not in the spool");
         }
-        st.check_counts();
         Ok((st, (outcomes, report, sealed)))
     }
 
@@ -654,9 +660,9 @@ impl Spool {
             .execute("DELETE FROM chunks WHERE quarantine IS NOT NULL", [])
             .map_err(ctx("purging quarantined chunks"))?;
         settle_segments(&tx, &mut st)?;
-        tx.commit().map_err(ctx("committing a purge"))?;
         st.quarantined_chunks = 0;
         st.check_counts();
+        tx.commit().map_err(ctx("committing a purge"))?;
         self.segments.collect(self.state.segments.keys(), &st.segments, self.reserve.is_present());
         self.state = st;
         Ok(n as u64)
@@ -665,9 +671,10 @@ impl Spool {
     /// Changes the capacity limits at run time (config reload). They apply from the next
     /// [`Spool::append`]; lowering `max_bytes` evicts nothing by itself. Not persisted: the
     /// options passed to the next [`Spool::open`] apply after a restart.
-    pub fn set_limits(&mut self, max_bytes: u64, full_policy: FullPolicy) {
+    pub fn set_limits(&mut self, max_bytes: u64, full_policy: FullPolicy, max_streams: u64) {
         self.opts.max_bytes = max_bytes;
         self.opts.full_policy = full_policy;
+        self.opts.max_streams = max_streams;
     }
 
     /// The bytes of the open (not yet sealed) batches of `stream`, from memory (no I/O); 0 for
@@ -1026,6 +1033,17 @@ fn sql_u64(v: u64) -> i64 {
 /// fail every append) or the open. The read finds the damage by the row's checksum.
 fn counted(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
+}
+
+/// The streams `req` names that the spool does not know yet (each counted once).
+fn new_streams(st: &State, req: &AppendRequest) -> u64 {
+    let mut new: Vec<&str> = Vec::new();
+    for b in &req.batches {
+        if !st.streams.contains_key(b.stream.as_str()) && !new.contains(&b.stream.as_str()) {
+            new.push(&b.stream);
+        }
+    }
+    new.len() as u64
 }
 
 /// Decides whether a request of `bytes` fits, evicting the oldest sealed chunks under
@@ -2612,11 +2630,51 @@ mod tests {
         let (_dir, opts) = setup();
         let (mut spool, _) = open(&opts);
         spool.append(&[req(vec![batch("a", &[0; 50])])], 1).expect("append");
-        spool.set_limits(60, FullPolicy::DropOldest);
+        spool.set_limits(60, FullPolicy::DropOldest, 10);
         assert_eq!((spool.options().max_bytes, spool.options().full_policy), (60, FullPolicy::DropOldest));
         assert_eq!(spool.append(&[req(vec![batch("a", &[0; 20])])], 2).expect("append"), vec![AppendOutcome::Full]);
-        spool.set_limits(100, FullPolicy::Reject);
+        spool.set_limits(100, FullPolicy::Reject, 10);
         assert_eq!(spool.append(&[req(vec![batch("a", &[0; 20])])], 3).expect("append"), vec![AppendOutcome::Accepted]);
+    }
+
+    #[test]
+    fn a_request_naming_a_stream_past_max_streams_is_refused_whole_and_known_streams_stay_usable() {
+        let (_dir, mut opts) = setup();
+        opts.max_streams = 2;
+        opts.full_policy = FullPolicy::DropOldest;
+        let (mut spool, _) = open(&opts);
+        use AppendOutcome::{Accepted, TooManyStreams};
+        // In one commit: the second request makes two streams, the third would make a third
+        // (its batch for a known stream is not stored either), the fourth uses known ones.
+        let out = spool
+            .append(
+                &[
+                    req(vec![batch("a", b"1")]),
+                    req(vec![batch("a", b"2"), batch("b", b"3")]),
+                    req(vec![batch("b", b"4"), batch("c", b"5")]),
+                    req(vec![batch("b", b"6"), batch("a", b"7")]),
+                ],
+                1,
+            )
+            .expect("append");
+        assert_eq!(out, vec![Accepted, Accepted, TooManyStreams, Accepted]);
+        spool.seal_all(2).expect("seal");
+        let stats = spool.stats();
+        let names: Vec<&str> = stats.streams.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        // Records 1, 2, 3, 6 and 7: nothing of the refused request.
+        assert_eq!((stats.sealed_chunks, stats.open_records, stats.total_bytes), (2, 0, 5));
+        // Acked and gone, a stream is still known: a new one is still refused.
+        let (mut reader, mut ids) = (spool.reader().expect("reader"), Vec::new());
+        for m in reader.sealed_after(None, 10).expect("read") {
+            ids.push(m.id);
+        }
+        spool.ack(&ids).expect("ack");
+        assert_eq!(spool.append(&[req(vec![batch("d", b"8")])], 3).expect("append"), vec![TooManyStreams]);
+        // Raised at run time (a reload), it applies from the next append.
+        spool.set_limits(opts.max_bytes, opts.full_policy, 3);
+        assert_eq!(spool.append(&[req(vec![batch("d", b"8")])], 4).expect("append"), vec![Accepted]);
+        assert_eq!(spool.stats().streams.len(), 3);
     }
 
     #[test]

@@ -368,7 +368,7 @@ fn run(actions: Vec<Action>, durability: Durability) -> Result<(), TestCaseError
             }
             Action::SetLimits(max, drop_oldest) => {
                 let policy = if drop_oldest { FullPolicy::DropOldest } else { FullPolicy::Reject };
-                real.spool.set_limits(max, policy);
+                real.spool.set_limits(max, policy, real.opts.max_streams);
                 real.opts.max_bytes = max;
                 real.opts.full_policy = policy;
                 model.max_bytes = max;

@@ -217,13 +217,13 @@ impl Agent {
     }
 
     /// Applies what can change at run time from a freshly loaded, valid configuration: the log
-    /// level, the spool's size limit and full policy, and the chunks and bytes in flight. Returns
+    /// level, the spool's size limit, full policy and cap on streams, and the chunks and bytes in flight. Returns
     /// the keys whose change needs a restart (they keep their running values).
     pub fn reload(&self, running: &Config, new: &Config) -> Vec<&'static str> {
         if let Err(e) = edge_telemetry::logging::set_level(&new.log_level) {
             warn!(error = %e, "log.level not applied");
         }
-        self.spool.set_limits(new.spool.max_bytes, new.spool.full_policy);
+        self.spool.set_limits(new.spool.max_bytes, new.spool.full_policy, new.spool.max_streams);
         self.max_in_flight.store(new.upload.max_in_flight, Ordering::Relaxed);
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);

@@ -108,6 +108,7 @@ pub struct RawSpool {
     pub linger: Duration,
     pub compression: String,
     pub zstd_level: i32,
+    pub max_streams: u64,
 }
 
 impl Default for RawSpool {
@@ -121,6 +122,7 @@ impl Default for RawSpool {
             linger: Duration::from_millis(20),
             compression: "zstd".into(),
             zstd_level: 3,
+            max_streams: edge_spool::DEFAULT_MAX_STREAMS,
         }
     }
 }
@@ -401,6 +403,9 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
                 raw.upload.congestion_controller
             )
         })?;
+    if raw.spool.max_streams == 0 {
+        bail!("spool.max_streams: expected at least 1, got 0");
+    }
     if raw.spool.max_bytes.as_u64() < raw.spool.chunk_target.as_u64() {
         bail!(
             "spool.max_bytes ({}) must be at least spool.chunk_target ({})",
@@ -539,6 +544,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     spool.chunk_target_bytes = raw.spool.chunk_target.as_u64();
     spool.chunk_max_records = edge_proto::Limits::default().max_records_per_chunk;
     spool.linger = raw.spool.linger;
+    spool.max_streams = raw.spool.max_streams;
 
     Ok(Config {
         intake: IntakeConfig {

@@ -11,6 +11,7 @@
 //! | 408 | the body sent nothing for `request_idle_timeout` |
 //! | 413 | a record over `max_record_bytes`, or a body over `max_request_bytes` |
 //! | 415 | a content type other than the two above |
+//! | 422 | the stream is new and the spool knows `spool.max_streams` already |
 //! | 503 | the agent is shutting down, or a body without a length gave way (see [`RequestBudget`]); the latter with `Retry-After` |
 //! | 507 | the spool is full (policy `reject`) or its disk is; with `Retry-After` |
 //!
@@ -590,6 +591,7 @@ pub enum Rejection {
     EmptyBody,
     RecordTooLarge,
     SpoolFull,
+    TooManyStreams,
     StorageError,
     BodyTimeout,
     RequestBudgetFull,
@@ -597,7 +599,7 @@ pub enum Rejection {
 
 impl Rejection {
     /// Every reason, so the metric can show each one at 0 before it first happens.
-    pub const ALL: [Rejection; 11] = [
+    pub const ALL: [Rejection; 12] = [
         Rejection::ShuttingDown,
         Rejection::BadStreamName,
         Rejection::UnsupportedContentType,
@@ -606,6 +608,7 @@ impl Rejection {
         Rejection::EmptyBody,
         Rejection::RecordTooLarge,
         Rejection::SpoolFull,
+        Rejection::TooManyStreams,
         Rejection::StorageError,
         Rejection::BodyTimeout,
         Rejection::RequestBudgetFull,
@@ -622,6 +625,7 @@ impl Rejection {
             Rejection::EmptyBody => "empty_body",
             Rejection::RecordTooLarge => "record_too_large",
             Rejection::SpoolFull => "spool_full",
+            Rejection::TooManyStreams => "too_many_streams",
             Rejection::StorageError => "storage_error",
             Rejection::BodyTimeout => "body_timeout",
             Rejection::RequestBudgetFull => "request_budget_full",
@@ -925,6 +929,9 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
             let mut resp = error(StatusCode::INSUFFICIENT_STORAGE, Rejection::SpoolFull, f.to_string());
             resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
             resp
+        }
+        Err(f @ AppendFailure::TooManyStreams) => {
+            error(StatusCode::UNPROCESSABLE_ENTITY, Rejection::TooManyStreams, format!("stream {stream:?}: {f}"))
         }
         Err(AppendFailure::Closed) => {
             error(StatusCode::SERVICE_UNAVAILABLE, Rejection::ShuttingDown, "the spool is closed")

@@ -173,6 +173,9 @@ impl Refusal {
             AppendFailure::Full | AppendFailure::DiskFull => {
                 Refusal { status: 507, reason: Rejection::SpoolFull, detail: format!("{f}; retry later") }
             }
+            AppendFailure::TooManyStreams => {
+                Refusal { status: 422, reason: Rejection::TooManyStreams, detail: f.to_string() }
+            }
             AppendFailure::Closed => {
                 Refusal { status: 503, reason: Rejection::ShuttingDown, detail: "the spool is closed".into() }
             }

@@ -74,6 +74,13 @@ pub enum AppendFailure {
     /// The disk under the spool is full.
     #[error("disk under the spool is full")]
     DiskFull,
+    /// The request names a stream the spool does not know, and it knows `spool.max_streams`
+    /// already.
+    #[error(
+        "the spool knows as many streams as spool.max_streams allows and the request names a new one: use a known \
+         stream, or raise spool.max_streams (a spool never forgets a stream)"
+    )]
+    TooManyStreams,
     /// The spool thread has stopped (shutdown).
     #[error("spool is closed")]
     Closed,
@@ -97,6 +104,7 @@ enum Cmd {
     SetLimits {
         max_bytes: u64,
         policy: FullPolicy,
+        max_streams: u64,
     },
     SealAll {
         reply: oneshot::Sender<()>,
@@ -256,8 +264,8 @@ impl SpoolHandle {
     }
 
     /// Applies new capacity limits at run time.
-    pub fn set_limits(&self, max_bytes: u64, policy: FullPolicy) {
-        let _closed = self.tx.send(Cmd::SetLimits { max_bytes, policy });
+    pub fn set_limits(&self, max_bytes: u64, policy: FullPolicy, max_streams: u64) {
+        let _closed = self.tx.send(Cmd::SetLimits { max_bytes, policy, max_streams });
     }
 
     /// Resolves once a sync of the WAL failed under `durability = "normal"`, with its error.
@@ -557,6 +565,7 @@ impl Settler {
                     let r = match outcome {
                         AppendOutcome::Accepted => Ok(()),
                         AppendOutcome::Full => Err(AppendFailure::Full),
+                        AppendOutcome::TooManyStreams => Err(AppendFailure::TooManyStreams),
                     };
                     let _gone = reply.send(r);
                 }
@@ -650,7 +659,7 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
                     error!(chunk = id.0, error = %e, "could not quarantine chunk");
                 }
             }
-            Cmd::SetLimits { max_bytes, policy } => spool.set_limits(max_bytes, policy),
+            Cmd::SetLimits { max_bytes, policy, max_streams } => spool.set_limits(max_bytes, policy, max_streams),
             Cmd::SealAll { reply } => seal_waiters.push(reply),
         };
         let backing_off = acks_retry_at.map(|t| t.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero());

@@ -104,6 +104,27 @@ async fn a_full_spool_answers_507_with_retry_after_and_keeps_earlier_records() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_past_spool_max_streams_is_refused_by_name_and_known_streams_go_on() {
+    let mut f = start(|raw| raw.spool.max_streams = 2).await;
+    for stream in ["a", "b"] {
+        let r = f.client.post(stream, "application/x-ndjson", Bytes::from_static(b"{}")).await.expect("post");
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let r = f.client.post("c", "application/x-ndjson", Bytes::from_static(b"{}")).await.expect("post");
+    assert_eq!(r.status, 422, "{}", r.body);
+    assert_eq!(r.body["error"], "too_many_streams");
+    let detail = r.body["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("\"c\"") && detail.contains("spool.max_streams"), "names the stream and the key: {detail}");
+    let r = f.client.post("a", "application/x-ndjson", Bytes::from_static(b"{}")).await.expect("post");
+    assert_eq!(r.status, 200, "a known stream goes on: {}", r.body);
+    let s = f.agent.spool_stats();
+    let names: Vec<&str> = s.streams.iter().map(|st| st.name.as_str()).collect();
+    assert_eq!(names, ["a", "b"]);
+    assert_eq!(s.total_bytes, 3 * (2 + 4), "three records of \"{{}}\" and their framing; nothing of \"c\"");
+    f.agent.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_far_larger_than_the_read_buffer_is_stored_intact_and_the_connection_kept() {
     let mut f = start(|_| {}).await;
     // 3.6 MB of lines of varying length: over 50 times the connection's read buffer, with

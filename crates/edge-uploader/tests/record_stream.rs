@@ -286,6 +286,28 @@ async fn a_full_spool_ends_the_connection_with_507_and_what_is_stored_is_what_wa
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_past_spool_max_streams_ends_the_connection_with_422_and_keeps_the_records_before() {
+    let f = start(|raw| raw.spool.max_streams = 1).await;
+    let mut c = f.client().await;
+    for i in 0..3 {
+        c.record(&name("known"), &record("known", i));
+    }
+    c.flush().await.expect("writes");
+    assert_eq!(c.reply().await.expect("answers"), Some(Reply::Ack { committed: 3 }));
+    c.record(&name("new"), &record("new", 0));
+    c.flush().await.expect("writes");
+    match c.reply().await.expect("answers") {
+        Some(Reply::Error { committed: 3, status: 422, detail }) => {
+            assert!(detail.contains("spool.max_streams"), "{detail}");
+        }
+        other => panic!("expected a 422 after 3 records, got {other:?}"),
+    }
+    let stored = f.stop_and_read().await;
+    assert_eq!(stored.get("known").map(Vec::len), Some(3));
+    assert!(!stored.contains_key("new"), "nothing of the refused stream");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_answers_503_with_the_committed_count() {
     let f = start(|_| {}).await;
     let mut c = f.client().await;
