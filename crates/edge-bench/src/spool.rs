@@ -57,6 +57,11 @@ pub struct Sample {
     pub cpu_s_per_gib: f64,
     pub mb_per_s: f64,
     pub written_per_byte: f64,
+    /// With `--streams`: how much the process's resident set grew while the idle streams were
+    /// made, per stream (bytes; SQLite's page cache, at most its default 2 MB, included). Only
+    /// the first repetition's is worth reading: later ones reuse memory the earlier spools freed
+    /// and the allocator kept, and grow less or not at all.
+    pub rss_per_idle_stream: Option<f64>,
 }
 
 struct Meter {
@@ -80,6 +85,7 @@ impl Meter {
             cpu_s_per_gib: cpu / (bytes as f64 / GIB),
             mb_per_s: bytes as f64 / 1e6 / secs,
             written_per_byte: written as f64 / bytes as f64,
+            rss_per_idle_stream: None,
         })
     }
 }
@@ -177,7 +183,9 @@ fn spool_once(
     let got: u32 = rusqlite::Connection::open(path)?.pragma_query_value(None, "page_size", |r| r.get(0))?;
     anyhow::ensure!(got == page, "page size {got}, wanted {page}");
     let bytes = records * pool[0].len() as u64;
+    let rss = sys::rss_bytes(std::process::id())?;
     idle_streams(&mut spool, streams.saturating_sub(1))?;
+    let grown = sys::rss_bytes(std::process::id())?.saturating_sub(rss);
 
     let meter = Meter::start()?;
     let mut n = 0u64;
@@ -196,7 +204,10 @@ fn spool_once(
         anyhow::ensure!(report.appends?.iter().all(|o| *o == AppendOutcome::Accepted), "append refused");
     }
     spool.commit(&[], &[], SealWhat::All, 1)?;
-    let write = meter.sample(variant, "write", bytes)?;
+    let mut write = meter.sample(variant, "write", bytes)?;
+    if streams > 1 {
+        write.rss_per_idle_stream = Some(grown as f64 / (streams - 1) as f64);
+    }
 
     let meter = Meter::start()?;
     let mut reader = spool.reader()?;
@@ -326,7 +337,9 @@ pub fn markdown(samples: &[Sample], opts: &Opts, command: &str) -> String {
         let one = variant_name(first_page, 1);
         md.push_str(&format!(
             "\nBy the streams the spool knows (page size {first_page}; medians of this run, as multiples of one \
-             stream's):\n\n| streams | phase | CPU-s/GiB ÷ 1 stream's | MB/s ÷ 1 stream's |\n|---|---|---|---|\n"
+             stream's; the resident set's growth while the idle streams were made, per stream, SQLite's page \
+             cache included, the largest of the repetitions: later ones reuse memory the allocator kept):\n\n| streams | phase | CPU-s/GiB ÷ 1 stream's | MB/s ÷ 1 stream's | RSS growth per idle \
+             stream, bytes |\n|---|---|---|---|---|\n"
         ));
         for phase in ["write", "read+ack"] {
             for &n in &many {
@@ -335,8 +348,14 @@ pub fn markdown(samples: &[Sample], opts: &Opts, command: &str) -> String {
                     (Some(a), Some(b)) if b.median > 0.0 => format!("{:.2}", a.median / b.median),
                     _ => "–".to_owned(),
                 };
+                let rss: Vec<f64> = samples
+                    .iter()
+                    .filter(|s| s.variant == v && s.phase == phase)
+                    .filter_map(|s| s.rss_per_idle_stream)
+                    .collect();
+                let rss = sys::Stat::of(&rss).map_or("–".to_owned(), |s| format!("{:.0}", s.max));
                 md.push_str(&format!(
-                    "| {n} | {phase} | {} | {} |\n",
+                    "| {n} | {phase} | {} | {} | {rss} |\n",
                     ratio(|s| s.cpu_s_per_gib),
                     ratio(|s| s.mb_per_s)
                 ));

@@ -350,8 +350,9 @@ pub struct SpoolOptions {
     pub max_streams: u64,
 }
 
-/// Default of [`SpoolOptions::max_streams`]: far above a gateway's sensors, and about 8 MiB of
-/// the agent's memory when all are used.
+/// Default of [`SpoolOptions::max_streams`]: far above a gateway's sensors, and about 4 MiB of
+/// the agent's memory when all are used (about 0.4 KiB a stream: `edge-bench spool --streams`,
+/// BENCHMARKS.md).
 pub const DEFAULT_MAX_STREAMS: u64 = 10_000;
 
 impl SpoolOptions {
