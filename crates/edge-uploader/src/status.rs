@@ -363,18 +363,36 @@ pub fn render(status: &Value, reasons: &[String], now_ms: u64) -> String {
     }
     if let Some(streams) = sp["streams"].as_array().filter(|s| !s.is_empty()) {
         out.push_str(&format!("{:<24} {:>10} {:>14} {:>12}\n", "stream", "next seq", "backlog bytes", "chunks"));
-        for s in streams {
+        // A spool may know thousands of streams: past `STREAM_ROWS`, the rows are those with
+        // the most backlog, still in name order, and a line says how many are left out.
+        let mut shown: Vec<&Value> = streams.iter().collect();
+        if shown.len() > STREAM_ROWS {
+            shown.sort_by_key(|s| std::cmp::Reverse(s["bytes"].as_u64().unwrap_or(0)));
+            shown.truncate(STREAM_ROWS);
+            shown.sort_by_key(|s| s["name"].as_str().unwrap_or_default());
+        }
+        for s in &shown {
             out.push_str(&format!(
                 "{:<24} {:>10} {:>14} {:>12}\n",
                 s["name"].as_str().unwrap_or("?"),
-                s["next_seq"],
-                s["bytes"],
-                s["sealed_chunks"]
+                // As strings: a JSON value's `Display` ignores the width.
+                s["next_seq"].to_string(),
+                s["bytes"].to_string(),
+                s["sealed_chunks"].to_string()
+            ));
+        }
+        if streams.len() > shown.len() {
+            out.push_str(&format!(
+                "... and {} more streams with less backlog (--json lists them all)\n",
+                streams.len() - shown.len()
             ));
         }
     }
     out
 }
+
+/// Stream rows the human output shows at most (`--json` lists every stream).
+const STREAM_ROWS: usize = 50;
 
 fn opt(v: &Value) -> String {
     if v.is_null() { "-".to_owned() } else { v.to_string() }
@@ -585,6 +603,23 @@ mod tests {
             ),
             "{text}"
         );
+    }
+
+    #[test]
+    fn with_many_streams_the_human_output_shows_those_with_the_most_backlog_and_counts_the_rest() {
+        let mut d = doc(true, Some(0));
+        let streams: Vec<Value> = (0..STREAM_ROWS as u64 + 7)
+            .map(|i| json!({"name": format!("s{i:03}"), "next_seq": 1, "bytes": i, "sealed_chunks": 0}))
+            .collect();
+        d["spool"]["streams"] = json!(streams);
+        let text = render(&d, &[], 1000);
+        let rows: Vec<&str> = text.lines().filter(|l| l.starts_with("s0")).collect();
+        assert_eq!(rows.len(), STREAM_ROWS, "{text}");
+        assert!(rows[0].starts_with("s007 ") && rows[STREAM_ROWS - 1].starts_with("s056 "), "{rows:?}");
+        assert!(text.contains("... and 7 more streams with less backlog (--json lists them all)"), "{text}");
+        // Columns line up: the numbers are right-aligned under their headings.
+        let header = text.lines().find(|l| l.starts_with("stream ")).expect("a header");
+        assert_eq!(rows[0].len(), header.len(), "{header:?} / {:?}", rows[0]);
     }
 
     #[test]
