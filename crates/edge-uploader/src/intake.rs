@@ -101,6 +101,7 @@ impl Intake {
             "log_level": config.log_level,
             "spool_max_bytes": config.spool.max_bytes,
             "spool_full_policy": policy,
+            "spool_max_streams": config.spool.max_streams,
             "max_in_flight": config.upload.max_in_flight,
             "max_in_flight_bytes": config.upload.max_in_flight_bytes,
         });

@@ -259,6 +259,22 @@ pub fn notes(status: &Value) -> Vec<String> {
             plural(n),
         ));
     }
+    // Near the cap on streams: a producer that names a new stream is refused (a lasting state
+    // of the spool, which never forgets a stream, so a note rather than a reason).
+    if let (Some(streams), Some(max)) =
+        (sp["streams"].as_array().map(|s| s.len() as u64), status["settings"]["spool_max_streams"].as_u64())
+        && max > 0
+        && streams as f64 >= max as f64 * SPOOL_FULL_RATIO
+    {
+        notes.push(format!(
+            "the spool knows {streams} streams, spool.max_streams is {max}: {}",
+            if streams >= max {
+                "requests naming a new stream are refused (HTTP 422, too_many_streams)"
+            } else {
+                "at the cap, requests naming a new stream are refused (HTTP 422, too_many_streams)"
+            }
+        ));
+    }
     notes
 }
 
@@ -620,6 +636,25 @@ mod tests {
         // Columns line up: the numbers are right-aligned under their headings.
         let header = text.lines().find(|l| l.starts_with("stream ")).expect("a header");
         assert_eq!(rows[0].len(), header.len(), "{header:?} / {:?}", rows[0]);
+    }
+
+    #[test]
+    fn a_spool_near_or_at_its_cap_on_streams_gets_a_note() {
+        let mut d = doc(true, Some(0));
+        assert!(notes(&d).is_empty(), "one stream, no cap given: {:?}", notes(&d));
+        d["settings"]["spool_max_streams"] = json!(20);
+        assert!(notes(&d).is_empty(), "1 of 20");
+        let streams: Vec<Value> = (0..19).map(|i| json!({"name": format!("s{i}"), "bytes": 0})).collect();
+        d["spool"]["streams"] = json!(streams);
+        let n = notes(&d);
+        assert!(
+            n.len() == 1 && n[0].contains("knows 19 streams, spool.max_streams is 20") && n[0].contains("at the cap"),
+            "{n:?}"
+        );
+        d["settings"]["spool_max_streams"] = json!(19);
+        let n = notes(&d);
+        assert!(n.len() == 1 && n[0].contains("new stream are refused (HTTP 422"), "{n:?}");
+        assert!(degraded_reasons(&d, Duration::from_secs(60), 1000).is_empty(), "a note, not a reason");
     }
 
     #[test]
