@@ -60,6 +60,8 @@ pub const INTAKE_CONNECTION_LIMIT_WAITS_TOTAL: &str = "edge_uploader_intake_conn
 pub const SPOOL_BYTES: &str = "edge_uploader_spool_bytes";
 /// Sealed chunks waiting for an ack.
 pub const SPOOL_CHUNKS: &str = "edge_uploader_spool_chunks";
+/// Streams the spool knows (never forgotten; capped by `spool.max_streams`).
+pub const SPOOL_STREAMS: &str = "edge_uploader_spool_streams";
 /// Disk space the spool's files take.
 pub const SPOOL_DISK_BYTES: &str = "edge_uploader_spool_disk_bytes";
 /// Age of the oldest record not yet acked.
@@ -114,7 +116,7 @@ pub const SPOOL_COMMIT_SECONDS: &str = "edge_uploader_spool_commit_seconds";
 pub const SPOOL_BUSY_SECONDS: &str = "edge_uploader_spool_busy_seconds";
 
 /// Every metric name above.
-pub const ALL: [&str; 36] = [
+pub const ALL: [&str; 37] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
@@ -126,6 +128,7 @@ pub const ALL: [&str; 36] = [
     SPOOL_BYTES,
     SPOOL_DISK_BYTES,
     SPOOL_CHUNKS,
+    SPOOL_STREAMS,
     SPOOL_OLDEST_UNACKED_AGE_SECONDS,
     SPOOL_BUSY_SECONDS,
     UPLOAD_BYTES_TOTAL,
@@ -430,6 +433,11 @@ const LIVE_SPOOL_BUSY: Live = Live::gauge(
 );
 const LIVE_SPOOL_CHUNKS: Live =
     Live::gauge(SPOOL_CHUNKS, "Sealed chunks in the spool waiting for the server's ack (quarantine excluded).");
+const LIVE_SPOOL_STREAMS: Live = Live::gauge(
+    SPOOL_STREAMS,
+    "Streams the spool knows. A stream is never forgotten (its sequence numbers go on); at spool.max_streams, \
+     requests naming a new one are refused (intake reason too_many_streams).",
+);
 const LIVE_OLDEST_AGE: Live = Live::gauge(
     SPOOL_OLDEST_UNACKED_AGE_SECONDS,
     "Age of the oldest record in the spool, i.e. not yet acked by the server; 0 when the spool is empty.",
@@ -508,7 +516,7 @@ const LIVE_WIRE_BYTES: Live = Live::counter(
            counted on every attempt, so a chunk sent again counts again. Against \
            edge_uploader_upload_bytes_total it shows what compression saves on the uplink.",
 );
-const LIVE_ALL: [&Live; 26] = [
+const LIVE_ALL: [&Live; 27] = [
     &LIVE_STREAM_BUFFER,
     &LIVE_REQUEST_BUFFER,
     &LIVE_REQUESTS_WAITING,
@@ -517,6 +525,7 @@ const LIVE_ALL: [&Live; 26] = [
     &LIVE_SPOOL_BYTES,
     &LIVE_SPOOL_DISK_BYTES,
     &LIVE_SPOOL_CHUNKS,
+    &LIVE_SPOOL_STREAMS,
     &LIVE_OLDEST_AGE,
     &LIVE_SPOOL_BUSY,
     &LIVE_DROPPED,
@@ -560,6 +569,7 @@ fn live_families(spool: &SpoolStatsView, intake: &IntakeCounters, u: &UploadCoun
         LIVE_SPOOL_BYTES.family(&[("", s.total_bytes as f64)]),
         LIVE_SPOOL_DISK_BYTES.family(&[("", spool.disk_bytes().map_or(f64::NAN, |n| n as f64))]),
         LIVE_SPOOL_CHUNKS.family(&[("", s.sealed_chunks as f64)]),
+        LIVE_SPOOL_STREAMS.family(&[("", s.streams.len() as f64)]),
         LIVE_OLDEST_AGE.family(&[("", age)]),
         LIVE_SPOOL_BUSY.family(&[("", spool.busy().map_or(0.0, |(_, d)| d.as_secs_f64()))]),
         LIVE_DROPPED.family(&[("spool_full", s.dropped_records as f64)]),
