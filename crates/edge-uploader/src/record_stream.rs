@@ -395,7 +395,13 @@ where
                         // records would not be a prefix of those sent.
                         let dropped = std::mem::take(&mut p.gathered).reserved;
                         p.give_back(dropped);
-                        refusal = Some(Refusal::spool(&f));
+                        let mut r = Refusal::spool(&f);
+                        if matches!(f, AppendFailure::TooManyStreams) {
+                            // Which of them is new the spool does not say; the producer knows.
+                            let names: Vec<String> = c.per_stream.iter().map(|(s, _, _)| format!("{s:?}")).collect();
+                            r.detail = format!("{} (the refused records are of stream {})", r.detail, names.join(", "));
+                        }
+                        refusal = Some(r);
                     }
                 }
             }

@@ -298,7 +298,7 @@ async fn a_stream_past_spool_max_streams_ends_the_connection_with_422_and_keeps_
     c.flush().await.expect("writes");
     match c.reply().await.expect("answers") {
         Some(Reply::Error { committed: 3, status: 422, detail }) => {
-            assert!(detail.contains("spool.max_streams"), "{detail}");
+            assert!(detail.contains("spool.max_streams") && detail.contains("stream \"new\""), "{detail}");
         }
         other => panic!("expected a 422 after 3 records, got {other:?}"),
     }
