@@ -240,7 +240,7 @@ impl State {
     }
 
     /// The sums and the open set counted afresh from every stream: at open, and in debug
-    /// builds after every change, to check the ones kept in step ([`State::check_counts`]).
+    /// builds before every `COMMIT`, to check the ones kept in step ([`State::check_counts`]).
     fn recounted(&self) -> (Totals, OrdSet<i64>) {
         let mut totals = Totals::default();
         let mut open = OrdSet::new();
