@@ -366,6 +366,10 @@ fn check_fixed_rows(conn: &Connection, report: &mut CheckReport) -> Result<i64, 
     };
     // The synced-segments mark has a checksum of its own, and no other key is ever written.
     report.damaged_rows.extend(crate::unsynced::read_mark(conn)?.damage);
+    // So has the host id (the next open names this machine again).
+    if let crate::host::Stored::Damaged(why) = crate::host::read(conn)? {
+        report.damaged_rows.push(why);
+    }
     let mut stmt = conn
         .prepare("SELECT id, name, next_seq, sealed_through, row_crc FROM streams ORDER BY id")
         .map_err(ctx("reading streams"))?;

@@ -23,15 +23,21 @@
 //! the file system's journal).
 //!
 //! * `meta(key TEXT PRIMARY KEY, value NOT NULL) WITHOUT ROWID`
-//!   * `spool_id`: 16 random bytes (BLOB), written once, in the transaction that creates the
-//!     schema. A file created anew (new SD card, factory reset, quarantine) gets a new identity,
-//!     so the server never mistakes its fresh sequence numbers for old ones.
+//!   * `spool_id`: 16 random bytes (BLOB), written in the transaction that creates the schema.
+//!     A file created anew (new SD card, factory reset, quarantine) gets a new identity, so the
+//!     server never mistakes its fresh sequence numbers for old ones; so does a copy of the
+//!     file opened on another machine (`host_id` below), so that the server never mistakes
+//!     the copy's chunks for the original's.
 //!   * `dropped_chunks`, `dropped_records`: INTEGER counters of what
 //!     [`FullPolicy::DropOldest`] evicted, updated in the evicting transaction.
 //!   * `legacy_batches_through`: the last batch id written before the file was migrated to
 //!     version 3 (0 for a file created at version 3); those batches have no `row_crc`.
 //!   * `row_crc`: the row checksum (see `rowcrc.rs`) over the four values above, rewritten with
 //!     the counters.
+//!   * `host_id`: the identity of the machine the file was last opened on (the agent's
+//!     `/etc/machine-id`) and its checksum (BLOB). Absent until the spool is opened with one.
+//!     An open on a machine with another identity draws a new `spool_id` first (see
+//!     [`SpoolOptions::host_id`]). Not in `row_crc`.
 //!   * `segments_synced_through`: while a [`WalSync`] makes the commits durable, a batch id
 //!     whose payload bytes, and those of every batch below it, are known to be synced; open
 //!     checks the batches above it and removes it (see `unsynced.rs`). Not in `row_crc`.
@@ -242,6 +248,7 @@ pub(crate) use crash_point;
 mod check;
 mod crc;
 mod error;
+mod host;
 mod journal;
 mod lock;
 mod reader;
@@ -261,6 +268,7 @@ use std::time::Duration;
 
 pub use check::{CheckReport, DamagedBatch, DamagedChunk, LostTail, Replayable, check};
 pub use error::SpoolError;
+pub use host::HostCheck;
 pub use reader::SpoolReader;
 pub use segment::disk_usage;
 pub use spool::Spool;
@@ -348,6 +356,12 @@ pub struct SpoolOptions {
     /// finds out at once instead of growing the agent without bound. Streams known already
     /// stay usable whatever it is lowered to.
     pub max_streams: u64,
+    /// The identity of the machine the spool runs on (the agent passes `/etc/machine-id`), or
+    /// `None` to check nothing. A file last opened on a machine with another identity is a
+    /// copy (a cloned disk image): [`Spool::open`] gives it a new [`SpoolId`] before anything
+    /// is sent, so that its records cannot collide with those of the machine it was copied
+    /// from at the ingest ([`HostCheck::Moved`]; `host.rs`).
+    pub host_id: Option<String>,
 }
 
 /// Default of [`SpoolOptions::max_streams`]: far above a gateway's sensors, and about 4 MiB of
@@ -373,6 +387,7 @@ impl SpoolOptions {
             disk_reserve_bytes: 8 << 20,
             segment_target_bytes: 16 << 20,
             max_streams: DEFAULT_MAX_STREAMS,
+            host_id: None,
         }
     }
 }
@@ -555,6 +570,8 @@ pub struct OpenReport {
     /// Records whose index rows a power cut lost before the WAL's sync, added back at open from
     /// the commit records in the payload segments (see [`Spool::defer_wal_sync`]).
     pub replayed_records: u64,
+    /// What open found of the machine the file belongs to (see [`SpoolOptions::host_id`]).
+    pub host: HostCheck,
 }
 
 /// Result of [`Spool::ack`].

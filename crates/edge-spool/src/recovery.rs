@@ -34,6 +34,8 @@ pub(crate) struct Opened {
     pub replayed: crate::journal::Replayed,
     /// What the check of the batches above the synced-segments mark dropped.
     pub unsynced: crate::unsynced::Dropped,
+    /// What the check of the file's machine found (`host.rs`).
+    pub host: crate::HostCheck,
 }
 
 /// The outcome of one attempt to open the file.
@@ -151,10 +153,18 @@ fn try_open(opts: &SpoolOptions) -> Result<Attempt, SpoolError> {
         crate::journal::replay(&mut conn, &state, &opts.path)?
     };
     let unsynced = crate::unsynced::drop_lost_tail(&mut conn, &opts.path)?;
-    if replayed.commits > 0 || unsynced != crate::unsynced::Dropped::default() {
+    // After the replay and the lost tail, which leave the meta values alone; before anything
+    // is read from the file to be sent.
+    let host = crate::host::settle(&mut conn, opts.host_id.as_deref())?;
+    let id = match &host {
+        crate::HostCheck::Moved { new_id, .. } => *new_id,
+        _ => SpoolId(bytes),
+    };
+    if replayed.commits > 0 || unsynced != crate::unsynced::Dropped::default() || id != SpoolId(bytes) {
+        // `state.meta` holds the spool id the meta checksum is computed over.
         state = State::load(&conn)?;
     }
-    Ok(Attempt::Ready(Box::new(Opened { conn, id: SpoolId(bytes), state, created, replayed, unsynced })))
+    Ok(Attempt::Ready(Box::new(Opened { conn, id, state, created, replayed, unsynced, host })))
 }
 
 /// `quick_check` does not compare index entries with their rows. The full check of each table

@@ -49,6 +49,11 @@ pub(crate) fn synced_mark(key: &str, mark: i64) -> u32 {
     RowCrc::new("meta").bytes(key.as_bytes()).int(mark).0
 }
 
+/// The checksum inside the host id's value (`host.rs`): over the key and the identity's bytes.
+pub(crate) fn host_id(key: &str, host: &[u8]) -> u32 {
+    RowCrc::new("meta").bytes(key.as_bytes()).bytes(host).0
+}
+
 /// The columns of a `chunks` row that `chunks.row_crc` covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct ChunkRow {

@@ -261,9 +261,19 @@ pub(crate) const META_ROW_CRC: &str = "row_crc";
 /// covered when the last commit was built (see `unsynced.rs`). Absent otherwise. Not in the
 /// meta checksum (it moves with the commits): its value carries a checksum of its own.
 pub(crate) const META_SEGMENTS_SYNCED: &str = "segments_synced_through";
+/// The identity of the machine the file was last opened on (`host.rs`). Absent until the
+/// spool is opened with one. Not in the meta checksum: its value carries a checksum of its own.
+pub(crate) const META_HOST_ID: &str = "host_id";
 /// Every key a `meta` row can have (schema version 3 on); any other is a damaged key.
-pub(crate) const META_KEYS: [&str; 6] =
-    [META_SPOOL_ID, META_DROPPED_CHUNKS, META_DROPPED_RECORDS, META_LEGACY_BATCHES, META_ROW_CRC, META_SEGMENTS_SYNCED];
+pub(crate) const META_KEYS: [&str; 7] = [
+    META_SPOOL_ID,
+    META_DROPPED_CHUNKS,
+    META_DROPPED_RECORDS,
+    META_LEGACY_BATCHES,
+    META_ROW_CRC,
+    META_SEGMENTS_SYNCED,
+    META_HOST_ID,
+];
 
 /// What [`migrate`] found.
 #[derive(Debug, PartialEq, Eq)]

@@ -91,7 +91,26 @@ impl Spool {
             sealed_chunks: opened.state.sealed_chunks(),
             unsynced_records_dropped: opened.unsynced.records,
             replayed_records: opened.replayed.records,
+            host: opened.host.clone(),
         };
+        match &report.host {
+            crate::HostCheck::Moved { from, old_id, new_id } => tracing::warn!(
+                path = %opts.path.display(),
+                from_host = %from,
+                this_host = opts.host_id.as_deref().unwrap_or_default(),
+                %old_id,
+                %new_id,
+                "the spool file was last opened on another machine (a copied disk image): it has a new spool id, so \
+                 that its records cannot collide with the other machine's at the ingest; the chunks it brought along \
+                 that the other machine delivered too will be stored twice"
+            ),
+            crate::HostCheck::Adopted { damaged: Some(why) } => tracing::warn!(
+                path = %opts.path.display(),
+                %why,
+                "the spool's record of its machine was damaged; it names this machine again"
+            ),
+            _ => {}
+        }
         tracing::info!(
             path = %opts.path.display(),
             spool_id = %opened.id,
@@ -162,7 +181,8 @@ impl Spool {
         Ok((spool, report))
     }
 
-    /// The identity drawn when this file was created.
+    /// The identity drawn when this file was created, or when open found it had been copied
+    /// from another machine ([`HostCheck::Moved`](crate::HostCheck::Moved)).
     pub fn id(&self) -> SpoolId {
         self.id
     }
@@ -1993,6 +2013,124 @@ mod tests {
         assert!(report.created);
         assert_ne!(spool.id(), id);
         assert_eq!(spool.id().to_string().len(), 32);
+    }
+
+    fn host(opts: &SpoolOptions, host: Option<&str>) -> SpoolOptions {
+        SpoolOptions { host_id: host.map(str::to_owned), ..opts.clone() }
+    }
+
+    #[test]
+    fn a_copy_of_the_file_on_another_machine_gets_a_new_id_and_keeps_its_chunks_and_seqs() {
+        let (dir, base) = setup();
+        let on_a = host(&base, Some("aaaa"));
+        let (mut spool, report) = open(&on_a);
+        assert_eq!((report.created, &report.host), (true, &crate::HostCheck::Adopted { damaged: None }));
+        let first = spool.id();
+        spool.append(&[req(vec![batch("s", b"one")])], 1).expect("append");
+        spool.seal_all(1).expect("seal");
+        drop(spool);
+        let (spool, report) = open(&on_a);
+        assert_eq!((spool.id(), &report.host), (first, &crate::HostCheck::Same));
+        drop(spool);
+
+        // The disk image copied to another machine: the same files, another machine id.
+        let copy = dir.path().join("copy");
+        std::fs::create_dir(&copy).expect("dir");
+        for f in std::fs::read_dir(dir.path()).expect("list") {
+            let f = f.expect("entry").path();
+            if f.is_file() && !f.ends_with("spool.db-lock") {
+                std::fs::copy(&f, copy.join(f.file_name().expect("name"))).expect("copy");
+            }
+        }
+        let on_b = host(&SpoolOptions { path: copy.join("spool.db"), ..base.clone() }, Some("bbbb"));
+        let (mut spool, report) = open(&on_b);
+        let crate::HostCheck::Moved { from, old_id, new_id } = &report.host else {
+            panic!("expected a move, got {:?}", report.host)
+        };
+        assert_eq!((from.as_str(), *old_id, spool.id()), ("aaaa", first, *new_id));
+        assert_ne!(spool.id(), first);
+        assert!(!report.created && report.quarantined.is_none());
+        let chunks = all_sealed(&spool);
+        assert_eq!(chunks.iter().map(|c| c.seq).collect::<Vec<_>>(), vec![1], "the chunk it brought along");
+        assert_eq!(read(&spool, &chunks[0]).expect("read"), b"one");
+        spool.append(&[req(vec![batch("s", b"two")])], 2).expect("append");
+        spool.seal_all(2).expect("seal");
+        assert_eq!(all_sealed(&spool).iter().map(|c| c.seq).collect::<Vec<_>>(), vec![1, 2], "seqs go on");
+        let copied = spool.id();
+        drop(spool);
+        let (spool, report) = open(&on_b);
+        assert_eq!((spool.id(), &report.host), (copied, &crate::HostCheck::Same), "the new id is kept");
+        drop(spool);
+        let (spool, report) = open(&host(&on_b, None));
+        assert_eq!((spool.id(), &report.host), (copied, &crate::HostCheck::Unchecked));
+        drop(spool);
+
+        // The original, on its own machine, keeps its id.
+        let (spool, report) = open(&on_a);
+        assert_eq!((spool.id(), &report.host), (first, &crate::HostCheck::Same));
+        assert!(crate::check(&on_b.path).expect("check").damaged_rows.is_empty());
+    }
+
+    #[test]
+    fn a_new_id_from_a_move_survives_commits_that_rewrite_the_meta_checksum() {
+        let (_dir, mut opts) = setup();
+        opts.max_bytes = 100;
+        opts.chunk_target_bytes = 30;
+        opts.full_policy = FullPolicy::DropOldest;
+        let (spool, _) = open(&host(&opts, Some("a")));
+        drop(spool);
+        let on_b = host(&opts, Some("b"));
+        let (mut spool, report) = open(&on_b);
+        assert!(matches!(report.host, crate::HostCheck::Moved { .. }), "{:?}", report.host);
+        let id = spool.id();
+        // Drops rewrite the meta counters and the checksum over them and the spool id.
+        let three = |s: &str| req(vec![Batch { stream: s.into(), data: vec![7; 30], records: 3 }]);
+        spool.append(&[three("a"), three("b"), three("a")], 1).expect("append");
+        spool.append(&[req(vec![batch("c", &[1; 40])])], 2).expect("append");
+        assert_eq!(spool.stats().dropped_chunks, 1);
+        drop(spool);
+        let (spool, report) = open(&on_b);
+        assert!(!report.created && report.quarantined.is_none(), "{report:?}");
+        assert_eq!((spool.id(), spool.stats().dropped_chunks), (id, 1));
+    }
+
+    #[test]
+    fn a_spool_without_a_machine_adopts_the_first_it_is_opened_on() {
+        let (_dir, opts) = setup();
+        let (spool, report) = open(&opts);
+        assert_eq!(report.host, crate::HostCheck::Unchecked);
+        assert_eq!(count(&spool, "SELECT count(*) FROM meta WHERE key = 'host_id'"), 0, "nothing written");
+        let id = spool.id();
+        drop(spool);
+        let (spool, report) = open(&host(&opts, Some("a")));
+        assert_eq!((spool.id(), &report.host), (id, &crate::HostCheck::Adopted { damaged: None }));
+        drop(spool);
+        // The new id is committed with FULL, and the spool's own durability is back after it.
+        let normal = SpoolOptions { durability: Durability::Normal, ..host(&opts, Some("b")) };
+        let (spool, report) = open(&normal);
+        assert!(matches!(report.host, crate::HostCheck::Moved { .. }), "{:?}", report.host);
+        assert_ne!(spool.id(), id);
+        assert_eq!(count(&spool, "PRAGMA synchronous"), 1, "NORMAL");
+    }
+
+    #[test]
+    fn a_damaged_machine_row_is_reported_by_check_and_adopted_again_without_a_new_id() {
+        let (_dir, opts) = setup();
+        let on_a = host(&opts, Some("a"));
+        let (spool, _) = open(&on_a);
+        let id = spool.id();
+        // One flipped bit in the identity: it fails its checksum.
+        spool.conn().execute("UPDATE meta SET value = X'6005060708' WHERE key = 'host_id'", []).expect("damage");
+        drop(spool);
+        let damaged = crate::check(&opts.path).expect("check").damaged_rows;
+        assert!(damaged.len() == 1 && damaged[0].contains("host id"), "{damaged:?}");
+        let (spool, report) = open(&host(&opts, Some("b")));
+        assert!(matches!(&report.host, crate::HostCheck::Adopted { damaged: Some(why) } if why.contains("checksum")));
+        assert_eq!(spool.id(), id, "a damaged row tells no copy apart");
+        drop(spool);
+        assert!(crate::check(&opts.path).expect("check").damaged_rows.is_empty());
+        let (spool, report) = open(&host(&opts, Some("b")));
+        assert_eq!((spool.id(), &report.host), (id, &crate::HostCheck::Same));
     }
 
     #[test]

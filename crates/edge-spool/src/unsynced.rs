@@ -253,8 +253,9 @@ pub(crate) fn drop_lost_tail(conn: &mut Connection, db: &Path) -> Result<Dropped
         dropped = drop_from(&tx, b)?;
     }
     // The mark, and any row whose key the spool never writes (`read_mark`).
+    let known = (2..=META_KEYS.len() + 1).map(|i| format!("?{i}")).collect::<Vec<_>>().join(", ");
     tx.execute(
-        "DELETE FROM meta WHERE key = ?1 OR key IS NULL OR key NOT IN (?2, ?3, ?4, ?5, ?6, ?7)",
+        &format!("DELETE FROM meta WHERE key = ?1 OR key IS NULL OR key NOT IN ({known})"),
         rusqlite::params_from_iter(std::iter::once(META_SEGMENTS_SYNCED).chain(META_KEYS)),
     )
     .map_err(ctx("removing the synced-segments mark"))?;

@@ -1,0 +1,137 @@
+//! Which machine a spool file belongs to, so that a copy of it on another machine takes an
+//! identity of its own.
+//!
+//! The ingest deduplicates by `(device, spool id, stream, seq)`. Two gateways that run from
+//! copies of one disk image and share a device certificate would also share the spool id in
+//! that image, and number their chunks from the same `next_seq`: the second gateway's chunks
+//! would be answered `Duplicate` and deleted unsent, its records lost. So the spool records
+//! the identity of the machine it runs on (the agent passes `/etc/machine-id`,
+//! [`SpoolOptions::host_id`](crate::SpoolOptions::host_id)) in `meta.host_id`, and an open on a
+//! machine with another identity draws a new spool id before anything is sent: the records
+//! the copy accepts from then on can no longer collide with those of the machine it was copied
+//! from. The chunks the copy brought along go out under the new id too, so those the other
+//! machine delivered as well are stored twice: a duplicate at rest, never a loss.
+//!
+//! A spool without the row (created before it existed, or opened without a host id) adopts
+//! the identity it is opened with, and so does one whose row fails its checksum: the row can
+//! only tell a copy apart from then on. Moving the disk itself to new hardware keeps
+//! `/etc/machine-id` with it, and the spool id.
+
+use rusqlite::types::Value;
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
+
+use crate::error::ctx;
+use crate::schema::{META_HOST_ID, META_ROW_CRC, META_SPOOL_ID};
+use crate::{SpoolError, SpoolId};
+
+/// What the `meta.host_id` row holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Stored {
+    /// No row.
+    Absent,
+    /// A host identity that passed its checksum.
+    Intact(String),
+    /// A value that is not a checked host identity: what is wrong with it.
+    Damaged(String),
+}
+
+/// The row's value: the identity's bytes, then their checksum (4 bytes, little-endian).
+fn value(host: &str) -> Vec<u8> {
+    let mut v = Vec::with_capacity(host.len() + 4);
+    v.extend_from_slice(host.as_bytes());
+    v.extend_from_slice(&crate::rowcrc::host_id(META_HOST_ID, host.as_bytes()).to_le_bytes());
+    v
+}
+
+/// Reads `meta.host_id` (`spool check` too).
+pub(crate) fn read(conn: &Connection) -> Result<Stored, SpoolError> {
+    let v: Option<Value> = conn
+        .query_row("SELECT value FROM meta WHERE key = ?1", [META_HOST_ID], |r| r.get(0))
+        .optional()
+        .map_err(ctx("reading the host id"))?;
+    Ok(match v {
+        None => Stored::Absent,
+        Some(Value::Blob(b)) if b.len() > 4 => {
+            let (host, crc) = b.split_at(b.len() - 4);
+            let crc = u32::from_le_bytes(crc.try_into().unwrap_or_default());
+            match std::str::from_utf8(host) {
+                Ok(h) if crc == crate::rowcrc::host_id(META_HOST_ID, host) => Stored::Intact(h.to_owned()),
+                _ => Stored::Damaged(format!("the host id ({} bytes) fails its checksum", host.len())),
+            }
+        }
+        Some(other) => Stored::Damaged(format!("the host id holds {other:?}, not a checked identity")),
+    })
+}
+
+/// What [`Spool::open`](crate::Spool::open) found of the machine the file belongs to
+/// ([`OpenReport::host`](crate::OpenReport::host)).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum HostCheck {
+    /// Opened without a host id: nothing checked, nothing written.
+    #[default]
+    Unchecked,
+    /// The file names this host already.
+    Same,
+    /// The file named no host (or a damaged one), and names this one now.
+    Adopted {
+        /// What was wrong with the row, if it was damaged rather than absent.
+        damaged: Option<String>,
+    },
+    /// The file was made on another host: it has a new spool id and names this host now.
+    Moved {
+        /// The host the file named.
+        from: String,
+        /// The spool id it had there.
+        old_id: SpoolId,
+        /// The id it has now.
+        new_id: SpoolId,
+    },
+}
+
+/// Compares the file's host with `host` and records `host`, drawing a new spool id when the
+/// file names another host. The change is committed with `synchronous = FULL` whatever the
+/// spool's durability: a new id that a power cut took back would be drawn again at the next
+/// open, and the chunks sent under the first one stored twice.
+///
+/// # Errors
+/// [`SpoolError::Inconsistent`] when the meta values fail their checksum (the caller moves the
+/// file aside, as for any open that finds them damaged), SQLite errors otherwise.
+pub(crate) fn settle(conn: &mut Connection, host: Option<&str>) -> Result<HostCheck, SpoolError> {
+    let Some(host) = host else { return Ok(HostCheck::Unchecked) };
+    let (settled, new_id) = match read(conn)? {
+        Stored::Intact(h) if h == host => return Ok(HostCheck::Same),
+        Stored::Intact(from) => {
+            let meta = crate::schema::read_verified_meta(conn)?;
+            let old_id = SpoolId(meta.spool_id.as_slice().try_into().map_err(|_| {
+                SpoolError::Inconsistent(format!("spool id has {} bytes, expected 16", meta.spool_id.len()))
+            })?);
+            let new_id = SpoolId::random();
+            (HostCheck::Moved { from, old_id, new_id }, Some(new_id))
+        }
+        Stored::Absent => (HostCheck::Adopted { damaged: None }, None),
+        Stored::Damaged(why) => (HostCheck::Adopted { damaged: Some(why) }, None),
+    };
+    let sync: i64 = conn.pragma_query_value(None, "synchronous", |r| r.get(0)).map_err(ctx("reading synchronous"))?;
+    conn.pragma_update(None, "synchronous", "FULL").map_err(ctx("setting synchronous"))?;
+    let done = write(conn, host, new_id);
+    conn.pragma_update(None, "synchronous", sync).map_err(ctx("setting synchronous back"))?;
+    done?;
+    Ok(settled)
+}
+
+/// One transaction: the host row, and with `new_id` the spool id and the meta checksum over it.
+fn write(conn: &mut Connection, host: &str, new_id: Option<SpoolId>) -> Result<(), SpoolError> {
+    let tx =
+        conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(ctx("beginning the host id update"))?;
+    if let Some(id) = new_id {
+        let mut meta = crate::schema::read_verified_meta(&tx)?;
+        meta.spool_id = id.0.to_vec();
+        tx.execute("UPDATE meta SET value = ?2 WHERE key = ?1", (META_SPOOL_ID, &meta.spool_id))
+            .map_err(ctx("writing the new spool id"))?;
+        tx.execute("UPDATE meta SET value = ?2 WHERE key = ?1", (META_ROW_CRC, meta.crc()))
+            .map_err(ctx("updating the meta checksum"))?;
+    }
+    tx.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)", (META_HOST_ID, value(host)))
+        .map_err(ctx("writing the host id"))?;
+    tx.commit().map_err(ctx("committing the host id"))
+}
