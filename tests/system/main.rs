@@ -4,6 +4,7 @@
 //! One test binary (ripgrep style); each module is one area.
 
 mod cli;
+mod cloned_disk;
 mod common;
 mod crash_loop;
 mod crash_points;

@@ -52,7 +52,18 @@ impl Agent {
     /// Opens the spool, binds the intake and starts uploading. Returns once the agent accepts
     /// records (the moment to report READY).
     pub async fn start(config: &Config) -> anyhow::Result<Agent> {
-        let opts = config.spool.clone();
+        let mut opts = config.spool.clone();
+        if let Some(file) = &config.machine_id_file {
+            match crate::machine_id::read(file) {
+                Ok(id) => opts.host_id = Some(id),
+                Err(why) => warn!(
+                    %why,
+                    "spool.machine_id_file gives no machine id: the spool cannot tell whether its file was copied \
+                     from another machine (a cloned disk image), whose records would then collide with this one's \
+                     at the ingest"
+                ),
+            }
+        }
         let path = opts.path.clone();
         let (spool, report) = tokio::task::spawn_blocking(move || Spool::open(opts))
             .await
@@ -81,6 +92,10 @@ impl Agent {
             upload: upload.clone(),
             settings: std::sync::Mutex::new(serde_json::Value::Null),
             rates: crate::status::RateWindow::default(),
+            spool_copied_from: match report.host {
+                edge_spool::HostCheck::Moved { from, old_id, .. } => Some((from, old_id)),
+                _ => None,
+            },
         });
         intake.set_settings(config);
         let cancel_intake = CancellationToken::new();

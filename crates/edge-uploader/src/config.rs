@@ -30,6 +30,9 @@ pub const DEFAULT_STREAM_SOCKET: &str = "records.sock";
 /// allows (`LimitNOFILE=65536`), so the spool, the upload and the metrics always have theirs.
 pub const MAX_CONNECTIONS_LIMIT: u32 = 16384;
 
+/// Default of `spool.machine_id_file`: systemd's machine id, drawn at a machine's first boot.
+pub const DEFAULT_MACHINE_ID_FILE: &str = "/etc/machine-id";
+
 /// Largest `spool.chunk_target` (see where it is checked).
 pub const MAX_CHUNK_TARGET: u64 = 4 << 20;
 
@@ -109,6 +112,7 @@ pub struct RawSpool {
     pub compression: String,
     pub zstd_level: i32,
     pub max_streams: u64,
+    pub machine_id_file: PathBuf,
 }
 
 impl Default for RawSpool {
@@ -123,6 +127,7 @@ impl Default for RawSpool {
             compression: "zstd".into(),
             zstd_level: 3,
             max_streams: edge_spool::DEFAULT_MAX_STREAMS,
+            machine_id_file: PathBuf::from(DEFAULT_MACHINE_ID_FILE),
         }
     }
 }
@@ -271,6 +276,10 @@ pub struct UploadConfig {
 pub struct Config {
     pub intake: IntakeConfig,
     pub spool: SpoolOptions,
+    /// The file with this machine's identity, which the spool compares with the machine it was
+    /// last opened on (`spool.machine_id_file`; `None` when set empty). `spool.host_id` is
+    /// filled from it when the agent starts.
+    pub machine_id_file: Option<PathBuf>,
     pub upload: UploadConfig,
     /// Address of the `/metrics` endpoint; `None` when disabled.
     pub metrics_listen: Option<SocketAddr>,
@@ -545,6 +554,8 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     spool.chunk_max_records = edge_proto::Limits::default().max_records_per_chunk;
     spool.linger = raw.spool.linger;
     spool.max_streams = raw.spool.max_streams;
+    // Read at start (`Agent::start`), not here: `check-config` runs on other machines too.
+    let machine_id_file = (!raw.spool.machine_id_file.as_os_str().is_empty()).then_some(raw.spool.machine_id_file);
 
     Ok(Config {
         intake: IntakeConfig {
@@ -562,6 +573,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             max_connections: raw.intake.max_connections,
         },
         spool,
+        machine_id_file,
         upload: UploadConfig {
             server: raw.upload.server,
             server_name: server_name.clone(),

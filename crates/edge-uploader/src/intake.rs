@@ -78,6 +78,9 @@ pub struct Intake {
     pub settings: std::sync::Mutex<serde_json::Value>,
     /// Counter history for the rates `GET /v1/status` reports.
     pub rates: crate::status::RateWindow,
+    /// The machine id and spool id of the machine the spool file was copied from, when its open
+    /// at this start found it had been (`edge_spool::HostCheck::Moved`).
+    pub spool_copied_from: Option<(String, edge_spool::SpoolId)>,
 }
 
 impl Intake {
@@ -762,6 +765,9 @@ pub fn status_json(intake: &Intake) -> serde_json::Value {
         "settings": settings,
         "spool": {
             "id": intake.spool.id().to_string(),
+            "copied_from": intake.spool_copied_from.as_ref().map(|(machine, id)| json!({
+                "machine_id": machine, "spool_id": id.to_string(),
+            })),
             "sealed_chunks": s.sealed_chunks,
             "sealed_bytes": s.sealed_bytes,
             "open_bytes": s.open_bytes,

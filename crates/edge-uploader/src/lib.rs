@@ -13,6 +13,7 @@ pub mod config;
 pub mod demo;
 pub mod handoff;
 pub mod intake;
+pub mod machine_id;
 pub mod metrics;
 pub mod netwatch;
 pub mod probe;

@@ -259,6 +259,16 @@ pub fn notes(status: &Value) -> Vec<String> {
             plural(n),
         ));
     }
+    // The spool file came from another machine: it took a new id at this start.
+    if let Some(from) = sp["copied_from"].as_object() {
+        notes.push(format!(
+            "the spool file was last opened on another machine (machine id {}, spool id {}), as a copied disk image \
+             is: it took a new spool id when the agent started, so that its records cannot collide with that \
+             machine's; chunks it brought along that the other machine sent too are stored twice",
+            from.get("machine_id").and_then(Value::as_str).unwrap_or("?"),
+            from.get("spool_id").and_then(Value::as_str).unwrap_or("?"),
+        ));
+    }
     // Near the cap on streams: a producer that names a new stream is refused (a lasting state
     // of the spool, which never forgets a stream, so a note rather than a reason).
     if let (Some(streams), Some(max)) =
@@ -654,6 +664,21 @@ mod tests {
         d["settings"]["spool_max_streams"] = json!(19);
         let n = notes(&d);
         assert!(n.len() == 1 && n[0].contains("new stream are refused (HTTP 422"), "{n:?}");
+        assert!(degraded_reasons(&d, Duration::from_secs(60), 1000).is_empty(), "a note, not a reason");
+    }
+
+    #[test]
+    fn a_spool_copied_from_another_machine_gets_a_note_naming_it() {
+        let mut d = doc(true, Some(0));
+        d["spool"]["copied_from"] = Value::Null;
+        assert!(notes(&d).is_empty(), "{:?}", notes(&d));
+        d["spool"]["copied_from"] = json!({"machine_id": "0123abcd", "spool_id": "77ff"});
+        let n = notes(&d);
+        assert!(
+            n.len() == 1 && n[0].contains("machine id 0123abcd, spool id 77ff") && n[0].contains("new spool id"),
+            "{n:?}"
+        );
+        assert!(render(&d, &[], 1000).contains("machine id 0123abcd"));
         assert!(degraded_reasons(&d, Duration::from_secs(60), 1000).is_empty(), "a note, not a reason");
     }
 
