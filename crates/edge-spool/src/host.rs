@@ -88,35 +88,52 @@ pub enum HostCheck {
     },
 }
 
-/// Compares the file's host with `host` and records `host`, drawing a new spool id when the
-/// file names another host. The change is committed with `synchronous = FULL` whatever the
-/// spool's durability: a new id that a power cut took back would be drawn again at the next
-/// open, and the chunks sent under the first one stored twice.
+/// Compares the file's host with `host` (an empty one counts as none) and records `host`,
+/// drawing a new spool id when the file names another host. The new id is committed with
+/// `synchronous = FULL` whatever the spool's durability: a new id that a power cut took back
+/// would be drawn again at the next open, and the chunks sent under the first one stored
+/// twice. Recording a host where none (or a damaged one) was is optional: a failure is logged
+/// and reported as [`HostCheck::Unchecked`].
 ///
 /// # Errors
 /// [`SpoolError::Inconsistent`] when the meta values fail their checksum (the caller moves the
 /// file aside, as for any open that finds them damaged), SQLite errors otherwise.
 pub(crate) fn settle(conn: &mut Connection, host: Option<&str>) -> Result<HostCheck, SpoolError> {
-    let Some(host) = host else { return Ok(HostCheck::Unchecked) };
-    let (settled, new_id) = match read(conn)? {
+    let Some(host) = host.filter(|h| !h.is_empty()) else { return Ok(HostCheck::Unchecked) };
+    let (from, old_id) = match read(conn)? {
         Stored::Intact(h) if h == host => return Ok(HostCheck::Same),
         Stored::Intact(from) => {
             let meta = crate::schema::read_verified_meta(conn)?;
             let old_id = SpoolId(meta.spool_id.as_slice().try_into().map_err(|_| {
                 SpoolError::Inconsistent(format!("spool id has {} bytes, expected 16", meta.spool_id.len()))
             })?);
-            let new_id = SpoolId::random();
-            (HostCheck::Moved { from, old_id, new_id }, Some(new_id))
+            (from, old_id)
         }
-        Stored::Absent => (HostCheck::Adopted { damaged: None }, None),
-        Stored::Damaged(why) => (HostCheck::Adopted { damaged: Some(why) }, None),
+        absent_or_damaged => {
+            let damaged = match absent_or_damaged {
+                Stored::Damaged(why) => Some(why),
+                _ => None,
+            };
+            // Optional: a row a failed write (a full disk) or a power cut leaves out is written
+            // at the next open, and a spool that cannot be written now must still open, to drain.
+            return Ok(match write(conn, host, None) {
+                Ok(()) => HostCheck::Adopted { damaged },
+                Err(e) => {
+                    tracing::warn!(error = %e, "the spool could not record the machine it runs on; it checks again at the next open");
+                    HostCheck::Unchecked
+                }
+            });
+        }
     };
+    let new_id = SpoolId::random();
     let sync: i64 = conn.pragma_query_value(None, "synchronous", |r| r.get(0)).map_err(ctx("reading synchronous"))?;
     conn.pragma_update(None, "synchronous", "FULL").map_err(ctx("setting synchronous"))?;
-    let done = write(conn, host, new_id);
-    conn.pragma_update(None, "synchronous", sync).map_err(ctx("setting synchronous back"))?;
+    let done = write(conn, host, Some(new_id));
+    // After the transaction, committed or rolled back: the level cannot change inside one.
+    let restored = conn.pragma_update(None, "synchronous", sync).map_err(ctx("setting synchronous back"));
     done?;
-    Ok(settled)
+    restored?;
+    Ok(HostCheck::Moved { from, old_id, new_id })
 }
 
 /// One transaction: the host row, and with `new_id` the spool id and the meta checksum over it.

@@ -2099,6 +2099,9 @@ mod tests {
         let (_dir, opts) = setup();
         let (spool, report) = open(&opts);
         assert_eq!(report.host, crate::HostCheck::Unchecked);
+        drop(spool);
+        let (spool, report) = open(&host(&opts, Some("")));
+        assert_eq!(report.host, crate::HostCheck::Unchecked, "an empty id is none");
         assert_eq!(count(&spool, "SELECT count(*) FROM meta WHERE key = 'host_id'"), 0, "nothing written");
         let id = spool.id();
         drop(spool);

@@ -250,7 +250,8 @@ impl Agent {
             Err(e) => error!(error = %e, "device TLS files do not load; the previous ones stay in use"),
         }
         let (a, b) = (running, new);
-        let fixed: [(&'static str, bool); 23] = [
+        let fixed: [(&'static str, bool); 24] = [
+            ("spool.machine_id_file", a.machine_id_file != b.machine_id_file),
             ("intake.socket", a.intake.socket != b.intake.socket || a.intake.socket_mode != b.intake.socket_mode),
             ("intake.tcp", a.intake.tcp != b.intake.tcp),
             (
