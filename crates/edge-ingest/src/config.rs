@@ -84,6 +84,7 @@ pub struct RawStore {
     pub segment_max_bytes: ByteSize,
     pub direct_writes: bool,
     pub max_index_gaps_per_device: u64,
+    pub max_index_streams_per_device: u64,
 }
 
 impl Default for RawStore {
@@ -93,6 +94,7 @@ impl Default for RawStore {
             segment_max_bytes: ByteSize::mib(256),
             direct_writes: true,
             max_index_gaps_per_device: crate::store::DEFAULT_MAX_INDEX_GAPS_PER_DEVICE,
+            max_index_streams_per_device: crate::store::DEFAULT_MAX_INDEX_STREAMS_PER_DEVICE,
         }
     }
 }
@@ -297,6 +299,9 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             raw.store.max_index_gaps_per_device
         );
     }
+    if raw.store.max_index_streams_per_device == 0 {
+        bail!("store.max_index_streams_per_device: expected at least 1, got 0");
+    }
     let sink = validate_sink(&raw.sink)?;
     let metrics_listen = match raw.metrics.listen.trim() {
         "" => None,
@@ -330,6 +335,7 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     store.segment_max_bytes = raw.store.segment_max_bytes.as_u64();
     store.direct_writes = raw.store.direct_writes;
     store.max_index_gaps_per_device = raw.store.max_index_gaps_per_device;
+    store.max_index_streams_per_device = raw.store.max_index_streams_per_device;
     Ok(Config {
         server: crate::server::ServerOptions {
             listen,

@@ -184,9 +184,10 @@ const LIVE_INDEX_REFUSED: Live = Live::counter(
     STORE_INDEX_REFUSED_TOTAL,
     "Chunks answered retry (overloaded) because storing them would open a gap past \
            store.max_index_gaps_per_device in their device's part of the dedup index (a seq with neither \
-           neighbour stored). The store logs each such device once. An agent's gaps come from its parallel \
-           uploads, which close, and from runs of chunks its full spool dropped, one each, until its floor \
-           closes them (edge_ingest_store_index_floors_total).",
+           neighbour stored), or start a stream past store.max_index_streams_per_device. The store logs each \
+           such device once per cap. An agent's gaps come from its parallel uploads, which close, and from \
+           runs of chunks its full spool dropped, one each, until its floor closes them \
+           (edge_ingest_store_index_floors_total).",
 );
 const LIVE_INDEX_FLOORS: Live = Live::counter(
     STORE_INDEX_FLOORS_TOTAL,

@@ -1432,9 +1432,11 @@ async fn process_chunk(
                     | StoreFailure::Unavailable(_) => AckStatus::Retry(RetryReason::SinkUnavailable),
                     StoreFailure::Rejected(_) => AckStatus::Rejected(RejectReason::Malformed),
                     // The device's own doing: the agent keeps the chunk and slows down.
-                    StoreFailure::IndexFull { .. } => AckStatus::Retry(RetryReason::Overloaded),
+                    StoreFailure::IndexFull { .. } | StoreFailure::TooManyStreams { .. } => {
+                        AckStatus::Retry(RetryReason::Overloaded)
+                    }
                 };
-                if matches!(f, StoreFailure::IndexFull { .. }) {
+                if matches!(f, StoreFailure::IndexFull { .. } | StoreFailure::TooManyStreams { .. }) {
                     // Logged by the store once per device.
                     debug!(device = %ctx.device, stream = %key_stream, seq, failure = %f, "store refused chunk");
                 } else {

@@ -94,3 +94,17 @@ fn the_index_cap_per_device_is_checked_with_its_name() {
     assert_eq!(code, 78, "{text}");
     assert!(text.contains("store.max_index_gaps_per_device") && text.contains("1024"), "{text}");
 }
+
+/// The cap on a device's streams: at least 1, refused with the key's name.
+#[test]
+fn the_stream_cap_per_device_is_checked_with_its_name() {
+    let (_dir, _tls, config) = valid_config();
+    let key = "EDGE_INGEST__STORE__MAX_INDEX_STREAMS_PER_DEVICE";
+    let (code, text) = check_with(&config, &[(key, "1")]);
+    assert_eq!(code, 0, "{text}");
+    for bad in ["0", "many", "-1"] {
+        let (code, text) = check_with(&config, &[(key, bad)]);
+        assert_eq!(code, 78, "{bad}: {text}");
+        assert!(text.contains("max_index_streams_per_device"), "{bad}: names the key: {text}");
+    }
+}

@@ -757,6 +757,44 @@ async fn a_device_numbering_sparsely_is_refused_new_gaps_at_its_index_cap() {
     assert_exported_once(&exported, HONEST, HONEST_SPOOL, &honest_batch);
 }
 
+/// A device that names a new stream per chunk reaches the store's cap on streams; from there its
+/// chunks of new streams are answered Retry(Overloaded) and not stored, on a connection that
+/// stays open, while its known streams go on and another device is not affected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_naming_a_stream_per_chunk_is_refused_new_streams_at_its_cap() {
+    const CAP: u64 = 4;
+    let rig = Rig::start_with(&Tuning::default(), &Tuning::default(), |o| o.max_index_streams_per_device = CAP).await;
+    let mut honest = rig.honest_agent().await;
+    let mut rogue = bounded("rogue connects", async {
+        let conn = rig.rogue.connect().await;
+        Agent::connect(&conn, ROGUE_SPOOL, AGENT).await
+    })
+    .await;
+    let streams: Vec<_> = (0..CAP).map(|i| chunk(&format!("rogue.s{i}"), 0)).collect();
+    rogue.upload_stored("one chunk in each of CAP streams", &streams).await;
+    let retry = AckStatus::Retry(RetryReason::Overloaded);
+    let past_cap = [chunk("rogue.new", 0), chunk("rogue.newer", 0)];
+    let honest_batch = honest_chunks(0..CAP + 2);
+    let (statuses, ()) = tokio::join!(
+        bounded("chunks of new streams past the cap", rogue.upload(&past_cap)),
+        honest.upload_stored("honest upload", &honest_batch)
+    );
+    assert_eq!(statuses, [retry, retry]);
+    let known = chunk("rogue.s0", 1);
+    rogue.upload_stored("a known stream's next chunk", std::slice::from_ref(&known)).await;
+    assert!(rogue.conn.close_reason().is_none(), "the connection is still open");
+    assert_eq!(rig.counters().chunks_retry_total.load(Ordering::Relaxed), 2);
+    assert_eq!(rig.store.stats().index_refused, 2);
+    rogue.close();
+    honest.close();
+
+    let (exported, _) = rig.finish().await;
+    let mut stored = streams;
+    stored.push(known);
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &stored);
+    assert_exported_once(&exported, HONEST, HONEST_SPOOL, &honest_batch);
+}
+
 /// A Hello that comes on an older connection after a newer one's (late, on a path the agent has
 /// left) closes that older connection, not the agent's live one, which goes on storing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,8 +14,10 @@
 //! again. The ranges past each stream's first (its
 //! gaps) are counted per device ([`DedupIndex::device_gaps`]), so that the store can refuse a
 //! device whose keys would open more than a cap of them (`StoreOptions::max_index_gaps_per_device`)
-//! before it writes them. Streams are not capped: an agent's producers name them, and each one
-//! costs a stored chunk on disk too.
+//! before it writes them. The streams of each device, over all of its spools, are counted too
+//! ([`DedupIndex::device_streams`]): each costs the index an entry whatever its seqs, so the
+//! store refuses a device's chunk that would start one past a cap of them
+//! (`StoreOptions::max_index_streams_per_device`).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -96,6 +98,8 @@ struct DeviceIndex {
     spools: HashMap<[u8; 16], HashMap<String, SeqSet>>,
     /// Ranges past the first of each stream.
     gaps: u64,
+    /// `(spool, stream)` pairs.
+    streams: u64,
 }
 
 /// The dedup index over all stored chunks.
@@ -133,6 +137,11 @@ impl DedupIndex {
         self.devices.get(device).map_or(0, |d| d.gaps)
     }
 
+    /// Streams of `device`, over all of its spools.
+    pub fn device_streams(&self, device: &str) -> u64 {
+        self.devices.get(device).map_or(0, |d| d.streams)
+    }
+
     /// Records `key` as stored; `false` if it already was.
     pub fn insert(&mut self, key: &ChunkKey) -> bool {
         let device = match self.devices.get_mut(key.device.as_str()) {
@@ -144,6 +153,7 @@ impl DedupIndex {
             Some(s) => s,
             None => {
                 self.streams += 1;
+                device.streams += 1;
                 streams.entry(key.stream.clone()).or_default()
             }
         };
@@ -247,6 +257,8 @@ mod tests {
         }
         assert_eq!(idx.chunks(), 5);
         assert_eq!(idx.streams(), 4);
+        // d: stream s in spools 1 and 2, stream t in spool 1; e: one.
+        assert_eq!((idx.device_streams("d"), idx.device_streams("e"), idx.device_streams("f")), (3, 1, 0));
         assert_eq!(idx.ranges(), 4, "seq 2 extended the first stream's range");
         let k3 = ChunkKey { seq: 3, ..k.clone() };
         let k5 = ChunkKey { seq: 5, ..k.clone() };

@@ -139,6 +139,11 @@ pub const DEFAULT_SEGMENT_MAX_BYTES: u64 = 256 << 20;
 /// past one per stream (a range is two `u64`s in a B-tree node).
 pub const DEFAULT_MAX_INDEX_GAPS_PER_DEVICE: u64 = 65_536;
 
+/// Default of [`StoreOptions::max_index_streams_per_device`]: ten times what an agent's spool
+/// takes by default (`spool.max_streams`, 10,000), for the spools a device goes through
+/// (replaced cards, files moved aside, copies on other machines), each with streams of its own.
+pub const DEFAULT_MAX_INDEX_STREAMS_PER_DEVICE: u64 = 100_000;
+
 /// How to open a [`Store`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreOptions {
@@ -157,6 +162,12 @@ pub struct StoreOptions {
     /// stream, extend a range or join two are still stored. Counted from what open rebuilt; a
     /// device already past it keeps what it has.
     pub max_index_gaps_per_device: u64,
+    /// Streams one device may make the in-memory dedup index hold, over all of its spools: each
+    /// costs an entry whatever its seqs. A chunk that would start one more is refused
+    /// ([`StoreFailure::TooManyStreams`], answered "retry later"); the device's known streams
+    /// are still stored. Counted from what open rebuilt; a device already past it keeps what
+    /// it has.
+    pub max_index_streams_per_device: u64,
 }
 
 impl StoreOptions {
@@ -167,6 +178,7 @@ impl StoreOptions {
             segment_max_bytes: DEFAULT_SEGMENT_MAX_BYTES,
             direct_writes: true,
             max_index_gaps_per_device: DEFAULT_MAX_INDEX_GAPS_PER_DEVICE,
+            max_index_streams_per_device: DEFAULT_MAX_INDEX_STREAMS_PER_DEVICE,
         }
     }
 }
@@ -299,6 +311,18 @@ pub enum StoreFailure {
         /// The cap.
         max: u64,
     },
+    /// Storing the chunk would start a stream past [`StoreOptions::max_index_streams_per_device`]
+    /// for its device. The server answers "retry later" (overloaded): the agent keeps the
+    /// chunk, and it is stored once the cap is raised.
+    #[error(
+        "the device has {streams} streams in the dedup index, store.max_index_streams_per_device is {max}: a chunk of a new stream is refused"
+    )]
+    TooManyStreams {
+        /// The device's streams now.
+        streams: u64,
+        /// The cap.
+        max: u64,
+    },
 }
 
 impl StoreFailure {
@@ -392,8 +416,9 @@ pub struct StoreStats {
     pub streams: u64,
     /// Seq ranges in the dedup index (1 per gapless stream).
     pub index_ranges: u64,
-    /// Chunks refused since open because their device's part of the dedup index is full
-    /// ([`StoreFailure::IndexFull`]; counted in `failed` too).
+    /// Chunks refused since open because their device's part of the dedup index is full: of
+    /// gaps ([`StoreFailure::IndexFull`]) or of streams ([`StoreFailure::TooManyStreams`]);
+    /// counted in `failed` too.
     pub index_refused: u64,
     /// Agents' floors that changed the dedup index since open (a `Floor` frame: no seq of the
     /// stream below it will come as new data any more).

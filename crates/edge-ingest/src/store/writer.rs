@@ -47,6 +47,8 @@ pub struct Store {
     direct_buf: Option<DirectBuf>,
     /// Devices refused for a full dedup index since open: each is logged the first time only.
     index_full_devices: HashSet<String>,
+    /// Devices logged at their cap on streams (once per device until restart).
+    streams_full_devices: HashSet<String>,
     pub(super) faults: Faults,
 }
 
@@ -219,6 +221,7 @@ impl Store {
             direct,
             direct_buf: None,
             index_full_devices: HashSet::new(),
+            streams_full_devices: HashSet::new(),
             faults: Faults::new(),
         };
         Ok((store, report))
@@ -239,6 +242,9 @@ impl Store {
         let mut delta: HashMap<&str, i64> = HashMap::new();
         let mut planned: HashSet<(&str, &[u8; 16], &str, u64)> = HashSet::new();
         let mut planned_streams: HashSet<(&str, &[u8; 16], &str)> = HashSet::new();
+        // For a device within a batch of its cap on streams: the streams the batch starts.
+        let mut new_streams: HashSet<(&str, &[u8; 16], &str)> = HashSet::new();
+        let mut new_per_device: HashMap<&str, u64> = HashMap::new();
         for (idx, chunk) in batch.iter().enumerate() {
             let crc = match validate(chunk) {
                 Ok(crc) => crc,
@@ -257,6 +263,36 @@ impl Store {
                 Entry::Vacant(slot) => {
                     let k = &chunk.key;
                     let device = k.device.as_str();
+                    // A batch starts at most one stream per key: a device that many below its
+                    // cap on streams (every device, as a rule) needs no count at all.
+                    let streams = self.index.device_streams(device);
+                    let max = self.opts.max_index_streams_per_device;
+                    let key_stream = (device, &k.spool, k.stream.as_str());
+                    if streams.saturating_add(batch.len() as u64) >= max
+                        && !new_streams.contains(&key_stream)
+                        && !self.index.has_stream(device, &k.spool, &k.stream)
+                    {
+                        let streams = streams.saturating_add(new_per_device.get(device).copied().unwrap_or(0));
+                        if streams >= max {
+                            if self.streams_full_devices.insert(k.device.clone()) {
+                                tracing::warn!(
+                                    device,
+                                    stream = %k.stream,
+                                    seq = k.seq,
+                                    streams,
+                                    max,
+                                    "device has as many streams as store.max_index_streams_per_device allows: its chunks of a new stream are answered retry and stay in its agent's spool (raise the cap if the device is honest); logged once per device until restart"
+                                );
+                            }
+                            self.stats.index_refused += 1;
+                            outcomes[idx] = Some(PersistOutcome::Failed(StoreFailure::TooManyStreams { streams, max }));
+                            // A repeat of the key later in the batch takes this answer.
+                            slot.insert(idx);
+                            continue;
+                        }
+                        new_streams.insert(key_stream);
+                        *new_per_device.entry(device).or_insert(0) += 1;
+                    }
                     let stored = self.index.device_gaps(device);
                     let max = self.opts.max_index_gaps_per_device;
                     // A batch opens at most one gap per key: a device that many below its cap
@@ -1041,6 +1077,59 @@ mod tests {
         batch.push(of("f", "s", 60));
         assert!(store.persist(batch).iter().all(|o| *o == Stored), "19 joined 10..=18 and 20");
         assert_eq!(store.persist(seqs(70, 70)), vec![full(3)]);
+    }
+
+    #[test]
+    fn a_device_at_its_cap_on_streams_gets_retry_for_new_streams_only_and_the_count_survives_a_restart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let capped = |dir: &Path, max: u64| {
+            let opts = StoreOptions { max_index_streams_per_device: max, ..StoreOptions::new(dir) };
+            Store::open(opts).expect("open store").0
+        };
+        let of = |device: &str, spool: u8, stream: &str, seq: u64| {
+            let mut c = chunk(seq, b"x");
+            c.key.device = device.into();
+            c.key.spool = [spool; 16];
+            c.key.stream = stream.into();
+            c
+        };
+        let full = |streams| PersistOutcome::Failed(StoreFailure::TooManyStreams { streams, max: 3 });
+        use PersistOutcome::{Duplicate, Stored};
+        let mut store = capped(dir.path(), 3);
+        // Three streams over two spools; in the same batch, a fourth is refused, and a later
+        // key of a stream the batch started is not a new one.
+        let out = store.persist(vec![
+            of("d", 1, "a", 1),
+            of("d", 1, "b", 1),
+            of("d", 2, "a", 1),
+            of("d", 1, "a", 2),
+            of("d", 1, "c", 1),
+        ]);
+        assert_eq!(out, vec![Stored, Stored, Stored, Stored, full(3)]);
+        // At the cap: the known streams go on, a repeat is a duplicate, a new stream is refused
+        // (a repeat of it in the batch too, counted once), and another device is not affected.
+        let out = store.persist(vec![
+            of("d", 1, "a", 3),
+            of("d", 2, "a", 1),
+            of("d", 2, "b", 1),
+            of("e", 1, "c", 1),
+            of("d", 2, "b", 1),
+        ]);
+        assert_eq!(out, vec![Stored, Duplicate, full(3), Stored, full(3)]);
+        assert_eq!(store.stats().index_refused, 2, "c before, spool 2's b now");
+        assert_eq!(store.stats().last_failure, None, "a device's cap is no failure of the store");
+        drop(store);
+
+        // The count is rebuilt at open: still full; a raised cap lets the refused chunks in.
+        let mut store = capped(dir.path(), 3);
+        assert_eq!(store.persist(vec![of("d", 1, "c", 1)]), vec![full(3)]);
+        drop(store);
+        let mut store = capped(dir.path(), 5);
+        assert_eq!(store.persist(vec![of("d", 1, "c", 1), of("d", 2, "b", 1)]), vec![Stored, Stored]);
+        assert_eq!(store.stats().streams, 6, "d: five, e: one");
+        let (mut seqs, _) = exported_seqs(dir.path());
+        seqs.sort_unstable();
+        assert_eq!(seqs, [1, 1, 1, 1, 1, 1, 2, 3], "every stored chunk and no refused one");
     }
 
     #[test]
