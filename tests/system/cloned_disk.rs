@@ -89,6 +89,9 @@ fn a_spool_copied_to_another_machine_takes_a_new_id_and_no_record_of_either_mach
     assert_eq!(doc_b["spool"]["copied_from"]["machine_id"], MACHINE_A, "{doc_b}");
     assert_eq!(doc_b["spool"]["copied_from"]["spool_id"], doc_a["spool"]["id"], "{doc_b}");
     assert_ne!(doc_b["spool"]["id"], doc_a["spool"]["id"], "{doc_b}");
+    for d in [&doc_a, &doc_b] {
+        assert_eq!(d["upload"]["superseded_total"], 0, "two spool ids: neither closes the other's connection: {d}");
+    }
     let text = std::process::Command::new(bin("edge-uploader")?).args(["status", "--config", &cfg_b]).output()?;
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains(&format!("machine id {MACHINE_A}")), "{text}");
@@ -109,5 +112,63 @@ fn a_spool_copied_to_another_machine_takes_a_new_id_and_no_record_of_either_mach
         assert_eq!(times(r), 2, "{r}");
     }
     assert_eq!(stored.len(), 2 * before.len() + after_a.len() + after_b.len());
+    Ok(())
+}
+
+/// The same copy on a gateway that also has the image's machine id: the spool cannot tell, and
+/// the two agents share a spool id. Each one's connection is closed for the other's newer one,
+/// which it did not open: each says so, counted, degraded, and in its log.
+#[test]
+fn two_agents_sharing_a_spool_id_and_certificate_each_see_the_other() -> anyhow::Result<()> {
+    let world = World::new("gw-1", "")?;
+    let dir = world.path();
+    std::fs::write(dir.join("machine-id"), format!("{MACHINE_A}\n"))?;
+    rewrite(
+        &world.agent_config,
+        "linger = \"20ms\"\n",
+        &format!("linger = \"20ms\"\nmachine_id_file = {:?}\n", dir.join("machine-id")),
+    )?;
+    let mut agent = world.start_agent()?;
+    assert!(agent.terminate(Duration::from_secs(30))?.success());
+    std::fs::create_dir(dir.join("agent-b"))?;
+    for f in std::fs::read_dir(dir.join("agent"))? {
+        let f = f?.path();
+        let name = f.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        if f.is_file() && name.starts_with("spool.db") && !name.ends_with("-lock") {
+            std::fs::copy(&f, dir.join("agent-b").join(&name))?;
+        }
+    }
+    let config_b = dir.join("edge-uploader-b.toml");
+    let text = std::fs::read_to_string(&world.agent_config)?
+        .replace(&dir.join("agent/").to_string_lossy().into_owned(), &dir.join("agent-b/").to_string_lossy())
+        .replace(&world.agent_metrics.to_string(), &format!("127.0.0.1:{}", free_tcp_port()?));
+    std::fs::write(&config_b, text)?;
+
+    let mut ingest = world.start_ingest()?;
+    let mut agent = world.start_agent()?;
+    wait_json("the first agent connected", || status(&world.agent_config), |_, d| d["upload"]["connected"] == true)?;
+    let cfg_b = config_b.to_string_lossy().into_owned();
+    let mut agent_b = Daemon::spawn("agent-b", &bin("edge-uploader")?, &["run", "--config", &cfg_b], dir, &[])?;
+    agent_b.wait_ready(READY_TIMEOUT)?;
+
+    let shared = |code: i32, d: &serde_json::Value| {
+        code == 1
+            && d["upload"]["superseded_total"].as_u64().is_some_and(|n| n > 0)
+            && d["degraded_reasons"].as_array().is_some_and(|r| {
+                r.iter().any(|r| r.as_str().is_some_and(|r| r.contains("another gateway uses this agent's")))
+            })
+    };
+    let doc_a = wait_json("the first agent sees the second", || status(&world.agent_config), shared)?;
+    let doc_b = wait_json("the second agent sees the first", || status(&config_b), shared)?;
+    assert_eq!(doc_a["spool"]["id"], doc_b["spool"]["id"], "one machine id: the copy cannot tell");
+    assert_eq!(doc_b["spool"]["copied_from"], serde_json::Value::Null, "{doc_b}");
+    for d in [&agent, &agent_b] {
+        d.wait_log("another gateway uses both", Duration::from_secs(10))?;
+    }
+    let metrics = crate::common::World::scrape(world.agent_metrics)?;
+    assert!(metrics.get("edge_uploader_connections_superseded_total").is_some_and(|v| *v >= 1.0), "{metrics:?}");
+    assert!(agent.terminate(Duration::from_secs(30))?.success());
+    assert!(agent_b.terminate(Duration::from_secs(30))?.success());
+    assert!(ingest.terminate(Duration::from_secs(30))?.success());
     Ok(())
 }

@@ -1496,7 +1496,7 @@ fn send_ack(ctx: &ChunkCtx, stream: &StreamName, seq: u64, status: AckStatus) ->
 }
 
 /// The close reason of a connection its agent replaced (see `LiveGuard::hello`).
-const SUPERSEDED: &[u8] = b"superseded by a newer connection of the same agent";
+const SUPERSEDED: &[u8] = edge_proto::SUPERSEDED_REASON;
 
 /// How long the server waits for server-wide memory before answering `Retry(Overloaded)`.
 const OVERLOAD_WAIT: Duration = Duration::from_secs(1);

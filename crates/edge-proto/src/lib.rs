@@ -97,6 +97,13 @@ pub const MIN_VERSION: u16 = 1;
 /// The first version with [`ControlFrame::Floor`].
 pub const FLOOR_VERSION: u16 = 2;
 
+/// The reason text of the close (code [`ErrorCode::NoError`]) with which the server ends an
+/// agent's connection when a newer one of the same device and spool id says Hello. An agent
+/// holds one connection at a time and drops it before it opens the next, so an agent that
+/// reads this on its live connection knows that another agent uses its certificate and spool
+/// id (a cloned gateway).
+pub const SUPERSEDED_REASON: &[u8] = b"superseded by a newer connection of the same agent";
+
 /// Compression of a chunk payload on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]

@@ -793,6 +793,8 @@ pub fn status_json(intake: &Intake) -> serde_json::Value {
             "connected": u.connected.load(Ordering::Relaxed),
             "connects_total": u.connects_total.load(Ordering::Relaxed),
             "connect_attempts_total": u.connect_attempts_total.load(Ordering::Relaxed),
+            "superseded_total": u.superseded_total.load(Ordering::Relaxed),
+            "last_superseded_ms": Some(u.last_superseded_ms.load(Ordering::Relaxed)).filter(|&ms| ms > 0),
             "network_wakeups_total": u.network_wakeups_total.load(Ordering::Relaxed),
             "probes_sent_total": u.probes_sent_total.load(Ordering::Relaxed),
             "probe_wakeups_total": u.probe_wakeups_total.load(Ordering::Relaxed),

@@ -80,6 +80,9 @@ pub const CHUNKS_IN_FLIGHT: &str = "edge_uploader_chunks_in_flight";
 pub const CONNECTED: &str = "edge_uploader_connected";
 /// Connections established after the first one.
 pub const RECONNECTS_TOTAL: &str = "edge_uploader_reconnects_total";
+/// Connections the ingest closed for a newer one with this agent's certificate and spool id,
+/// which this agent did not open: another gateway shares both.
+pub const CONNECTIONS_SUPERSEDED_TOTAL: &str = "edge_uploader_connections_superseded_total";
 /// Connection attempts started, successful or not.
 pub const CONNECT_ATTEMPTS_TOTAL: &str = "edge_uploader_connect_attempts_total";
 /// Reconnect backoff waits ended early by the gateway's network (a link up, a default route).
@@ -116,7 +119,7 @@ pub const SPOOL_COMMIT_SECONDS: &str = "edge_uploader_spool_commit_seconds";
 pub const SPOOL_BUSY_SECONDS: &str = "edge_uploader_spool_busy_seconds";
 
 /// Every metric name above.
-pub const ALL: [&str; 37] = [
+pub const ALL: [&str; 38] = [
     INTAKE_RECORDS_TOTAL,
     INTAKE_BYTES_TOTAL,
     INTAKE_REJECTED_TOTAL,
@@ -138,6 +141,7 @@ pub const ALL: [&str; 37] = [
     CHUNKS_IN_FLIGHT,
     CONNECTED,
     RECONNECTS_TOTAL,
+    CONNECTIONS_SUPERSEDED_TOTAL,
     CONNECT_ATTEMPTS_TOTAL,
     NETWORK_WAKEUPS_TOTAL,
     PROBES_SENT_TOTAL,
@@ -462,6 +466,12 @@ const LIVE_UPLOAD_BYTES: Live = Live::counter(
 const LIVE_IN_FLIGHT: Live = Live::gauge(CHUNKS_IN_FLIGHT, "Chunks sent to the server and waiting for their ack.");
 const LIVE_CONNECTED: Live =
     Live::gauge(CONNECTED, "1 while a QUIC connection to the ingest server is up, 0 otherwise.");
+const LIVE_SUPERSEDED: Live = Live::counter(
+    CONNECTIONS_SUPERSEDED_TOTAL,
+    "Connections the ingest server closed for a newer one with this agent's device certificate and spool id, \
+     which this agent did not open: another gateway uses both (a cloned disk image), and the ingest takes the \
+     two gateways' chunks with the same sequence numbers for one another's.",
+);
 const LIVE_RECONNECTS: Live =
     Live::counter(RECONNECTS_TOTAL, "Connections to the ingest server established after the first one since start.");
 const LIVE_CONNECT_ATTEMPTS: Live = Live::counter(
@@ -516,7 +526,7 @@ const LIVE_WIRE_BYTES: Live = Live::counter(
            counted on every attempt, so a chunk sent again counts again. Against \
            edge_uploader_upload_bytes_total it shows what compression saves on the uplink.",
 );
-const LIVE_ALL: [&Live; 27] = [
+const LIVE_ALL: [&Live; 28] = [
     &LIVE_STREAM_BUFFER,
     &LIVE_REQUEST_BUFFER,
     &LIVE_REQUESTS_WAITING,
@@ -534,6 +544,7 @@ const LIVE_ALL: [&Live; 27] = [
     &LIVE_IN_FLIGHT,
     &LIVE_CONNECTED,
     &LIVE_RECONNECTS,
+    &LIVE_SUPERSEDED,
     &LIVE_CONNECT_ATTEMPTS,
     &LIVE_NETWORK_WAKEUPS,
     &LIVE_PROBES_SENT,
@@ -578,6 +589,7 @@ fn live_families(spool: &SpoolStatsView, intake: &IntakeCounters, u: &UploadCoun
         LIVE_IN_FLIGHT.family(&[("", u.in_flight.load(Relaxed) as f64)]),
         LIVE_CONNECTED.family(&[("", if u.connected.load(Relaxed) { 1.0 } else { 0.0 })]),
         LIVE_RECONNECTS.family(&[("", u.connects_total.load(Relaxed).saturating_sub(1) as f64)]),
+        LIVE_SUPERSEDED.family(&[("", u.superseded_total.load(Relaxed) as f64)]),
         LIVE_CONNECT_ATTEMPTS.family(&[("", u.connect_attempts_total.load(Relaxed) as f64)]),
         LIVE_NETWORK_WAKEUPS.family(&[("", u.network_wakeups_total.load(Relaxed) as f64)]),
         LIVE_PROBES_SENT.family(&[("", u.probes_sent_total.load(Relaxed) as f64)]),
@@ -733,6 +745,7 @@ mod tests {
         rig.upload.connected.store(true, Ordering::Relaxed);
         rig.upload.connects_total.store(3, Ordering::Relaxed);
         rig.upload.connect_attempts_total.store(7, Ordering::Relaxed);
+        rig.upload.superseded_total.store(6, Ordering::Relaxed);
         rig.upload.network_wakeups_total.store(2, Ordering::Relaxed);
         rig.upload.probes_sent_total.store(9, Ordering::Relaxed);
         rig.upload.probe_wakeups_total.store(4, Ordering::Relaxed);
@@ -760,6 +773,7 @@ mod tests {
         assert_eq!(rig.sample(CONNECTED), Some(1.0));
         assert_eq!(rig.sample(RECONNECTS_TOTAL), Some(2.0));
         assert_eq!(rig.sample(CONNECT_ATTEMPTS_TOTAL), Some(7.0));
+        assert_eq!(rig.sample(CONNECTIONS_SUPERSEDED_TOTAL), Some(6.0));
         assert_eq!(rig.sample(NETWORK_WAKEUPS_TOTAL), Some(2.0));
         assert_eq!(rig.sample(PROBES_SENT_TOTAL), Some(9.0));
         assert_eq!(rig.sample(PROBE_WAKEUPS_TOTAL), Some(4.0));

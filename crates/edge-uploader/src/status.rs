@@ -186,9 +186,15 @@ pub const SPOOL_FULL_RATIO: f64 = 0.95;
 /// wait for it, and on a healthy disk it takes milliseconds.
 pub const SPOOL_BUSY_DEGRADED: Duration = edge_telemetry::notify::STUCK_AFTER;
 
+/// How long after the ingest last closed a connection for another agent's with this one's
+/// certificate and spool id the agent counts as degraded: two such gateways take turns, each
+/// closing the other's connection as it reconnects, within seconds to minutes.
+pub const SHARED_SPOOL_DEGRADED: Duration = Duration::from_secs(15 * 60);
+
 /// Why the agent is degraded, if it is, from its status document: disconnected (with the last
 /// error, which says why); its backlog older than `max_backlog_age`; the spool at its cap; a
-/// spool thread stuck in one commit or fsync for [`SPOOL_BUSY_DEGRADED`].
+/// spool thread stuck in one commit or fsync for [`SPOOL_BUSY_DEGRADED`]; another agent with
+/// this one's certificate and spool id within [`SHARED_SPOOL_DEGRADED`].
 ///
 /// The agent's `last_error` is set when a connection or an attempt fails and never cleared, so
 /// while connected it is the error of an earlier, ended connection: shown, not a reason.
@@ -206,6 +212,16 @@ pub fn degraded_reasons(status: &Value, max_backlog_age: Duration, now_ms: u64) 
         if age > max_backlog_age {
             reasons.push(format!("oldest unacknowledged data is {} old", humantime::format_duration(round(age))));
         }
+    }
+    if let Some(at) = up["last_superseded_ms"].as_u64()
+        && Duration::from_millis(now_ms.saturating_sub(at)) < SHARED_SPOOL_DEGRADED
+    {
+        reasons.push(format!(
+            "another gateway uses this agent's device certificate and spool id: the ingest closed this agent's \
+             connection for its newer one {} ago, and takes the two gateways' chunks with the same sequence numbers \
+             for one another's",
+            humantime::format_duration(round(Duration::from_millis(now_ms.saturating_sub(at))))
+        ));
     }
     let settings = &status["settings"];
     if let (Some(total), Some(max)) = (sp["total_bytes"].as_u64(), settings["spool_max_bytes"].as_u64())
@@ -267,6 +283,17 @@ pub fn notes(status: &Value) -> Vec<String> {
              machine's; chunks it brought along that the other machine sent too are stored twice",
             from.get("machine_id").and_then(Value::as_str).unwrap_or("?"),
             from.get("spool_id").and_then(Value::as_str).unwrap_or("?"),
+        ));
+    }
+    // Another agent with this certificate and spool id: a lasting state until one of the two
+    // changes, whose effect (records taken for one another's) is done by then.
+    if let Some(n) = status["upload"]["superseded_total"].as_u64().filter(|n| *n > 0) {
+        notes.push(format!(
+            "the ingest closed {n} connection{} of this agent since it started for a newer one with the same device \
+             certificate and spool id, which this agent did not open: another gateway uses both (a disk image copied \
+             with its machine id?), and the ingest takes the two gateways' chunks with the same sequence numbers \
+             for one another's; give each gateway its own machine id (spool.machine_id_file) or delete the copy's spool",
+            plural(n)
         ));
     }
     // Near the cap on streams: a producer that names a new stream is refused (a lasting state
@@ -680,6 +707,24 @@ mod tests {
         );
         assert!(render(&d, &[], 1000).contains("machine id 0123abcd"));
         assert!(degraded_reasons(&d, Duration::from_secs(60), 1000).is_empty(), "a note, not a reason");
+    }
+
+    #[test]
+    fn connections_closed_for_another_agent_with_our_spool_get_a_note() {
+        let mut d = doc(true, Some(0));
+        d["upload"]["superseded_total"] = json!(0);
+        assert!(notes(&d).is_empty(), "{:?}", notes(&d));
+        d["upload"]["superseded_total"] = json!(2);
+        let n = notes(&d);
+        assert!(n.len() == 1 && n[0].contains("closed 2 connections") && n[0].contains("another gateway"), "{n:?}");
+        // Degraded while the last one is recent.
+        let now = 10_000_000;
+        d["spool"]["oldest_ms"] = json!(now);
+        d["upload"]["last_superseded_ms"] = json!(now - 60_000);
+        let r = degraded_reasons(&d, Duration::from_secs(3600), now);
+        assert!(r.len() == 1 && r[0].contains("another gateway") && r[0].contains("1m ago"), "{r:?}");
+        d["upload"]["last_superseded_ms"] = json!(now - SHARED_SPOOL_DEGRADED.as_millis() as u64);
+        assert!(degraded_reasons(&d, Duration::from_secs(3600), now).is_empty(), "long enough ago: a note only");
     }
 
     #[test]

@@ -99,6 +99,11 @@ pub struct UploadCounters {
     /// The current (or last) connection, for `status`.
     pub session: Mutex<SessionInfo>,
     pub connects_total: AtomicU64,
+    /// Connections the ingest closed for a newer one with this agent's device certificate and
+    /// spool id, which this agent did not open: another gateway shares both.
+    pub superseded_total: AtomicU64,
+    /// When the last of those was closed (unix ms; 0: never).
+    pub last_superseded_ms: AtomicU64,
     /// Connection attempts started (each bounded by `connect_timeout`).
     pub connect_attempts_total: AtomicU64,
     /// Backoff waits ended early because a link came up or a default route appeared.
@@ -393,6 +398,19 @@ pub async fn run(
                         silent = e.went_silent();
                         warn!(server = %opts.server, error = %e, "connection ended");
                         counters.set_error(e.to_string());
+                        if closed_as_superseded(conn.close_reason().as_ref()) {
+                            counters.superseded_total.fetch_add(1, Ordering::Relaxed);
+                            counters.last_superseded_ms.store(crate::status::now_ms(), Ordering::Relaxed);
+                            error!(
+                                server = %opts.server,
+                                spool = %spool.id(),
+                                "the ingest closed this connection for a newer one with this device certificate and \
+                                 spool id, which this agent did not open: another gateway uses both (a disk image \
+                                 copied with its machine id?). The ingest takes the two gateways' chunks with the same \
+                                 sequence numbers for one another's and keeps only one: give each gateway its own \
+                                 machine id (spool.machine_id_file) or delete the copy's spool"
+                            );
+                        }
                         if closed_for_certificate(conn.close_reason().as_ref()) {
                             // Resuming would carry the same certificate again: the next
                             // handshake is a full one, with the files as they are now.
@@ -529,6 +547,14 @@ fn closed_for_version(reason: Option<&quinn::ConnectionError>) -> bool {
     let Some(quinn::ConnectionError::ApplicationClosed(close)) = reason else { return false };
     let code = u32::try_from(close.error_code.into_inner()).ok().and_then(ErrorCode::from_u32);
     code == Some(ErrorCode::UnsupportedVersion)
+}
+
+/// Whether the server closed the connection for a newer one of the same device and spool id,
+/// which this agent did not open: it holds one connection at a time.
+fn closed_as_superseded(reason: Option<&quinn::ConnectionError>) -> bool {
+    let Some(quinn::ConnectionError::ApplicationClosed(close)) = reason else { return false };
+    close.error_code.into_inner() == u64::from(ErrorCode::NoError.to_u32())
+        && close.reason.as_ref() == edge_proto::SUPERSEDED_REASON
 }
 
 /// Whether the server closed the connection for the device certificate: expired since the
@@ -1305,6 +1331,21 @@ mod tests {
         assert!(!closed_for_certificate(Some(&closed(ErrorCode::ProtocolViolation))));
         assert!(!closed_for_certificate(Some(&quinn::ConnectionError::TimedOut)));
         assert!(!closed_for_certificate(None));
+    }
+
+    #[test]
+    fn only_the_servers_superseded_close_counts_as_another_agent_with_our_spool() {
+        let closed = |code: ErrorCode, why: &'static [u8]| {
+            quinn::ConnectionError::ApplicationClosed(quinn::ApplicationClose {
+                error_code: code.to_u32().into(),
+                reason: bytes::Bytes::from_static(why),
+            })
+        };
+        assert!(closed_as_superseded(Some(&closed(ErrorCode::NoError, edge_proto::SUPERSEDED_REASON))));
+        assert!(!closed_as_superseded(Some(&closed(ErrorCode::NoError, b"bye"))));
+        assert!(!closed_as_superseded(Some(&closed(ErrorCode::Internal, edge_proto::SUPERSEDED_REASON))));
+        assert!(!closed_as_superseded(Some(&quinn::ConnectionError::TimedOut)));
+        assert!(!closed_as_superseded(None));
     }
 
     #[test]
