@@ -6,8 +6,10 @@
 //! while the writer is still open (as a crash leaves them, the WAL holding the latest commits),
 //! and the main file after a clean close (checkpointed, no WAL).
 //!
-//! Input: `data[0]` picks the snapshot (bit 0) and whether mutations go to the main file or the
-//! payload segment file (bits 1 to 3 equal to 0b011), then a program of mutations, each an opcode byte and its
+//! Input: `data[0]` picks the snapshot (bit 0), whether mutations go to the main file or the
+//! payload segment file (bits 1 to 3 equal to 0b011) and the machine the file is opened on
+//! (bit 4: the one the template was made on, or another, which gives it a new spool id), then
+//! a program of mutations, each an opcode byte and its
 //! arguments: flip a byte, overwrite a byte, overwrite a 4-byte big-endian field (SQLite headers
 //! are big-endian), truncate, append garbage, delete the segment file, delete the WAL. Each
 //! targets the WAL when bit 7 of the opcode is set. Positions are 3 bytes, folded into the
@@ -19,7 +21,8 @@
 //!   the only error the recovery contract allows for a damaged file on a healthy file system;
 //! - when the file was moved aside, the report names a path that exists;
 //! - an opened spool can list, read (a `Corrupt` chunk is quarantined), append, seal, ack and
-//!   purge without panicking, its stats stay self-consistent, and it opens again after that.
+//!   purge without panicking, its stats stay self-consistent, and it opens again after that,
+//!   on the same machine with the same spool id.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -37,8 +40,12 @@ struct Template {
 /// The template's one payload segment file, next to `spool.db`.
 const SEGMENT: &str = "spool.db-seg-0000000001";
 
-fn options(path: &Path) -> SpoolOptions {
+/// The machine the template is made on.
+const MADE_ON: &str = "machine-a";
+
+fn options(path: &Path, host: &str) -> SpoolOptions {
     let mut o = SpoolOptions::new(path);
+    o.host_id = Some(host.to_owned());
     o.durability = Durability::Normal;
     o.chunk_target_bytes = 64;
     o.max_bytes = 1 << 20;
@@ -67,7 +74,7 @@ fn template() -> &'static Template {
     T.get_or_init(|| {
         let dir = scratch_dir();
         let path = dir.path().join("spool.db");
-        let (mut spool, _) = Spool::open(options(&path)).expect("creating the template spool");
+        let (mut spool, _) = Spool::open(options(&path, MADE_ON)).expect("creating the template spool");
         for t in 0..6u8 {
             let req = AppendRequest { batches: vec![batch("temp", t, 3), batch("hum.x", t ^ 0x55, 2)] };
             spool.append(&[req], 1_000 + u64::from(t)).expect("appending to the template");
@@ -102,7 +109,7 @@ impl Input<'_> {
 }
 
 /// Applies the mutation program to `(db, wal, segment)`.
-fn mutate(data: &[u8]) -> (Vec<u8>, Option<Vec<u8>>, Option<Vec<u8>>) {
+fn mutate(data: &[u8]) -> (Vec<u8>, Option<Vec<u8>>, Option<Vec<u8>>, &'static str) {
     let t = template();
     let mut input = Input(data);
     let first = input.byte().unwrap_or(0);
@@ -114,6 +121,7 @@ fn mutate(data: &[u8]) -> (Vec<u8>, Option<Vec<u8>>, Option<Vec<u8>>) {
     // Bits 1 to 3 of the first byte equal to 0b011: mutations that do not target the WAL target
     // the segment file (a pattern none of the regression inputs found before segments has).
     let on_segment = (first >> 1) & 0b111 == 0b011;
+    let host = if first & 0x10 == 0 { MADE_ON } else { "machine-b" };
     let mut ops = 0;
     while let Some(op) = input.byte() {
         ops += 1;
@@ -159,12 +167,12 @@ fn mutate(data: &[u8]) -> (Vec<u8>, Option<Vec<u8>>, Option<Vec<u8>>) {
             _ => wal = None,
         }
     }
-    (db, wal, segment)
+    (db, wal, segment, host)
 }
 
 /// Runs one input; panics if a property is broken.
 pub fn run(data: &[u8]) {
-    let (db, wal, segment) = mutate(data);
+    let (db, wal, segment, host) = mutate(data);
     let dir = scratch_dir();
     let path = dir.path().join("spool.db");
     std::fs::write(&path, &db).expect("writing the damaged file");
@@ -174,7 +182,7 @@ pub fn run(data: &[u8]) {
     if let Some(segment) = &segment {
         std::fs::write(dir.path().join(SEGMENT), segment).expect("writing the damaged segment");
     }
-    let (mut spool, report) = match Spool::open(options(&path)) {
+    let (mut spool, report) = match Spool::open(options(&path, host)) {
         Ok(opened) => opened,
         Err(SpoolError::UnsupportedSchema { found, supported }) => {
             assert!(found > supported);
@@ -188,9 +196,12 @@ pub fn run(data: &[u8]) {
         assert!(report.created, "a quarantined file is replaced by a new spool");
     }
     exercise(&mut spool);
+    let id = spool.id();
     drop(spool);
-    let (mut again, report) = Spool::open(options(&path)).expect("a spool we opened and used must open again");
+    let (mut again, report) = Spool::open(options(&path, host)).expect("a spool we opened and used must open again");
     assert_eq!(report.quarantined, None, "the file we wrote was moved aside on reopen");
+    assert_eq!(report.host, edge_spool::HostCheck::Same, "the first open recorded this machine");
+    assert_eq!(again.id(), id, "the same machine, the same spool id");
     exercise(&mut again);
 }
 
@@ -257,5 +268,9 @@ pub fn seeds() -> Vec<Vec<u8>> {
         vec![0b0111, 80, 50, 0, 0],
         vec![0b0110, 100, 8, 0x55],
         vec![0b0111, 120],
+        // Opened on another machine: a new spool id, from either snapshot and with the WAL cut.
+        vec![0x10],
+        vec![0x11],
+        vec![0x10, 0x80 | 80, 0x00, 0x80, 0x00],
     ]
 }
