@@ -108,8 +108,16 @@ impl Input<'_> {
     }
 }
 
-/// Applies the mutation program to `(db, wal, segment)`.
-fn mutate(data: &[u8]) -> (Vec<u8>, Option<Vec<u8>>, Option<Vec<u8>>, &'static str) {
+/// The files a mutation program left, and the machine to open them on.
+struct Mutated {
+    db: Vec<u8>,
+    wal: Option<Vec<u8>>,
+    segment: Option<Vec<u8>>,
+    host: &'static str,
+}
+
+/// Applies the mutation program to the template's files.
+fn mutate(data: &[u8]) -> Mutated {
     let t = template();
     let mut input = Input(data);
     let first = input.byte().unwrap_or(0);
@@ -167,12 +175,12 @@ fn mutate(data: &[u8]) -> (Vec<u8>, Option<Vec<u8>>, Option<Vec<u8>>, &'static s
             _ => wal = None,
         }
     }
-    (db, wal, segment, host)
+    Mutated { db, wal, segment, host }
 }
 
 /// Runs one input; panics if a property is broken.
 pub fn run(data: &[u8]) {
-    let (db, wal, segment, host) = mutate(data);
+    let Mutated { db, wal, segment, host } = mutate(data);
     let dir = scratch_dir();
     let path = dir.path().join("spool.db");
     std::fs::write(&path, &db).expect("writing the damaged file");
