@@ -116,10 +116,11 @@ fn a_spool_copied_to_another_machine_takes_a_new_id_and_no_record_of_either_mach
 }
 
 /// The same copy on a gateway that also has the image's machine id: the spool cannot tell, and
-/// the two agents share a spool id. Each one's connection is closed for the other's newer one,
-/// which it did not open: each says so, counted, degraded, and in its log.
+/// the two agents share a spool id. The first agent's connection is closed for the second's
+/// newer one, which it did not open: it says so (counted, degraded, logged) and gives its spool
+/// a new id, after which the two no longer collide and every record of each is stored.
 #[test]
-fn two_agents_sharing_a_spool_id_and_certificate_each_see_the_other() -> anyhow::Result<()> {
+fn an_agent_that_finds_another_with_its_spool_id_takes_a_new_one() -> anyhow::Result<()> {
     let world = World::new("gw-1", "")?;
     let dir = world.path();
     std::fs::write(dir.join("machine-id"), format!("{MACHINE_A}\n"))?;
@@ -146,29 +147,52 @@ fn two_agents_sharing_a_spool_id_and_certificate_each_see_the_other() -> anyhow:
 
     let mut ingest = world.start_ingest()?;
     let mut agent = world.start_agent()?;
-    wait_json("the first agent connected", || status(&world.agent_config), |_, d| d["upload"]["connected"] == true)?;
+    let first = wait_json(
+        "the first agent connected",
+        || status(&world.agent_config),
+        |_, d| d["upload"]["connected"] == true,
+    )?;
+    let shared_id = first["spool"]["id"].clone();
     let cfg_b = config_b.to_string_lossy().into_owned();
     let mut agent_b = Daemon::spawn("agent-b", &bin("edge-uploader")?, &["run", "--config", &cfg_b], dir, &[])?;
     agent_b.wait_ready(READY_TIMEOUT)?;
 
-    let shared = |code: i32, d: &serde_json::Value| {
-        code == 1
-            && d["upload"]["superseded_total"].as_u64().is_some_and(|n| n > 0)
-            && d["degraded_reasons"].as_array().is_some_and(|r| {
-                r.iter().any(|r| r.as_str().is_some_and(|r| r.contains("another gateway uses this agent's")))
-            })
-    };
-    let doc_a = wait_json("the first agent sees the second", || status(&world.agent_config), shared)?;
-    let doc_b = wait_json("the second agent sees the first", || status(&config_b), shared)?;
-    assert_eq!(doc_a["spool"]["id"], doc_b["spool"]["id"], "one machine id: the copy cannot tell");
-    assert_eq!(doc_b["spool"]["copied_from"], serde_json::Value::Null, "{doc_b}");
-    for d in [&agent, &agent_b] {
-        d.wait_log("another gateway uses both", Duration::from_secs(10))?;
-    }
+    // The first agent's connection is closed for the second's: degraded, and a new id.
+    let doc_a = wait_json(
+        "the first agent sees the second and takes a new id",
+        || status(&world.agent_config),
+        |code, d| {
+            code == 1
+                && d["upload"]["connected"] == true
+                && d["upload"]["superseded_total"] == 1
+                && d["degraded_reasons"]
+                    .as_array()
+                    .is_some_and(|r| r.iter().any(|r| r.as_str().is_some_and(|r| r.contains("another gateway used"))))
+        },
+    )?;
+    assert_eq!(doc_a["upload"]["spool_rekeyed"]["old_id"], shared_id, "{doc_a}");
+    assert_ne!(doc_a["spool"]["id"], shared_id, "{doc_a}");
+    agent.wait_log("this spool has a new id from now on", Duration::from_secs(10))?;
     let metrics = crate::common::World::scrape(world.agent_metrics)?;
-    assert!(metrics.get("edge_uploader_connections_superseded_total").is_some_and(|v| *v >= 1.0), "{metrics:?}");
+    assert_eq!(metrics.get("edge_uploader_connections_superseded_total"), Some(&1.0), "{metrics:?}");
+
+    // From then on the two gateways' records no longer collide.
+    let (after_a, after_b) = (readings("after-a", 30), readings("after-b", 30));
+    push(&world.agent_config, dir, "s", &after_a)?;
+    push(&config_b, dir, "s", &after_b)?;
+    let doc_a = drained(&world.agent_config, 30)?;
+    let doc_b = drained(&config_b, 30)?;
+    assert_eq!(doc_b["spool"]["id"], shared_id, "the second keeps the id: {doc_b}");
+    assert_eq!(doc_b["upload"]["superseded_total"], 0, "nothing closed the second one's connection: {doc_b}");
+    assert_eq!(doc_a["upload"]["superseded_total"], 1, "once: {doc_a}");
     assert!(agent.terminate(Duration::from_secs(30))?.success());
     assert!(agent_b.terminate(Duration::from_secs(30))?.success());
     assert!(ingest.terminate(Duration::from_secs(30))?.success());
+    let stored: Vec<String> =
+        world.export_raw("s")?.into_iter().map(|r| String::from_utf8_lossy(&r).into_owned()).collect();
+    for r in after_a.iter().chain(&after_b) {
+        assert_eq!(stored.iter().filter(|s| *s == r).count(), 1, "{r}: {} records stored", stored.len());
+    }
+    assert_eq!(stored.len(), after_a.len() + after_b.len());
     Ok(())
 }

@@ -116,7 +116,7 @@ pub(crate) fn settle(conn: &mut Connection, host: Option<&str>) -> Result<HostCh
             };
             // Optional: a row a failed write (a full disk) or a power cut leaves out is written
             // at the next open, and a spool that cannot be written now must still open, to drain.
-            return Ok(match write(conn, host, None) {
+            return Ok(match write(conn, Some(host), None) {
                 Ok(()) => HostCheck::Adopted { damaged },
                 Err(e) => {
                     tracing::warn!(error = %e, "the spool could not record the machine it runs on; it checks again at the next open");
@@ -126,18 +126,25 @@ pub(crate) fn settle(conn: &mut Connection, host: Option<&str>) -> Result<HostCh
         }
     };
     let new_id = SpoolId::random();
+    write_new_id(conn, Some(host), new_id)?;
+    Ok(HostCheck::Moved { from, old_id, new_id })
+}
+
+/// Commits `new_id` as the spool id (and `host` as its machine, if given) with
+/// `synchronous = FULL`, then puts the connection's level back.
+pub(crate) fn write_new_id(conn: &mut Connection, host: Option<&str>, new_id: SpoolId) -> Result<(), SpoolError> {
     let sync: i64 = conn.pragma_query_value(None, "synchronous", |r| r.get(0)).map_err(ctx("reading synchronous"))?;
     conn.pragma_update(None, "synchronous", "FULL").map_err(ctx("setting synchronous"))?;
     let done = write(conn, host, Some(new_id));
     // After the transaction, committed or rolled back: the level cannot change inside one.
     let restored = conn.pragma_update(None, "synchronous", sync).map_err(ctx("setting synchronous back"));
     done?;
-    restored?;
-    Ok(HostCheck::Moved { from, old_id, new_id })
+    restored
 }
 
-/// One transaction: the host row, and with `new_id` the spool id and the meta checksum over it.
-fn write(conn: &mut Connection, host: &str, new_id: Option<SpoolId>) -> Result<(), SpoolError> {
+/// One transaction: with `host` the host row, with `new_id` the spool id and the meta checksum
+/// over it.
+fn write(conn: &mut Connection, host: Option<&str>, new_id: Option<SpoolId>) -> Result<(), SpoolError> {
     let tx =
         conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(ctx("beginning the host id update"))?;
     if let Some(id) = new_id {
@@ -148,7 +155,9 @@ fn write(conn: &mut Connection, host: &str, new_id: Option<SpoolId>) -> Result<(
         tx.execute("UPDATE meta SET value = ?2 WHERE key = ?1", (META_ROW_CRC, meta.crc()))
             .map_err(ctx("updating the meta checksum"))?;
     }
-    tx.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)", (META_HOST_ID, value(host)))
-        .map_err(ctx("writing the host id"))?;
+    if let Some(host) = host {
+        tx.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)", (META_HOST_ID, value(host)))
+            .map_err(ctx("writing the host id"))?;
+    }
     tx.commit().map_err(ctx("committing the host id"))
 }

@@ -187,6 +187,21 @@ impl Spool {
         self.id
     }
 
+    /// Gives the spool a new random [`SpoolId`], committed with `synchronous = FULL`, and
+    /// returns it: for an agent that learned that another uses this id (a copy of the file on
+    /// another machine that kept this one's machine id too). Chunks and sequence numbers stay;
+    /// the ingest knows them under the new id from the next connection on. Returns the new id.
+    ///
+    /// # Errors
+    /// SQLite errors (a full disk among them); the id is then unchanged.
+    pub fn rekey(&mut self) -> Result<SpoolId, SpoolError> {
+        let new_id = SpoolId::random();
+        crate::host::write_new_id(&mut self.conn, None, new_id)?;
+        self.state.meta.spool_id = new_id.0.to_vec();
+        self.id = new_id;
+        Ok(new_id)
+    }
+
     /// The options in force (including limits changed by [`Spool::set_limits`]).
     pub fn options(&self) -> &SpoolOptions {
         &self.opts
@@ -2092,6 +2107,41 @@ mod tests {
         let (spool, report) = open(&on_b);
         assert!(!report.created && report.quarantined.is_none(), "{report:?}");
         assert_eq!((spool.id(), spool.stats().dropped_chunks), (id, 1));
+    }
+
+    #[test]
+    fn a_rekeyed_spool_keeps_its_chunks_and_seqs_and_opens_with_the_new_id() {
+        for durability in [Durability::Full, Durability::Normal] {
+            let (_dir, mut opts) = setup();
+            opts.durability = durability;
+            opts.max_bytes = 100;
+            opts.chunk_target_bytes = 30;
+            opts.full_policy = FullPolicy::DropOldest;
+            let opts = host(&opts, Some("a"));
+            let (mut spool, _) = open(&opts);
+            let deferred = spool.defer_wal_sync().expect("defer");
+            spool.append(&[req(vec![batch("s", b"one")])], 1).expect("append");
+            spool.seal_all(1).expect("seal");
+            let old = spool.id();
+            let new = spool.rekey().expect("rekey");
+            assert_ne!(new, old);
+            assert_eq!(spool.id(), new);
+            // A later commit rewrites the meta checksum over the new id (drops do).
+            let three = |s: &str| req(vec![Batch { stream: s.into(), data: vec![7; 30], records: 3 }]);
+            spool.append(&[three("a"), three("b"), three("a"), three("b")], 2).expect("append");
+            assert!(spool.stats().dropped_chunks > 0, "{durability:?}");
+            spool.append(&[req(vec![batch("s", b"two")])], 3).expect("append");
+            spool.seal_all(3).expect("seal");
+            if let Some(mut sync) = deferred {
+                sync.sync(None).expect("sync");
+            }
+            drop(spool);
+            let (spool, report) = open(&opts);
+            assert!(!report.created && report.quarantined.is_none(), "{durability:?}: {report:?}");
+            assert_eq!((spool.id(), &report.host), (new, &crate::HostCheck::Same), "{durability:?}");
+            let seqs: Vec<u64> = all_sealed(&spool).iter().filter(|c| c.stream == "s").map(|c| c.seq).collect();
+            assert_eq!(seqs.last(), Some(&2), "{durability:?}: the stream's seqs went on: {seqs:?}");
+        }
     }
 
     #[test]

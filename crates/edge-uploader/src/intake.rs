@@ -795,6 +795,7 @@ pub fn status_json(intake: &Intake) -> serde_json::Value {
             "connect_attempts_total": u.connect_attempts_total.load(Ordering::Relaxed),
             "superseded_total": u.superseded_total.load(Ordering::Relaxed),
             "last_superseded_ms": Some(u.last_superseded_ms.load(Ordering::Relaxed)).filter(|&ms| ms > 0),
+            "spool_rekeyed": crate::lock(&u.rekeyed).as_ref().map(|(old, at)| json!({"old_id": old, "at_ms": at})),
             "network_wakeups_total": u.network_wakeups_total.load(Ordering::Relaxed),
             "probes_sent_total": u.probes_sent_total.load(Ordering::Relaxed),
             "probe_wakeups_total": u.probe_wakeups_total.load(Ordering::Relaxed),

@@ -90,6 +90,10 @@ pub enum AppendFailure {
 }
 
 enum Cmd {
+    /// A new spool id (`Spool::rekey`).
+    Rekey {
+        reply: oneshot::Sender<Result<SpoolId, String>>,
+    },
     Append {
         req: AppendRequest,
         bytes: u64,
@@ -124,7 +128,7 @@ pub struct SpoolHandle {
     /// that fills a group, wake the spool thread (a wake-up per ack cost the thread two context
     /// switches per chunk in a drain); the thread takes them all when it commits.
     pending_acks: Arc<Mutex<Vec<ChunkId>>>,
-    id: SpoolId,
+    id: Arc<Mutex<SpoolId>>,
     /// The spool database's path, for [`SpoolHandle::disk_bytes`].
     path: Arc<std::path::Path>,
     /// Sealed chunks handed to the uploader in memory (see `handoff.rs`).
@@ -185,7 +189,7 @@ impl SpoolHandle {
             sealed: sealed.clone(),
             uploader_idle: uploader_idle.clone(),
             pending_acks: pending_acks.clone(),
-            id,
+            id: Arc::new(Mutex::new(id)),
             path,
             handoff: handoff.clone(),
             commit_seconds: commit_seconds.clone(),
@@ -216,7 +220,21 @@ impl SpoolHandle {
 
     /// The spool's identity, sent to the server in Hello.
     pub fn id(&self) -> SpoolId {
-        self.id
+        *crate::lock(&self.id)
+    }
+
+    /// Gives the spool a new id (`edge_spool::Spool::rekey`), durable before it returns, for
+    /// the uploader's next connection: after another agent turned out to use this one.
+    ///
+    /// # Errors
+    /// The spool's, when the new id cannot be committed (the id is then unchanged), or the
+    /// spool thread is gone.
+    pub async fn rekey(&self) -> anyhow::Result<SpoolId> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Cmd::Rekey { reply }).map_err(|_| anyhow::anyhow!("the spool thread has stopped"))?;
+        let new = rx.await.map_err(|_| anyhow::anyhow!("the spool thread has stopped"))?.map_err(anyhow::Error::msg)?;
+        *crate::lock(&self.id) = new;
+        Ok(new)
     }
 
     /// Appends one producer request; resolves after the group commit that included it.
@@ -661,6 +679,9 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
             }
             Cmd::SetLimits { max_bytes, policy, max_streams } => spool.set_limits(max_bytes, policy, max_streams),
             Cmd::SealAll { reply } => seal_waiters.push(reply),
+            Cmd::Rekey { reply } => {
+                let _gone = reply.send(spool.rekey().map_err(|e| e.to_string()));
+            }
         };
         let backing_off = acks_retry_at.map(|t| t.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero());
         let wait = match (backing_off, acks_since) {

@@ -216,12 +216,19 @@ pub fn degraded_reasons(status: &Value, max_backlog_age: Duration, now_ms: u64) 
     if let Some(at) = up["last_superseded_ms"].as_u64()
         && Duration::from_millis(now_ms.saturating_sub(at)) < SHARED_SPOOL_DEGRADED
     {
-        reasons.push(format!(
-            "another gateway uses this agent's device certificate and spool id: the ingest closed this agent's \
-             connection for its newer one {} ago, and takes the two gateways' chunks with the same sequence numbers \
-             for one another's",
-            humantime::format_duration(round(Duration::from_millis(now_ms.saturating_sub(at))))
-        ));
+        let ago = humantime::format_duration(round(Duration::from_millis(now_ms.saturating_sub(at))));
+        reasons.push(match up["spool_rekeyed"]["old_id"].as_str() {
+            Some(old) => format!(
+                "another gateway used this agent's device certificate and spool id {old}: the ingest closed this \
+                 agent's connection for its newer one {ago} ago; the spool has a new id since, but until then the \
+                 ingest took the two gateways' chunks with the same sequence numbers for one another's"
+            ),
+            None => format!(
+                "another gateway uses this agent's device certificate and spool id: the ingest closed this agent's \
+                 connection for its newer one {ago} ago, and takes the two gateways' chunks with the same sequence \
+                 numbers for one another's"
+            ),
+        });
     }
     let settings = &status["settings"];
     if let (Some(total), Some(max)) = (sp["total_bytes"].as_u64(), settings["spool_max_bytes"].as_u64())
@@ -290,10 +297,14 @@ pub fn notes(status: &Value) -> Vec<String> {
     if let Some(n) = status["upload"]["superseded_total"].as_u64().filter(|n| *n > 0) {
         notes.push(format!(
             "the ingest closed {n} connection{} of this agent since it started for a newer one with the same device \
-             certificate and spool id, which this agent did not open: another gateway uses both (a disk image copied \
-             with its machine id?), and the ingest takes the two gateways' chunks with the same sequence numbers \
-             for one another's; give each gateway its own machine id (spool.machine_id_file) or delete the copy's spool",
-            plural(n)
+             certificate and spool id, which this agent did not open: another gateway used both (a disk image copied \
+             with its machine id?), and the ingest took the two gateways' chunks with the same sequence numbers for \
+             one another's{}; give each gateway its own machine id (spool.machine_id_file)",
+            plural(n),
+            match status["upload"]["spool_rekeyed"]["old_id"].as_str() {
+                Some(old) => format!(" until the spool gave up the id {old} for a new one"),
+                None => String::new(),
+            }
         ));
     }
     // Near the cap on streams: a producer that names a new stream is refused (a lasting state
@@ -722,7 +733,11 @@ mod tests {
         d["spool"]["oldest_ms"] = json!(now);
         d["upload"]["last_superseded_ms"] = json!(now - 60_000);
         let r = degraded_reasons(&d, Duration::from_secs(3600), now);
-        assert!(r.len() == 1 && r[0].contains("another gateway") && r[0].contains("1m ago"), "{r:?}");
+        assert!(r.len() == 1 && r[0].contains("another gateway uses") && r[0].contains("1m ago"), "{r:?}");
+        d["upload"]["spool_rekeyed"] = json!({"old_id": "abcd", "at_ms": now - 60_000});
+        let r = degraded_reasons(&d, Duration::from_secs(3600), now);
+        assert!(r.len() == 1 && r[0].contains("spool id abcd") && r[0].contains("has a new id since"), "{r:?}");
+        assert!(notes(&d)[0].contains("gave up the id abcd"), "{:?}", notes(&d));
         d["upload"]["last_superseded_ms"] = json!(now - SHARED_SPOOL_DEGRADED.as_millis() as u64);
         assert!(degraded_reasons(&d, Duration::from_secs(3600), now).is_empty(), "long enough ago: a note only");
     }

@@ -104,6 +104,8 @@ pub struct UploadCounters {
     pub superseded_total: AtomicU64,
     /// When the last of those was closed (unix ms; 0: never).
     pub last_superseded_ms: AtomicU64,
+    /// The spool id given up after the last of those, and when (unix ms).
+    pub rekeyed: Mutex<Option<(String, u64)>>,
     /// Connection attempts started (each bounded by `connect_timeout`).
     pub connect_attempts_total: AtomicU64,
     /// Backoff waits ended early because a link came up or a default route appeared.
@@ -401,15 +403,34 @@ pub async fn run(
                         if closed_as_superseded(conn.close_reason().as_ref()) {
                             counters.superseded_total.fetch_add(1, Ordering::Relaxed);
                             counters.last_superseded_ms.store(crate::status::now_ms(), Ordering::Relaxed);
-                            error!(
-                                server = %opts.server,
-                                spool = %spool.id(),
-                                "the ingest closed this connection for a newer one with this device certificate and \
-                                 spool id, which this agent did not open: another gateway uses both (a disk image \
-                                 copied with its machine id?). The ingest takes the two gateways' chunks with the same \
-                                 sequence numbers for one another's and keeps only one: give each gateway its own \
-                                 machine id (spool.machine_id_file) or delete the copy's spool"
-                            );
+                            let old = spool.id();
+                            // Its own id from now on: the next connection no longer closes the
+                            // other gateway's, nor do their chunks collide any more.
+                            match spool.rekey().await {
+                                Ok(new) => {
+                                    *crate::lock(&counters.rekeyed) = Some((old.to_string(), crate::status::now_ms()));
+                                    error!(
+                                        server = %opts.server,
+                                        old_spool = %old,
+                                        new_spool = %new,
+                                        "the ingest closed this connection for a newer one with this device certificate \
+                                         and spool id, which this agent did not open: another gateway uses both (a disk \
+                                         image copied with its machine id?). Until now the ingest took the two gateways' \
+                                         chunks with the same sequence numbers for one another's and kept one of each; \
+                                         this spool has a new id from now on. Give each gateway its own machine id \
+                                         (spool.machine_id_file)"
+                                    );
+                                }
+                                Err(e) => error!(
+                                    server = %opts.server,
+                                    spool = %old,
+                                    error = %e,
+                                    "the ingest closed this connection for a newer one with this device certificate \
+                                     and spool id, which this agent did not open: another gateway uses both, and the \
+                                     ingest takes the two gateways' chunks with the same sequence numbers for one \
+                                     another's; the spool could not take a new id"
+                                ),
+                            }
                         }
                         if closed_for_certificate(conn.close_reason().as_ref()) {
                             // Resuming would carry the same certificate again: the next
