@@ -136,10 +136,13 @@ pub(crate) fn write_new_id(conn: &mut Connection, host: Option<&str>, new_id: Sp
     let sync: i64 = conn.pragma_query_value(None, "synchronous", |r| r.get(0)).map_err(ctx("reading synchronous"))?;
     conn.pragma_update(None, "synchronous", "FULL").map_err(ctx("setting synchronous"))?;
     let done = write(conn, host, Some(new_id));
-    // After the transaction, committed or rolled back: the level cannot change inside one.
-    let restored = conn.pragma_update(None, "synchronous", sync).map_err(ctx("setting synchronous back"));
-    done?;
-    restored
+    // After the transaction, committed or rolled back: the level cannot change inside one. The
+    // new id stands once committed: a level left at FULL only makes commits slower, and an
+    // error here would leave the caller with the old id and the file with the new one.
+    if let Err(e) = conn.pragma_update(None, "synchronous", sync) {
+        tracing::warn!(error = %e, "the spool's synchronous level could not be set back after a new spool id; commits stay FULL");
+    }
+    done
 }
 
 /// One transaction: with `host` the host row, with `new_id` the spool id and the meta checksum

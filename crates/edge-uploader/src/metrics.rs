@@ -471,7 +471,7 @@ const LIVE_SUPERSEDED: Live = Live::counter(
     "Connections the ingest server closed for a newer one with this agent's device certificate and spool id, \
      which this agent did not open: another gateway used both (a cloned disk image), and the ingest took the \
      two gateways' chunks with the same sequence numbers for one another's until this agent gave its spool a \
-     new id, which it does at once.",
+     new id, which it does at once unless the spool cannot be written (the log says which).",
 );
 const LIVE_RECONNECTS: Live =
     Live::counter(RECONNECTS_TOTAL, "Connections to the ingest server established after the first one since start.");

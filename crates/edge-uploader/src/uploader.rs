@@ -104,7 +104,8 @@ pub struct UploadCounters {
     pub superseded_total: AtomicU64,
     /// When the last of those was closed (unix ms; 0: never).
     pub last_superseded_ms: AtomicU64,
-    /// The spool id given up after the last of those, and when (unix ms).
+    /// The spool id given up after the last of those, and when (unix ms); `None` when the last
+    /// attempt to give it up failed.
     pub rekeyed: Mutex<Option<(String, u64)>>,
     /// Connection attempts started (each bounded by `connect_timeout`).
     pub connect_attempts_total: AtomicU64,
@@ -421,7 +422,10 @@ pub async fn run(
                                          (spool.machine_id_file)"
                                     );
                                 }
-                                Err(e) => error!(
+                                Err(e) => {
+                                    // No new id: status must not say there is one.
+                                    *crate::lock(&counters.rekeyed) = None;
+                                    error!(
                                     server = %opts.server,
                                     spool = %old,
                                     error = %e,
@@ -429,7 +433,8 @@ pub async fn run(
                                      and spool id, which this agent did not open: another gateway uses both, and the \
                                      ingest takes the two gateways' chunks with the same sequence numbers for one \
                                      another's; the spool could not take a new id"
-                                ),
+                                    );
+                                }
                             }
                         }
                         if closed_for_certificate(conn.close_reason().as_ref()) {
