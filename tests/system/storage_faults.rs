@@ -825,3 +825,65 @@ fn an_agent_whose_full_spool_dropped_chunks_drains_at_an_ingest_at_its_devices_g
     );
     Ok(())
 }
+
+/// An ingest whose cap on a device's streams (`store.max_index_streams_per_device`) refuses a new
+/// stream: it answers `Retry(Limit)` (protocol version 3), and the agent holds that stream's
+/// chunks back without slowing the others, whose records go on being stored. Once the cap is
+/// raised (an ingest restart), the held-back stream is stored too, every record once.
+#[test]
+fn a_stream_refused_at_the_ingests_cap_is_held_back_while_the_devices_other_streams_go_on() -> anyhow::Result<()> {
+    use crate::common::{push, readings, status_json, wait_json};
+
+    let world = World::new("gw-sf-streams", "")?;
+    let text = std::fs::read_to_string(&world.ingest_config)?;
+    std::fs::write(&world.ingest_config, format!("{text}max_index_streams_per_device = 1\n"))?;
+    let mut ingest = world.start_ingest()?;
+    let mut agent = world.start_agent()?;
+    let acked = |n: u64| move |_: i32, d: &serde_json::Value| d["upload"]["records_acked_total"] == n;
+
+    let first = readings("a", 10);
+    push(&world, "a", &first)?;
+    wait_json("the first stream stored", || status_json(&world), acked(10))?;
+    let held = readings("b", 10);
+    push(&world, "b", &held)?;
+    wait_json(
+        "the second stream refused",
+        || status_json(&world),
+        |_, d| d["upload"]["chunks_retry_total"].as_u64().is_some_and(|n| n > 0),
+    )?;
+    agent.wait_log("its chunks are held back", Duration::from_secs(10))?;
+    // Each time the held-back chunk has been offered again (every backoff_max, 1 s here) and
+    // refused, the first stream takes more records, and stores them.
+    let retries = |d: &serde_json::Value| d["upload"]["chunks_retry_total"].as_u64().unwrap_or(0);
+    let mut seen = retries(&status_json(&world)?.1);
+    let mut more = Vec::new();
+    for round in 0..4u64 {
+        let doc = wait_json("the held-back chunk offered again", || status_json(&world), |_, d| retries(d) > seen)?;
+        seen = retries(&doc);
+        let records: Vec<String> =
+            readings("a", 10).into_iter().map(|r| r.replace("\"i\":", &format!("\"round\":{round},\"i\":"))).collect();
+        push(&world, "a", &records)?;
+        more.extend(records);
+        wait_json("the first stream stored again", || status_json(&world), acked(20 + 10 * round))?;
+    }
+    assert!(ingest.terminate(Duration::from_secs(30))?.success());
+
+    // The cap raised: the held-back stream is stored on the next connection.
+    std::fs::write(&world.ingest_config, format!("{text}max_index_streams_per_device = 2\n"))?;
+    let mut ingest = world.start_ingest()?;
+    wait_json(
+        "everything stored",
+        || status_json(&world),
+        |_, d| d["upload"]["records_acked_total"] == 60 && d["spool"]["total_bytes"] == 0,
+    )?;
+    assert!(agent.terminate(Duration::from_secs(30))?.success());
+    assert!(ingest.terminate(Duration::from_secs(30))?.success());
+    let stored = |stream: &str| -> anyhow::Result<Vec<String>> {
+        Ok(world.export_raw(stream)?.into_iter().map(|r| String::from_utf8_lossy(&r).into_owned()).collect())
+    };
+    let mut a = first.clone();
+    a.extend(more);
+    assert_eq!(stored("a")?, a, "every record of the first stream once, in order");
+    assert_eq!(stored("b")?, held, "and of the held-back one");
+    Ok(())
+}

@@ -1432,9 +1432,10 @@ async fn process_chunk(
                     | StoreFailure::Unavailable(_) => AckStatus::Retry(RetryReason::SinkUnavailable),
                     StoreFailure::Rejected(_) => AckStatus::Rejected(RejectReason::Malformed),
                     // The device's own doing: the agent keeps the chunk and slows down.
-                    StoreFailure::IndexFull { .. } | StoreFailure::TooManyStreams { .. } => {
-                        AckStatus::Retry(RetryReason::Overloaded)
-                    }
+                    StoreFailure::IndexFull { .. } => AckStatus::Retry(RetryReason::Overloaded),
+                    // Until an operator raises the cap; the session tells an agent older than
+                    // the reason "overloaded".
+                    StoreFailure::TooManyStreams { .. } => AckStatus::Retry(RetryReason::Limit),
                 };
                 if matches!(f, StoreFailure::IndexFull { .. } | StoreFailure::TooManyStreams { .. }) {
                     // Logged by the store once per device.

@@ -59,9 +59,9 @@ enum Attack {
     WelcomeFromAgent,
     /// Two valid Hellos in a row.
     SecondHello,
-    /// A well-formed Hello announcing version 2.
+    /// A well-formed Hello announcing the version after ours.
     FutureVersionHello,
-    /// A version-2 Hello whose body this version cannot parse.
+    /// A Hello of the version after ours whose body this version cannot parse.
     FutureLayoutHello,
     /// After the handshake, a chunk stream that does not start with `EDGC`.
     BadChunkMagic,
@@ -164,7 +164,10 @@ impl Attack {
                 held.control(&conn, &frames).await;
             }
             Attack::FutureVersionHello => held.control(&conn, &hello(VERSION + 1)).await,
-            Attack::FutureLayoutHello => held.control(&conn, &[0x01, 3, 0, 0, 0, 3, 0, 0xee]).await,
+            Attack::FutureLayoutHello => {
+                let [lo, hi] = (VERSION + 1).to_le_bytes();
+                held.control(&conn, &[0x01, 3, 0, 0, 0, lo, hi, 0xee]).await;
+            }
             Attack::BadChunkMagic => {
                 held.agent = Some(Agent::connect(&conn, self.spool(), AGENT).await);
                 let mut bytes = b"EDGX".to_vec();
@@ -758,7 +761,7 @@ async fn a_device_numbering_sparsely_is_refused_new_gaps_at_its_index_cap() {
 }
 
 /// A device that names a new stream per chunk reaches the store's cap on streams; from there its
-/// chunks of new streams are answered Retry(Overloaded) and not stored, on a connection that
+/// chunks of new streams are answered Retry(Limit) and not stored, on a connection that
 /// stays open, while its known streams go on and another device is not affected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_device_naming_a_stream_per_chunk_is_refused_new_streams_at_its_cap() {
@@ -772,7 +775,7 @@ async fn a_device_naming_a_stream_per_chunk_is_refused_new_streams_at_its_cap() 
     .await;
     let streams: Vec<_> = (0..CAP).map(|i| chunk(&format!("rogue.s{i}"), 0)).collect();
     rogue.upload_stored("one chunk in each of CAP streams", &streams).await;
-    let retry = AckStatus::Retry(RetryReason::Overloaded);
+    let retry = AckStatus::Retry(RetryReason::Limit);
     let past_cap = [chunk("rogue.new", 0), chunk("rogue.newer", 0)];
     let honest_batch = honest_chunks(0..CAP + 2);
     let (statuses, ()) = tokio::join!(

@@ -30,7 +30,7 @@
 //! |------|--------|
 //! | 0x00 | Stored |
 //! | 0x01 | Duplicate |
-//! | 0x10 / 0x11 / 0x12 | Retry: SinkUnavailable / Overloaded / ShuttingDown |
+//! | 0x10 / 0x11 / 0x12 / 0x13 | Retry: SinkUnavailable / Overloaded / ShuttingDown / Limit (version 3 on) |
 //! | 0x20 / 0x21 / 0x22 / 0x23 | Rejected: BadChecksum / TooLarge / Malformed / BadRecords |
 //!
 //! `version` is the first field of Hello in every protocol version, so a server can always read
@@ -86,6 +86,12 @@ pub enum RetryReason {
     Overloaded,
     /// The server is shutting down.
     ShuttingDown,
+    /// A limit of the server's on what one device may hold refuses the chunk (a new stream
+    /// past the cap on its streams): the same chunk is refused until an operator raises the
+    /// limit, while the device's other chunks are not. Protocol version 3 on
+    /// ([`LIMIT_VERSION`](crate::LIMIT_VERSION)); an agent of an older version is answered
+    /// [`RetryReason::Overloaded`] instead.
+    Limit,
 }
 
 /// Why the server will never accept a chunk's bytes.
@@ -112,6 +118,7 @@ impl AckStatus {
                     RetryReason::SinkUnavailable => 0,
                     RetryReason::Overloaded => 1,
                     RetryReason::ShuttingDown => 2,
+                    RetryReason::Limit => 3,
                 }
             }
             Self::Rejected(r) => {
@@ -133,6 +140,7 @@ impl AckStatus {
             0x10 => Self::Retry(RetryReason::SinkUnavailable),
             0x11 => Self::Retry(RetryReason::Overloaded),
             0x12 => Self::Retry(RetryReason::ShuttingDown),
+            0x13 => Self::Retry(RetryReason::Limit),
             0x20 => Self::Rejected(RejectReason::BadChecksum),
             0x21 => Self::Rejected(RejectReason::TooLarge),
             0x22 => Self::Rejected(RejectReason::Malformed),
@@ -627,10 +635,11 @@ mod tests {
 
     #[test]
     fn a_future_hello_layout_reads_as_unsupported_version() {
-        // Version 3 with a body this version cannot parse.
-        let bytes = [0x01, 3, 0, 0, 0, 3, 0, 0xee];
+        // The version after ours with a body this version cannot parse.
+        let next = VERSION + 1;
+        let bytes = [0x01, 3, 0, 0, 0, next.to_le_bytes()[0], next.to_le_bytes()[1], 0xee];
         let err = ControlFrame::decode(&bytes, &Limits::default()).expect_err("unsupported");
-        assert_eq!(err, ProtoError::UnsupportedVersion { version: 3 });
+        assert_eq!(err, ProtoError::UnsupportedVersion { version: next });
         assert_eq!(err.code(), ErrorCode::UnsupportedVersion);
         // The same body with a version we speak is simply malformed.
         for version in MIN_VERSION..=VERSION {
@@ -659,5 +668,6 @@ mod tests {
         }
         assert!(AckStatus::Stored.is_durable() && AckStatus::Duplicate.is_durable());
         assert!(!AckStatus::Retry(RetryReason::Overloaded).is_durable());
+        assert_eq!(AckStatus::from_u8(0x13), Some(AckStatus::Retry(RetryReason::Limit)));
     }
 }

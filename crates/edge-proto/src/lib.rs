@@ -88,7 +88,7 @@ pub use name::{MAX_STREAM_NAME_LEN, NameError, StreamName};
 pub const ALPN: &[u8] = b"edge/1";
 
 /// The newest protocol version, the one the agent sends in its `Hello` first.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 
 /// The oldest protocol version the server still speaks (and the agent falls back to when its
 /// server refuses [`VERSION`]): version 1 has no [`ControlFrame::Floor`].
@@ -96,6 +96,9 @@ pub const MIN_VERSION: u16 = 1;
 
 /// The first version with [`ControlFrame::Floor`].
 pub const FLOOR_VERSION: u16 = 2;
+
+/// The first version whose agents are answered [`RetryReason::Limit`].
+pub const LIMIT_VERSION: u16 = 3;
 
 /// The reason text of the close (code [`ErrorCode::NoError`]) with which the server ends an
 /// agent's connection when a newer one of the same device and spool id says Hello. An agent

@@ -20,7 +20,7 @@ use crate::error::{ErrorCode, ProtoError};
 use crate::frame::{AckStatus, ControlFrame, FrameDecoder, MAX_DEVICE_LEN};
 use crate::name::StreamName;
 use crate::wire::truncate_str;
-use crate::{FLOOR_VERSION, Limits, MIN_VERSION, VERSION};
+use crate::{FLOOR_VERSION, LIMIT_VERSION, Limits, MIN_VERSION, RetryReason, VERSION};
 
 /// Something the driver of a [`ServerSession`] should act on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -285,6 +285,14 @@ impl ServerSession {
         if !self.in_flight.remove(&(stream.clone(), seq)) {
             return Err(ProtoError::NotAccepted { stream: stream.clone(), seq });
         }
+        // An agent older than the reason does not know it: "overloaded" is what it was told
+        // before, and acts on.
+        let status = match status {
+            AckStatus::Retry(RetryReason::Limit) if self.version().is_some_and(|v| v < LIMIT_VERSION) => {
+                AckStatus::Retry(RetryReason::Overloaded)
+            }
+            other => other,
+        };
         ControlFrame::Ack { stream: stream.clone(), seq, status }.encode(&mut self.transmit);
         Ok(())
     }
@@ -500,6 +508,24 @@ mod tests {
         assert_eq!(err.code(), ErrorCode::Internal);
         assert_eq!(s.close_code(), None);
         assert_eq!(s.poll_transmit(), None);
+    }
+
+    #[test]
+    fn a_limit_is_answered_as_overloaded_to_an_agent_older_than_the_reason() {
+        let ack_of = |version: u16| {
+            let now = Instant::now();
+            let mut s = ServerSession::new("dev".into(), Limits::default(), 2, now);
+            s.handle_control_bytes(now, &hello(version)).expect("valid Hello");
+            s.poll_transmit().expect("Welcome");
+            s.accept_chunk(&header("a", 1)).expect("room");
+            s.ack(&name("a"), 1, AckStatus::Retry(RetryReason::Limit)).expect("ack");
+            let bytes = s.poll_transmit().expect("the ack");
+            ControlFrame::decode(&bytes, &Limits::default()).expect("valid").expect("complete").0
+        };
+        let ack = |status| ControlFrame::Ack { stream: name("a"), seq: 1, status };
+        assert_eq!(ack_of(LIMIT_VERSION), ack(AckStatus::Retry(RetryReason::Limit)));
+        assert_eq!(ack_of(LIMIT_VERSION - 1), ack(AckStatus::Retry(RetryReason::Overloaded)));
+        assert_eq!(ack_of(MIN_VERSION), ack(AckStatus::Retry(RetryReason::Overloaded)));
     }
 
     #[test]

@@ -335,10 +335,10 @@ pub async fn run(
     // handshakes is not helped by more attempts).
     let mut probe_allowed = true;
     let mut woken_by = Wake::Backoff;
-    // Whether the server closed the last connection for our protocol version: the next one
-    // speaks the older version, the one after it the newest again (the server may have been
-    // upgraded meanwhile).
-    let mut older_server = false;
+    // The protocol version of the next Hello: after the server closed a connection for its
+    // version, the next one speaks the version before it (down to `MIN_VERSION`); after a
+    // connection it did not refuse, the newest again (the server may have been upgraded).
+    let mut version = VERSION;
     while !cancel.is_cancelled() {
         // Only what happens from now on can bring back a path this attempt did not have.
         if let Some(n) = network.as_mut() {
@@ -378,15 +378,18 @@ pub async fn run(
                     times: &times,
                     learned: &learned,
                     compressor: compressor.as_ref(),
-                    version: if older_server { MIN_VERSION } else { VERSION },
+                    version,
                 }
                 .run()
                 .await;
-                let refused_version = !older_server && closed_for_version(conn.close_reason().as_ref());
-                if refused_version {
-                    warn!(server = %opts.server, version = VERSION, older = MIN_VERSION, "the ingest does not speak our protocol version: the next connection speaks the older one, which cannot tell it about dropped chunks (upgrade the ingest)");
+                let refused = version > MIN_VERSION && closed_for_version(conn.close_reason().as_ref());
+                if refused {
+                    let older = version - 1;
+                    warn!(server = %opts.server, version, older, "the ingest does not speak this protocol version: the next connection speaks the one before (upgrade the ingest: before version 2 it cannot be told about dropped chunks, before version 3 it answers a chunk past a device's limit as if it were overloaded)");
+                    version = older;
+                } else {
+                    version = VERSION;
                 }
-                older_server = refused_version;
                 sampler.stop().await;
                 counters.connected.store(false, Ordering::Release);
                 counters.set_session(&opts, None);
@@ -667,8 +670,8 @@ struct Connection<'a> {
     learned: &'a Mutex<Option<EarlyLimits>>,
     /// `None`: chunks go out as stored (`spool.compression = "none"`).
     compressor: Option<&'a Arc<Compressor>>,
-    /// The protocol version of the Hello: [`VERSION`], or [`MIN_VERSION`] right after the
-    /// server refused it.
+    /// The protocol version of the Hello: [`VERSION`], or one below the version the server
+    /// refused on the connection before (down to [`MIN_VERSION`]).
     version: u16,
 }
 
@@ -936,6 +939,13 @@ impl<'a> Connection<'a> {
         let mut progress = false;
         let mut drain_deadline: Option<tokio::time::Instant> = None;
         let mut retry_at: Option<tokio::time::Instant> = None;
+        // Chunks a limit of the server's on this device refused (`RetryReason::Limit`: a new
+        // stream past its cap), lowest id first, with their stream and seq. They hold no room
+        // in the window and stop nothing else: once every `backoff_max` the lowest of each
+        // stream is offered again, and once one of a stream is stored the rest of it follows.
+        let mut parked: BTreeMap<ChunkId, (String, u64)> = BTreeMap::new();
+        let mut parked_until: Option<tokio::time::Instant> = None;
+        let mut limited_streams: std::collections::HashSet<String> = std::collections::HashSet::new();
         let mut retry_backoff = Backoff::new(self.opts.backoff_min, self.opts.backoff_max);
         let mut exhausted = false;
         // Chunks in flight the server's answers allow, within the configured window: halved on
@@ -1044,6 +1054,17 @@ impl<'a> Connection<'a> {
                 () = async { if let Some(t) = retry_at { tokio::time::sleep_until(t).await } }, if retry_at.is_some() => {
                     retry_at = None;
                 }
+                () = async { if let Some(t) = parked_until { tokio::time::sleep_until(t).await } }, if parked_until.is_some() && !draining => {
+                    parked_until = None;
+                    let mut streams = std::collections::HashSet::new();
+                    let lowest: Vec<ChunkId> =
+                        parked.iter().filter(|(_, (stream, _))| streams.insert(stream.as_str())).map(|(id, _)| *id).collect();
+                    for id in lowest {
+                        if let Some(key) = parked.remove(&id) {
+                            redo.insert(id, key);
+                        }
+                    }
+                }
                 r = &mut control => {
                     let e = match r {
                         Ok(Err(e)) => e,
@@ -1068,6 +1089,26 @@ impl<'a> Connection<'a> {
                             self.counters.acked(&meta, status == AckStatus::Duplicate);
                             AttemptTimes::mark(&self.times.first_acked);
                             self.spool.ack(vec![meta.id]);
+                            // The limit let this stream in (raised, or this stream was known):
+                            // the rest of it goes now.
+                            if limited_streams.remove(&meta.stream) {
+                                info!(stream = %meta.stream, "the server stores the stream again; its chunks held back go now");
+                                let released: Vec<ChunkId> =
+                                    parked.iter().filter(|(_, (s, _))| *s == meta.stream).map(|(id, _)| *id).collect();
+                                for id in released {
+                                    if let Some(key) = parked.remove(&id) {
+                                        redo.insert(id, key);
+                                    }
+                                }
+                            }
+                        }
+                        SendOutcome::Acked(AckStatus::Retry(RetryReason::Limit)) => {
+                            self.counters.retry.add(&meta);
+                            if limited_streams.insert(meta.stream.clone()) {
+                                warn!(stream = %meta.stream, seq = meta.seq, every = ?self.opts.backoff_max, "the server refuses this stream for a limit on this device (its streams at the ingest's cap): its chunks are held back and offered again, one at a time, until the limit is raised; other streams go on");
+                            }
+                            parked.insert(meta.id, (meta.stream.clone(), meta.seq));
+                            parked_until.get_or_insert(tokio::time::Instant::now() + self.opts.backoff_max);
                         }
                         SendOutcome::Acked(AckStatus::Retry(reason)) => {
                             if reason == RetryReason::Overloaded {
@@ -1086,7 +1127,7 @@ impl<'a> Connection<'a> {
                             // would be answered duplicate, and lost uncounted.
                             if reason == RetryReason::Overloaded
                                 && self.spool.drops_durable()
-                                && let Some(floor) = floor_of(&meta.stream, &in_flight, &redo)
+                                && let Some(floor) = floor_of(&meta.stream, &in_flight, &redo, &parked)
                                 && floors_sent.get(&meta.stream).is_none_or(|&sent| sent < floor)
                             {
                                 floors_sent.insert(meta.stream.clone(), floor);
@@ -1175,16 +1216,22 @@ impl InFlight {
 }
 
 /// The floor of `stream` on this connection: its lowest seq among the chunks in flight and
-/// those handed back to be offered again. The spool is read in sealing order, in which each
+/// those handed back to be offered again, now or after a limit (`parked`). The spool is read in sealing order, in which each
 /// stream's seqs grow, so every chunk of the stream below it was read on this connection and
 /// then acked, or left the spool (dropped by its cap, or quarantined), and none of them will be
 /// sent as new data again. A scan of the window: this runs only when the server refuses a chunk.
-fn floor_of(stream: &str, in_flight: &InFlight, redo: &BTreeMap<ChunkId, (String, u64)>) -> Option<u64> {
+fn floor_of(
+    stream: &str,
+    in_flight: &InFlight,
+    redo: &BTreeMap<ChunkId, (String, u64)>,
+    parked: &BTreeMap<ChunkId, (String, u64)>,
+) -> Option<u64> {
     in_flight
         .chunks
         .values()
         .map(|(_, key)| key)
         .chain(redo.values())
+        .chain(parked.values())
         .filter(|(s, _)| s == stream)
         .map(|&(_, seq)| seq)
         .min()

@@ -759,8 +759,8 @@ async fn hello_version(conn: &quinn::Connection) -> (quinn::SendStream, quinn::R
 }
 
 /// An ingest older than the agent closes its connection with `UnsupportedVersion`: the next
-/// connection speaks the older version, and is welcomed in it, and the one after that tries the
-/// newest again (the ingest may have been upgraded meanwhile).
+/// connection speaks the version before, refused again the one before that, and is welcomed in
+/// it; the one after that tries the newest again (the ingest may have been upgraded meanwhile).
 #[tokio::test]
 async fn an_agent_refused_for_its_version_speaks_the_older_one_next_and_the_newest_after_that() {
     use edge_proto::{ErrorCode, MIN_VERSION, VERSION};
@@ -775,7 +775,14 @@ async fn an_agent_refused_for_its_version_speaks_the_older_one_next_and_the_newe
     assert_eq!(version, VERSION, "the first Hello speaks the newest version");
     conn.close(ErrorCode::UnsupportedVersion.to_u32().into(), b"unsupported protocol version");
 
-    let conn = accept().await;
+    // Each refusal: the version before, down to the oldest.
+    let mut conn = accept().await;
+    for older in (MIN_VERSION + 1..VERSION).rev() {
+        let (_send, _recv, version) = hello_version(&conn).await;
+        assert_eq!(version, older, "refused: the next Hello speaks the version before");
+        conn.close(ErrorCode::UnsupportedVersion.to_u32().into(), b"unsupported protocol version");
+        conn = accept().await;
+    }
     let (mut send, mut recv, version) = hello_version(&conn).await;
     assert_eq!(version, MIN_VERSION, "refused: the next Hello speaks the older version");
     // Welcomed in it (this server speaks both), the agent stores its chunk.
