@@ -137,9 +137,9 @@ impl ClientSession {
     }
 
     /// Starts a session like [`new`](Self::new) (with `early`, like [`resume`](Self::resume))
-    /// that speaks protocol `version`: [`VERSION`], or [`MIN_VERSION`](crate::MIN_VERSION) to an
-    /// older server that closed a connection with [`ErrorCode::UnsupportedVersion`]. The
-    /// Welcome must repeat it.
+    /// that speaks protocol `version`: [`VERSION`], or an older one, down to
+    /// [`MIN_VERSION`](crate::MIN_VERSION), to an older server that closed a connection with
+    /// [`ErrorCode::UnsupportedVersion`]. The Welcome must repeat it.
     pub fn with_version(
         spool_id: [u8; 16],
         agent: String,

@@ -90,8 +90,8 @@ pub const ALPN: &[u8] = b"edge/1";
 /// The newest protocol version, the one the agent sends in its `Hello` first.
 pub const VERSION: u16 = 3;
 
-/// The oldest protocol version the server still speaks (and the agent falls back to when its
-/// server refuses [`VERSION`]): version 1 has no [`ControlFrame::Floor`].
+/// The oldest protocol version the server still speaks (the agent steps down to it one version
+/// per refusal from an older server): version 1 has no [`ControlFrame::Floor`].
 pub const MIN_VERSION: u16 = 1;
 
 /// The first version with [`ControlFrame::Floor`].

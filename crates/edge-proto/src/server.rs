@@ -288,7 +288,7 @@ impl ServerSession {
         // An agent older than the reason does not know it: "overloaded" is what it was told
         // before, and acts on.
         let status = match status {
-            AckStatus::Retry(RetryReason::Limit) if self.version().is_some_and(|v| v < LIMIT_VERSION) => {
+            AckStatus::Retry(RetryReason::Limit) if self.version().is_none_or(|v| v < LIMIT_VERSION) => {
                 AckStatus::Retry(RetryReason::Overloaded)
             }
             other => other,

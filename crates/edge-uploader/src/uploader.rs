@@ -324,6 +324,10 @@ pub async fn run(
     // The limits of the last Welcome, to send the first chunks of the next connection before
     // its own.
     let learned: Mutex<Option<EarlyLimits>> = Mutex::new(None);
+    // Streams the server refused for a limit on this device (`RetryReason::Limit`), kept from
+    // one connection to the next: their chunks are held back on arrival, not sent to be
+    // refused, until one of them is stored.
+    let limited: Mutex<std::collections::HashSet<String>> = Mutex::new(std::collections::HashSet::new());
     let compressor = match opts.compression {
         Compression::Zstd(level) => Some(Arc::new(Compressor::per_core(level))),
         Compression::None => None,
@@ -377,6 +381,7 @@ pub async fn run(
                     cancel: &cancel,
                     times: &times,
                     learned: &learned,
+                    limited: &limited,
                     compressor: compressor.as_ref(),
                     version,
                 }
@@ -668,6 +673,8 @@ struct Connection<'a> {
     cancel: &'a CancellationToken,
     times: &'a Arc<AttemptTimes>,
     learned: &'a Mutex<Option<EarlyLimits>>,
+    /// Streams the server refused for a limit (see `run`).
+    limited: &'a Mutex<std::collections::HashSet<String>>,
     /// `None`: chunks go out as stored (`spool.compression = "none"`).
     compressor: Option<&'a Arc<Compressor>>,
     /// The protocol version of the Hello: [`VERSION`], or one below the version the server
@@ -939,13 +946,13 @@ impl<'a> Connection<'a> {
         let mut progress = false;
         let mut drain_deadline: Option<tokio::time::Instant> = None;
         let mut retry_at: Option<tokio::time::Instant> = None;
-        // Chunks a limit of the server's on this device refused (`RetryReason::Limit`: a new
-        // stream past its cap), lowest id first, with their stream and seq. They hold no room
-        // in the window and stop nothing else: once every `backoff_max` the lowest of each
-        // stream is offered again, and once one of a stream is stored the rest of it follows.
+        // Chunks of streams a limit of the server's on this device refused (`RetryReason::Limit`:
+        // a new stream past its cap), lowest id first, with their stream and seq: refused, or
+        // read after their stream was and held back unsent. They hold no room in the window
+        // and stop nothing else: once every `backoff_max` the lowest of each stream is offered
+        // again, and once one of a stream is stored the rest of it follows.
         let mut parked: BTreeMap<ChunkId, (String, u64)> = BTreeMap::new();
         let mut parked_until: Option<tokio::time::Instant> = None;
-        let mut limited_streams: std::collections::HashSet<String> = std::collections::HashSet::new();
         let mut retry_backoff = Backoff::new(self.opts.backoff_min, self.opts.backoff_max);
         let mut exhausted = false;
         // Chunks in flight the server's answers allow, within the configured window: halved on
@@ -966,7 +973,10 @@ impl<'a> Connection<'a> {
             // is read, and a payload is read only for a chunk that is then sent.
             let room = in_flight.has_room(window().min(allowed), self.opts.max_in_flight_bytes.load(Ordering::Relaxed));
             if !draining && retry_at.is_none() && room && (!redo.is_empty() || !exhausted) {
+                // Offered again (after a Retry, a lost stream or a limit), or read as new.
+                let mut reoffer = false;
                 let fetched = if let Some((id, _)) = redo.pop_first() {
+                    reoffer = true;
                     let mut fetched = self.read(Some(ChunkId(id.0.saturating_sub(1)))).await?;
                     // Anything else means the chunk left the spool meanwhile (dropped by the
                     // cap): the read of the chunk after it was in vain, and is discarded.
@@ -1021,6 +1031,13 @@ impl<'a> Connection<'a> {
                     if in_flight.contains(meta.id) {
                         continue;
                     }
+                    // A new chunk of a stream refused for a limit is held back unsent: the
+                    // stream's lowest chunk is offered again on the timer.
+                    if !reoffer && crate::lock(self.limited).contains(&meta.stream) {
+                        parked.insert(meta.id, (meta.stream.clone(), meta.seq));
+                        parked_until.get_or_insert(tokio::time::Instant::now() + self.opts.backoff_max);
+                        continue;
+                    }
                     let Some(raw) = self.admit(&meta, data)? else { continue };
                     if raw.len() as u64 > u64::from(max_chunk_payload) && self.compressor.is_none() {
                         // Sending it would only get the connection closed, again and again. (A
@@ -1064,6 +1081,11 @@ impl<'a> Connection<'a> {
                             redo.insert(id, key);
                         }
                     }
+                    // Armed again by the refusal of what was offered, or here, should that
+                    // have left the spool meanwhile (dropped, quarantined) with more behind it.
+                    if !parked.is_empty() {
+                        parked_until = Some(tokio::time::Instant::now() + self.opts.backoff_max);
+                    }
                 }
                 r = &mut control => {
                     let e = match r {
@@ -1091,7 +1113,7 @@ impl<'a> Connection<'a> {
                             self.spool.ack(vec![meta.id]);
                             // The limit let this stream in (raised, or this stream was known):
                             // the rest of it goes now.
-                            if limited_streams.remove(&meta.stream) {
+                            if crate::lock(self.limited).remove(&meta.stream) {
                                 info!(stream = %meta.stream, "the server stores the stream again; its chunks held back go now");
                                 let released: Vec<ChunkId> =
                                     parked.iter().filter(|(_, (s, _))| *s == meta.stream).map(|(id, _)| *id).collect();
@@ -1104,7 +1126,7 @@ impl<'a> Connection<'a> {
                         }
                         SendOutcome::Acked(AckStatus::Retry(RetryReason::Limit)) => {
                             self.counters.retry.add(&meta);
-                            if limited_streams.insert(meta.stream.clone()) {
+                            if crate::lock(self.limited).insert(meta.stream.clone()) {
                                 warn!(stream = %meta.stream, seq = meta.seq, every = ?self.opts.backoff_max, "the server refuses this stream for a limit on this device (its streams at the ingest's cap): its chunks are held back and offered again, one at a time, until the limit is raised; other streams go on");
                             }
                             parked.insert(meta.id, (meta.stream.clone(), meta.seq));
