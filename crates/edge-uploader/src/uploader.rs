@@ -1238,10 +1238,11 @@ impl InFlight {
 }
 
 /// The floor of `stream` on this connection: its lowest seq among the chunks in flight and
-/// those handed back to be offered again, now or after a limit (`parked`). The spool is read in sealing order, in which each
-/// stream's seqs grow, so every chunk of the stream below it was read on this connection and
-/// then acked, or left the spool (dropped by its cap, or quarantined), and none of them will be
-/// sent as new data again. A scan of the window: this runs only when the server refuses a chunk.
+/// those handed back to be offered again, now or after a limit (`parked`). The spool is read
+/// in sealing order, in which each stream's seqs grow, so every chunk of the stream below it
+/// was read on this connection and then acked, or left the spool (dropped by its cap, or
+/// quarantined), and none of them will be sent as new data again. A scan of the window: this
+/// runs only when the server refuses a chunk.
 fn floor_of(
     stream: &str,
     in_flight: &InFlight,
