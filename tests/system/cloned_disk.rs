@@ -2,7 +2,7 @@
 //! device certificate and a copy of one spool file. Each gateway's own records must all be
 //! stored; the copy takes a new spool id because its machine id differs.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use edge_testkit::{Daemon, bin, free_tcp_port};
@@ -35,25 +35,21 @@ fn drained(config: &Path, records: u64) -> anyhow::Result<serde_json::Value> {
     )
 }
 
-#[test]
-fn a_spool_copied_to_another_machine_takes_a_new_id_and_no_record_of_either_machine_is_lost() -> anyhow::Result<()> {
-    let world = World::new("gw-1", "")?;
-    let dir = world.path();
-    std::fs::write(dir.join("machine-id-a"), format!("{MACHINE_A}\n"))?;
-    std::fs::write(dir.join("machine-id-b"), format!("{MACHINE_B}\n"))?;
+/// Points the world's agent at a machine id file `name` in the world's directory, holding `id`.
+fn set_machine_id(world: &World, name: &str, id: &str) -> anyhow::Result<()> {
+    std::fs::write(world.path().join(name), format!("{id}\n"))?;
     rewrite(
         &world.agent_config,
         "linger = \"20ms\"\n",
-        &format!("linger = \"20ms\"\nmachine_id_file = {:?}\n", dir.join("machine-id-a")),
-    )?;
+        &format!("linger = \"20ms\"\nmachine_id_file = {:?}\n", world.path().join(name)),
+    )
+}
 
-    // The image's agent accepts records while no ingest is reachable, and stops.
-    let mut agent = world.start_agent()?;
-    let before = readings("before", 40);
-    push(&world.agent_config, dir, "s", &before)?;
-    assert!(agent.terminate(Duration::from_secs(30))?.success());
-
-    // The disk is copied to a second gateway: the same certificate and spool, another machine id.
+/// Copies the world's agent's spool (stopped) to a second gateway in `agent-b/`: a config of
+/// its own with its own metrics port and the machine id file `machine_id_file`, the same
+/// certificate. Returns the second gateway's config.
+fn copy_to_second_gateway(world: &World, machine_id_file: &str) -> anyhow::Result<PathBuf> {
+    let dir = world.path();
     std::fs::create_dir(dir.join("agent-b"))?;
     for f in std::fs::read_dir(dir.join("agent"))? {
         let f = f?.path();
@@ -62,19 +58,43 @@ fn a_spool_copied_to_another_machine_takes_a_new_id_and_no_record_of_either_mach
             std::fs::copy(&f, dir.join("agent-b").join(&name))?;
         }
     }
+    let machine_id_a = format!("{:?}", dir.join("machine-id-a"));
     let config_b = dir.join("edge-uploader-b.toml");
-    let metrics_b = format!("127.0.0.1:{}", free_tcp_port()?);
     let text = std::fs::read_to_string(&world.agent_config)?
         .replace(&dir.join("agent/").to_string_lossy().into_owned(), &dir.join("agent-b/").to_string_lossy())
-        .replace(&world.agent_metrics.to_string(), &metrics_b)
-        .replace("machine-id-a", "machine-id-b");
+        .replace(&world.agent_metrics.to_string(), &format!("127.0.0.1:{}", free_tcp_port()?))
+        .replace(&machine_id_a, &format!("{:?}", dir.join(machine_id_file)));
     std::fs::write(&config_b, text)?;
+    Ok(config_b)
+}
+
+/// Starts the second gateway's agent and waits for READY.
+fn start_second(world: &World, config_b: &Path) -> anyhow::Result<Daemon> {
+    let cfg = config_b.to_string_lossy().into_owned();
+    let mut agent = Daemon::spawn("agent-b", &bin("edge-uploader")?, &["run", "--config", &cfg], world.path(), &[])?;
+    agent.wait_ready(READY_TIMEOUT)?;
+    Ok(agent)
+}
+
+#[test]
+fn a_spool_copied_to_another_machine_takes_a_new_id_and_no_record_of_either_machine_is_lost() -> anyhow::Result<()> {
+    let world = World::new("gw-1", "")?;
+    let dir = world.path();
+    set_machine_id(&world, "machine-id-a", MACHINE_A)?;
+    std::fs::write(dir.join("machine-id-b"), format!("{MACHINE_B}\n"))?;
+
+    // The image's agent accepts records while no ingest is reachable, and stops.
+    let mut agent = world.start_agent()?;
+    let before = readings("before", 40);
+    push(&world.agent_config, dir, "s", &before)?;
+    assert!(agent.terminate(Duration::from_secs(30))?.success());
+
+    // The disk is copied to a second gateway: the same certificate and spool, another machine id.
+    let config_b = copy_to_second_gateway(&world, "machine-id-b")?;
 
     let mut ingest = world.start_ingest()?;
     let mut agent = world.start_agent()?;
-    let cfg_b = config_b.to_string_lossy().into_owned();
-    let mut agent_b = Daemon::spawn("agent-b", &bin("edge-uploader")?, &["run", "--config", &cfg_b], dir, &[])?;
-    agent_b.wait_ready(READY_TIMEOUT)?;
+    let mut agent_b = start_second(&world, &config_b)?;
     agent_b.wait_log("a new spool id", Duration::from_secs(10))?;
 
     // Each gateway's records after the copy go to the same stream, numbered alike by both.
@@ -92,7 +112,9 @@ fn a_spool_copied_to_another_machine_takes_a_new_id_and_no_record_of_either_mach
     for d in [&doc_a, &doc_b] {
         assert_eq!(d["upload"]["superseded_total"], 0, "two spool ids: neither closes the other's connection: {d}");
     }
-    let text = std::process::Command::new(bin("edge-uploader")?).args(["status", "--config", &cfg_b]).output()?;
+    let text = std::process::Command::new(bin("edge-uploader")?)
+        .args(["status", "--config", &config_b.to_string_lossy()])
+        .output()?;
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains(&format!("machine id {MACHINE_A}")), "{text}");
 
@@ -123,27 +145,11 @@ fn a_spool_copied_to_another_machine_takes_a_new_id_and_no_record_of_either_mach
 fn an_agent_that_finds_another_with_its_spool_id_takes_a_new_one() -> anyhow::Result<()> {
     let world = World::new("gw-1", "")?;
     let dir = world.path();
-    std::fs::write(dir.join("machine-id"), format!("{MACHINE_A}\n"))?;
-    rewrite(
-        &world.agent_config,
-        "linger = \"20ms\"\n",
-        &format!("linger = \"20ms\"\nmachine_id_file = {:?}\n", dir.join("machine-id")),
-    )?;
+    set_machine_id(&world, "machine-id-a", MACHINE_A)?;
     let mut agent = world.start_agent()?;
     assert!(agent.terminate(Duration::from_secs(30))?.success());
-    std::fs::create_dir(dir.join("agent-b"))?;
-    for f in std::fs::read_dir(dir.join("agent"))? {
-        let f = f?.path();
-        let name = f.file_name().unwrap_or_default().to_string_lossy().into_owned();
-        if f.is_file() && name.starts_with("spool.db") && !name.ends_with("-lock") {
-            std::fs::copy(&f, dir.join("agent-b").join(&name))?;
-        }
-    }
-    let config_b = dir.join("edge-uploader-b.toml");
-    let text = std::fs::read_to_string(&world.agent_config)?
-        .replace(&dir.join("agent/").to_string_lossy().into_owned(), &dir.join("agent-b/").to_string_lossy())
-        .replace(&world.agent_metrics.to_string(), &format!("127.0.0.1:{}", free_tcp_port()?));
-    std::fs::write(&config_b, text)?;
+    // The copy keeps the machine id file (and so the id).
+    let config_b = copy_to_second_gateway(&world, "machine-id-a")?;
 
     let mut ingest = world.start_ingest()?;
     let mut agent = world.start_agent()?;
@@ -153,9 +159,7 @@ fn an_agent_that_finds_another_with_its_spool_id_takes_a_new_one() -> anyhow::Re
         |_, d| d["upload"]["connected"] == true,
     )?;
     let shared_id = first["spool"]["id"].clone();
-    let cfg_b = config_b.to_string_lossy().into_owned();
-    let mut agent_b = Daemon::spawn("agent-b", &bin("edge-uploader")?, &["run", "--config", &cfg_b], dir, &[])?;
-    agent_b.wait_ready(READY_TIMEOUT)?;
+    let mut agent_b = start_second(&world, &config_b)?;
 
     // The first agent's connection is closed for the second's: degraded, and a new id.
     let doc_a = wait_json(

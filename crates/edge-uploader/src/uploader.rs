@@ -1074,13 +1074,7 @@ impl<'a> Connection<'a> {
                 () = async { if let Some(t) = parked_until { tokio::time::sleep_until(t).await } }, if parked_until.is_some() && !draining => {
                     parked_until = None;
                     let mut streams = std::collections::HashSet::new();
-                    let lowest: Vec<ChunkId> =
-                        parked.iter().filter(|(_, (stream, _))| streams.insert(stream.as_str())).map(|(id, _)| *id).collect();
-                    for id in lowest {
-                        if let Some(key) = parked.remove(&id) {
-                            redo.insert(id, key);
-                        }
-                    }
+                    unpark(&mut parked, &mut redo, |stream| streams.insert(stream.to_owned()));
                     // Armed again by the refusal of what was offered, or here, should that
                     // have left the spool meanwhile (dropped, quarantined) with more behind it.
                     if !parked.is_empty() {
@@ -1115,13 +1109,7 @@ impl<'a> Connection<'a> {
                             // the rest of it goes now.
                             if crate::lock(self.limited).remove(&meta.stream) {
                                 info!(stream = %meta.stream, "the server stores the stream again; its chunks held back go now");
-                                let released: Vec<ChunkId> =
-                                    parked.iter().filter(|(_, (s, _))| *s == meta.stream).map(|(id, _)| *id).collect();
-                                for id in released {
-                                    if let Some(key) = parked.remove(&id) {
-                                        redo.insert(id, key);
-                                    }
-                                }
+                                unpark(&mut parked, &mut redo, |stream| stream == meta.stream);
                             }
                         }
                         SendOutcome::Acked(AckStatus::Retry(RetryReason::Limit)) => {
@@ -1234,6 +1222,20 @@ impl InFlight {
     fn publish(&self, counters: &UploadCounters) {
         counters.in_flight.store(self.chunks.len() as u64, Ordering::Relaxed);
         counters.in_flight_bytes.store(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// Moves the parked chunks `pick` takes, asked in id order with each chunk's stream, to `redo`.
+fn unpark(
+    parked: &mut BTreeMap<ChunkId, (String, u64)>,
+    redo: &mut BTreeMap<ChunkId, (String, u64)>,
+    mut pick: impl FnMut(&str) -> bool,
+) {
+    let ids: Vec<ChunkId> = parked.iter().filter(|(_, (stream, _))| pick(stream)).map(|(id, _)| *id).collect();
+    for id in ids {
+        if let Some(key) = parked.remove(&id) {
+            redo.insert(id, key);
+        }
     }
 }
 
