@@ -113,9 +113,9 @@ AGENT = """intake_records_total intake_bytes_total spool_bytes spool_disk_bytes 
 spool_oldest_unacked_age_seconds upload_bytes_total upload_chunks_total
 chunk_upload_latency_seconds_bucket end_to_end_latency_seconds_bucket chunks_in_flight connected
 reconnects_total dropped_records_total intake_stream_buffer_bytes intake_request_buffer_bytes
-spool_commit_seconds_bucket""".split()
+spool_commit_seconds_bucket connections_superseded_total""".split()
 INGEST = """connections chunks_total bytes_total persist_latency_seconds_bucket
-auth_failures_total""".split()
+auth_failures_total connections_superseded_total""".split()
 known = {"edge_uploader_" + m for m in AGENT} | {"edge_ingest_" + m for m in INGEST}
 dash = json.load(open(sys.argv[1]))
 assert dash.get("uid") and dash.get("title"), "dashboard needs a uid and a title"
