@@ -18,6 +18,8 @@
 //! intact and are reported (`salvageable_records` / `salvageable_bytes`). Re-sealing them into
 //! a new chunk is not done: a chunk's sequence number and contents never change once sealed,
 //! and the records lost in the bad batches would make any re-sealed chunk a partial one.
+//! Once quarantined, a chunk's good batches can be exported as records (`salvage.rs`), for an
+//! operator to push again as new ones.
 
 use std::path::Path;
 
@@ -205,7 +207,7 @@ pub fn check(path: &Path) -> Result<CheckReport, SpoolError> {
     Ok(report)
 }
 
-fn error_text(e: &SpoolError) -> String {
+pub(crate) fn error_text(e: &SpoolError) -> String {
     let mut out = e.to_string();
     let mut src = std::error::Error::source(e);
     while let Some(s) = src {
@@ -241,16 +243,22 @@ fn integrity(conn: &Connection) -> Result<Vec<String>, SpoolError> {
 }
 
 /// One batch row's verdict.
-struct BatchCheck {
-    records: i64,
-    len: u64,
-    problem: Option<String>,
+pub(crate) struct BatchCheck {
+    pub(crate) records: i64,
+    pub(crate) len: u64,
+    pub(crate) problem: Option<String>,
 }
 
 /// Checks a batch row: its data (in the row, or from version 4 in a segment file) against
 /// `crc32c`, and from version 3 its other columns against `row_crc` (batches up to
-/// `legacy_through` may have none: written before version 3).
-fn check_batch(r: &rusqlite::Row<'_>, rows: Option<RowChecks>, files: &mut Files) -> rusqlite::Result<BatchCheck> {
+/// `legacy_through` may have none: written before version 3). A batch that checks out is
+/// handed to `good` (its data, as stored) before the verdict is returned.
+pub(crate) fn check_batch(
+    r: &rusqlite::Row<'_>,
+    rows: Option<RowChecks>,
+    files: &mut Files,
+    good: &mut dyn FnMut(&[u8]),
+) -> rusqlite::Result<BatchCheck> {
     let id: i64 = r.get("id")?;
     let records: i64 = r.get("records")?;
     let stored: i64 = r.get("crc32c")?;
@@ -304,50 +312,53 @@ fn check_batch(r: &rusqlite::Row<'_>, rows: Option<RowChecks>, files: &mut Files
             problem = Some(format!("batch {id}: row fails its checksum (stored {row_crc:?})"));
         }
     }
+    if problem.is_none() {
+        good(data);
+    }
     Ok(BatchCheck { records, len, problem })
 }
 
 /// Version 3's row checksums are checked; from version 4, batches may be in segment files.
 #[derive(Debug, Clone, Copy)]
-struct RowChecks {
-    legacy_through: i64,
-    segments: bool,
+pub(crate) struct RowChecks {
+    pub(crate) legacy_through: i64,
+    pub(crate) segments: bool,
 }
 
 /// The segment files of the checked spool, and a buffer for one batch.
-struct Files {
-    segments: SegmentFiles,
-    buf: Vec<u8>,
+pub(crate) struct Files {
+    pub(crate) segments: SegmentFiles,
+    pub(crate) buf: Vec<u8>,
 }
 
 /// Membership by schema version: a chunk's batches, and the open batches.
-struct Membership {
-    chunk_columns: &'static str,
-    chunk_batches: &'static str,
-    open_filter: &'static str,
+pub(crate) struct Membership {
+    pub(crate) chunk_columns: &'static str,
+    pub(crate) chunk_batches: &'static str,
+    pub(crate) open_filter: &'static str,
 }
 
-const V1_MEMBERSHIP: Membership = Membership {
+pub(crate) const V1_MEMBERSHIP: Membership = Membership {
     chunk_columns: "c.id, c.id, c.id",
     chunk_batches: "SELECT id, data, records, crc32c FROM batches WHERE chunk_id = ?1 ORDER BY id",
     open_filter: "b.chunk_id IS NULL",
 };
 
-const V2_MEMBERSHIP: Membership = Membership {
+pub(crate) const V2_MEMBERSHIP: Membership = Membership {
     chunk_columns: "c.stream_id, c.first_batch, c.last_batch",
     chunk_batches: "SELECT id, data, records, crc32c FROM batches
                     WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 ORDER BY id",
     open_filter: "s.id IS NULL OR b.id > s.sealed_through",
 };
 
-const V3_MEMBERSHIP: Membership = Membership {
+pub(crate) const V3_MEMBERSHIP: Membership = Membership {
     chunk_columns: "c.stream_id, c.first_batch, c.last_batch",
     chunk_batches: "SELECT id, stream_id, data, records, crc32c, commit_ms, row_crc FROM batches
                     WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 ORDER BY id",
     open_filter: "s.id IS NULL OR b.id > s.sealed_through",
 };
 
-const V4_MEMBERSHIP: Membership = Membership {
+pub(crate) const V4_MEMBERSHIP: Membership = Membership {
     chunk_columns: "c.stream_id, c.first_batch, c.last_batch",
     chunk_batches: "SELECT id, stream_id, data, records, crc32c, commit_ms, row_crc, segment, seg_offset, seg_len
                     FROM batches WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 ORDER BY id",
@@ -460,7 +471,7 @@ fn walk(conn: &Connection, path: &Path, version: i64, report: &mut CheckReport) 
                     break;
                 }
             };
-            match check_batch(row, rows_checked, &mut files) {
+            match check_batch(row, rows_checked, &mut files, &mut |_| {}) {
                 Ok(v) => {
                     // Saturating: a damaged row may claim any length (it is checked last).
                     n += 1;
@@ -521,7 +532,7 @@ fn walk(conn: &Connection, path: &Path, version: i64, report: &mut CheckReport) 
         .map_err(ctx("reading open batches"))?;
     let mut rows = open.query([]).map_err(ctx("reading open batches"))?;
     while let Some(r) = rows.next().map_err(ctx("reading open batches"))? {
-        let v = check_batch(r, rows_checked, &mut files).map_err(ctx("reading open batches"))?;
+        let v = check_batch(r, rows_checked, &mut files, &mut |_| {}).map_err(ctx("reading open batches"))?;
         report.batches += 1;
         report.bytes = report.bytes.saturating_add(v.len);
         let id: i64 = r.get(0).map_err(ctx("reading open batches"))?;

@@ -224,6 +224,8 @@
 //! * `lock.rs`: the one-writer lock on `<path>-lock`.
 //! * `recovery.rs`: opening a file, quick check, quarantine of a bad file.
 //! * `check.rs`: [`check`], the read-only audit behind `edge-uploader spool check`.
+//! * `salvage.rs`: [`export_quarantined`], the records of the quarantined chunks, read-only,
+//!   behind `edge-uploader spool export-quarantined`.
 //! * `reserve.rs`: the disk reserve that keeps acks working on a full file system.
 //! * `walsync.rs`: [`WalSync`], the WAL's sync off the commit path, and the watermark readers
 //!   list chunks up to.
@@ -255,6 +257,7 @@ mod reader;
 mod recovery;
 mod reserve;
 mod rowcrc;
+mod salvage;
 mod schema;
 mod segment;
 mod spool;
@@ -270,6 +273,7 @@ pub use check::{CheckReport, DamagedBatch, DamagedChunk, LostTail, Replayable, c
 pub use error::SpoolError;
 pub use host::HostCheck;
 pub use reader::SpoolReader;
+pub use salvage::{ExportError, OnBatch, SalvagedChunk, export_quarantined};
 pub use segment::disk_usage;
 pub use spool::Spool;
 pub use state::Snapshot;

@@ -317,7 +317,7 @@ fn service_overrides_in(path: Option<&Path>, env_file: &Path) -> Option<std::col
 }
 
 /// [`load`] for the commands that look at the running service (`spool check`, `spool
-/// purge-quarantined`): with the overrides of [`service_overrides`].
+/// export-quarantined`, `spool purge-quarantined`): with the overrides of [`service_overrides`].
 pub fn load_as_service(path: Option<&Path>) -> anyhow::Result<Config> {
     load_with_env(path, service_overrides(path))
 }

@@ -19,6 +19,7 @@ pub mod netwatch;
 pub mod probe;
 pub mod record_stream;
 pub mod spool_check;
+pub mod spool_export;
 pub mod spool_purge;
 pub mod spool_task;
 pub mod status;

@@ -61,6 +61,12 @@ enum Command {
         /// Send the input as one record instead of one record per line.
         #[arg(long)]
         raw: bool,
+        /// Read the input as records each preceded by its 4-byte little-endian length (what
+        /// `spool export-quarantined --format raw` and `edge-ingest export --format raw` print)
+        /// and send each as a record of its own, in order; binary-safe. The whole input is
+        /// checked before anything is sent; a refusal names how many records were accepted.
+        #[arg(long, conflicts_with = "raw")]
+        framed: bool,
         /// Intake socket (default: from the config).
         #[arg(long)]
         socket: Option<PathBuf>,
@@ -118,6 +124,24 @@ enum SpoolCommand {
     /// 1 the spool could not be opened or written (e.g. the agent runs), 78 usage or
     /// configuration error.
     PurgeQuarantined(SpoolTarget),
+    /// Print the records of the chunks held in quarantine (every batch whose checksums pass),
+    /// to look at them or push them again before a purge; each chunk, with what was exported of
+    /// it and why it is in quarantine, goes to stderr. Read-only: safe while the agent runs.
+    /// Exit 0 every record exported, 1 some could not be (named on stderr), 78 usage or
+    /// configuration error.
+    ExportQuarantined {
+        /// Config file naming the spool (default /etc/edge-uploader/edge-uploader.toml).
+        #[arg(long, short, conflicts_with = "spool")]
+        config: Option<PathBuf>,
+        /// The spool database file (instead of --config).
+        #[arg(long)]
+        spool: Option<PathBuf>,
+        /// Only this stream's chunks.
+        #[arg(long)]
+        stream: Option<String>,
+        #[arg(long, value_enum, default_value = "ndjson")]
+        format: edge_uploader::spool_export::Format,
+    },
 }
 
 /// Which spool a `spool` subcommand works on, and how it reports.
@@ -173,6 +197,9 @@ fn main() -> ExitCode {
         }
         Command::Spool { command: SpoolCommand::PurgeQuarantined(SpoolTarget { config, spool, json }) } => {
             ExitCode::from(edge_uploader::spool_purge::run(config.as_deref(), spool, json))
+        }
+        Command::Spool { command: SpoolCommand::ExportQuarantined { config, spool, stream, format } } => {
+            ExitCode::from(edge_uploader::spool_export::run(config.as_deref(), spool, stream.as_deref(), format))
         }
         Command::Run { config } => {
             let cfg = match config::load_checked(config.as_deref()) {
@@ -275,8 +302,13 @@ fn main() -> ExitCode {
                 Err(e) => report(Err(e)),
             }
         }
-        Command::Push { stream, raw, socket, config, file } => {
-            report(runtime().and_then(|rt| rt.block_on(push(stream, raw, socket, config, file))))
+        Command::Push { stream, raw, framed, socket, config, file } => {
+            let mode = match (raw, framed) {
+                (true, _) => PushMode::OneRecord,
+                (_, true) => PushMode::Framed,
+                _ => PushMode::Lines,
+            };
+            report(runtime().and_then(|rt| rt.block_on(push(stream, mode, socket, config, file))))
         }
         Command::Demo { records, duration, dir, json } => {
             let _ = edge_telemetry::logging::init("warn", edge_telemetry::logging::LogFormat::Text);
@@ -334,9 +366,20 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
     }
 }
 
+/// How `push` reads its input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PushMode {
+    /// One record per line (NDJSON), in one request.
+    Lines,
+    /// The whole input as one record.
+    OneRecord,
+    /// Length-prefixed records, one request each.
+    Framed,
+}
+
 async fn push(
     stream: String,
-    raw: bool,
+    mode: PushMode,
     socket: Option<PathBuf>,
     config: Option<PathBuf>,
     file: Option<PathBuf>,
@@ -348,8 +391,11 @@ async fn push(
         Some(p) if p.as_os_str() == "-" => read_stdin()?,
         Some(p) => std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
     };
-    let ctype = if raw { "application/octet-stream" } else { "application/x-ndjson" };
     let mut client = edge_uploader::client::IntakeClient::new(&socket);
+    if mode == PushMode::Framed {
+        return push_framed(&mut client, &stream, Bytes::from(data)).await;
+    }
+    let ctype = if mode == PushMode::OneRecord { "application/octet-stream" } else { "application/x-ndjson" };
     let resp = client.post(&stream, ctype, Bytes::from(data)).await?;
     if resp.status == 200 {
         println!(
@@ -361,6 +407,42 @@ async fn push(
     } else {
         anyhow::bail!("intake refused the data (HTTP {}): {}", resp.status, resp.body)
     }
+}
+
+/// `push --framed`: every record is read (a truncated input sends nothing) and then sent as a
+/// request of its own, in order. Each answer 200 means that record is durable in the spool, so
+/// a refusal part-way says exactly which records were accepted and which were not sent.
+async fn push_framed(
+    client: &mut edge_uploader::client::IntakeClient,
+    stream: &str,
+    data: Bytes,
+) -> anyhow::Result<()> {
+    let mut records = Vec::new();
+    for r in edge_proto::records::RecordIter::new(&data) {
+        let r = r.with_context(|| {
+            format!("the input is not length-prefixed records: record {} is cut short", records.len() + 1)
+        })?;
+        records.push(data.slice_ref(r));
+    }
+    let (n, mut bytes) = (records.len(), 0u64);
+    for (i, rec) in records.into_iter().enumerate() {
+        let len = rec.len() as u64;
+        let resp = client.post(stream, "application/octet-stream", rec).await.with_context(|| {
+            format!("accepted {i} of {n} records on stream {stream}; record {} and the rest were not sent", i + 1)
+        })?;
+        if resp.status != 200 {
+            anyhow::bail!(
+                "accepted {i} of {n} records on stream {stream}; record {} was refused (HTTP {}): {}; it and the \
+                 rest were not stored",
+                i + 1,
+                resp.status,
+                resp.body
+            );
+        }
+        bytes += len;
+    }
+    println!("accepted {n} records ({bytes} bytes) on stream {stream}");
+    Ok(())
 }
 
 /// The intake socket named in the config (or the default). Only that key is needed, so the

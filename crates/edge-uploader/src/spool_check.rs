@@ -170,6 +170,12 @@ pub fn render(path: &Path, r: &CheckReport) -> String {
     if r.quarantined_intact > 0 {
         let _ = writeln!(out, "{} quarantined chunk(s) with intact bytes", r.quarantined_intact);
     }
+    if r.quarantined_intact > 0 || !r.quarantined_damaged.is_empty() {
+        let _ = writeln!(
+            out,
+            "the records of the quarantined chunks (every batch that checks out): `edge-uploader spool export-quarantined`"
+        );
+    }
     if let Some(t) = &r.lost_tail {
         let _ = writeln!(
             out,

@@ -261,7 +261,7 @@ pub fn degraded_reasons(status: &Value, max_backlog_age: Duration, now_ms: u64) 
 
 /// What the operator should know that is not a state the agent is in now, and so not a reason
 /// for `degraded`: both last as long as the spool file (the agent keeps quarantined chunks for
-/// inspection until `spool purge-quarantined`, and counts dropped records since the spool was
+/// inspection (`spool export-quarantined`) until `spool purge-quarantined`, and counts dropped records since the spool was
 /// created), and a status that
 /// stayed degraded for them could not say when something new goes wrong.
 pub fn notes(status: &Value) -> Vec<String> {
@@ -270,7 +270,8 @@ pub fn notes(status: &Value) -> Vec<String> {
     if let Some(n) = sp["quarantined_chunks"].as_u64().filter(|n| *n > 0) {
         notes.push(format!(
             "{n} chunk{} in quarantine in the spool (found corrupt, or rejected by the ingest server): never uploaded; \
-             `edge-uploader spool purge-quarantined` deletes them with the agent stopped",
+             `edge-uploader spool export-quarantined` prints their records, and `edge-uploader spool \
+             purge-quarantined` deletes them with the agent stopped",
             plural(n)
         ));
     }
@@ -532,7 +533,8 @@ mod tests {
             n,
             [
                 "2 chunks in quarantine in the spool (found corrupt, or rejected by the ingest server): never uploaded; \
-                 `edge-uploader spool purge-quarantined` deletes them with the agent stopped",
+                 `edge-uploader spool export-quarantined` prints their records, and `edge-uploader spool \
+                 purge-quarantined` deletes them with the agent stopped",
                 "1 record in 1 chunk deleted unsent to make room under spool.full_policy = \"drop_oldest\" \
                  (counted since the spool was created)"
             ]

@@ -1,0 +1,67 @@
+//! `export_quarantined`: a quarantined chunk whose own row is damaged hands over nothing (the
+//! batch range it names may be another chunk's), and a failing output stops the export.
+
+use edge_spool::{AppendRequest, Batch, ExportError, Spool, SpoolOptions, export_quarantined};
+
+/// Two chunks of stream `s`, two batches each; both quarantined. Returns their ids.
+fn two_quarantined(spool: &mut Spool) -> Vec<i64> {
+    for (i, rec) in [b"one", b"two", b"thr", b"fou"].iter().enumerate() {
+        let req = AppendRequest { batches: vec![Batch { stream: "s".into(), data: rec.to_vec(), records: 1 }] };
+        spool.append(&[req], i as u64).expect("append");
+        if i % 2 == 1 {
+            spool.seal_all(i as u64).expect("seal");
+        }
+    }
+    let chunks = spool.reader().expect("reader").sealed_after(None, usize::MAX).expect("list");
+    assert_eq!(chunks.len(), 2);
+    for c in &chunks {
+        spool.quarantine(c.id, "test").expect("quarantine");
+    }
+    chunks.iter().map(|c| c.id.0).collect()
+}
+
+#[test]
+fn a_chunk_whose_row_fails_its_checksum_hands_over_none_of_the_batches_it_names() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("spool.db");
+    let (mut spool, _) = Spool::open(SpoolOptions::new(path.clone())).expect("open");
+    let ids = two_quarantined(&mut spool);
+    drop(spool);
+    // The first chunk's row now names the second chunk's batches too: under its old checksum.
+    let raw = rusqlite::Connection::open(&path).expect("raw connection");
+    let last: i64 = raw.query_row("SELECT last_batch FROM chunks WHERE id = ?1", [ids[1]], |r| r.get(0)).expect("row");
+    raw.execute("UPDATE chunks SET last_batch = ?1 WHERE id = ?2", (last, ids[0])).expect("damage");
+    drop(raw);
+
+    let mut got = Vec::new();
+    let chunks = export_quarantined(&path, None, &mut |c, data, records| {
+        got.push((c.id, data.to_vec(), records));
+        Ok(())
+    })
+    .expect("export");
+    assert_eq!(chunks.len(), 2);
+    assert!(!chunks[0].complete() && chunks[0].batches == 0, "{:?}", chunks[0]);
+    assert!(chunks[0].problems[0].starts_with("its chunk row fails its checksum"), "{:?}", chunks[0]);
+    assert!(chunks[1].complete(), "{:?}", chunks[1]);
+    assert_eq!((chunks[1].batches, chunks[1].exported_records, chunks[1].exported_bytes), (2, 2, 6));
+    assert_eq!(got, vec![(ids[1], b"thr".to_vec(), 1), (ids[1], b"fou".to_vec(), 1)]);
+}
+
+#[test]
+fn an_output_that_fails_stops_the_export_with_its_error() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("spool.db");
+    let (mut spool, _) = Spool::open(SpoolOptions::new(path.clone())).expect("open");
+    two_quarantined(&mut spool);
+    let mut calls = 0;
+    let err = export_quarantined(&path, Some("s"), &mut |_, _, _| {
+        calls += 1;
+        Err(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "reader went away"))
+    })
+    .expect_err("the output failed");
+    assert!(matches!(&err, ExportError::Output(e) if e.kind() == std::io::ErrorKind::BrokenPipe), "{err:?}");
+    assert_eq!(calls, 1, "nothing more was read after the failure");
+    // Another stream's name: nothing in quarantine there.
+    let none = export_quarantined(&path, Some("t"), &mut |_, _, _| Ok(())).expect("export");
+    assert!(none.is_empty());
+}

@@ -1,0 +1,173 @@
+//! `edge-uploader spool export-quarantined`: the records of the chunks held in quarantine.
+//!
+//! A quarantined chunk (its bytes failed their checksum, or the ingest rejected it) is never
+//! sent again, and its records exist nowhere else until `spool purge-quarantined` deletes them.
+//! This prints them, so that an operator can look at them, fix them and push them again as new
+//! records (`edge-uploader push`) before the purge. It only reads (`edge_spool::export_quarantined`:
+//! every batch whose checksums pass, nothing of a chunk whose own row is damaged), so it runs
+//! beside the agent too.
+//!
+//! The records go to standard output, in the formats of `edge-ingest export`: NDJSON (each
+//! record and a newline) or raw (a 4-byte little-endian length and the record). Each chunk, with
+//! what was exported of it and why it is in quarantine, goes to standard error.
+//!
+//! Exit codes: 0 every record of every quarantined chunk exported (none in quarantine
+//! included), 1 some records could not be exported (named on standard error) or the output or
+//! the spool failed, 78 usage or configuration error (no such file).
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use edge_spool::{ExportError, SalvagedChunk};
+
+/// Exit code when records could not be exported, or the export failed.
+pub const EXIT_INCOMPLETE: u8 = 1;
+
+/// How the records are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// Each record followed by a newline (records are expected to be JSON lines; a record that
+    /// holds a newline is not written, and named, in this format).
+    Ndjson,
+    /// Each record as a 4-byte little-endian length and its bytes: binary-safe.
+    Raw,
+}
+
+/// What the command exported of one chunk, beyond what the spool handed over: batches whose
+/// records could not be written in the chosen format.
+#[derive(Debug, Default)]
+struct Written {
+    records: u64,
+    problems: Vec<String>,
+}
+
+/// Resolves the spool ([`crate::spool_check::existing_spool`]), exports to standard output,
+/// reports on standard error and returns the exit code.
+pub fn run(config: Option<&Path>, spool: Option<PathBuf>, stream: Option<&str>, format: Format) -> u8 {
+    let path = match crate::spool_check::existing_spool(config, spool) {
+        Ok(opts) => opts.path,
+        Err(code) => return code,
+    };
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, stdout.lock());
+    let exported = export(&path, stream, format, &mut out);
+    let flushed = out.flush();
+    match (exported, flushed) {
+        (Ok((chunks, written)), Ok(())) => {
+            let (text, complete) = render(&path, stream, &chunks, &written);
+            eprint!("{text}");
+            if complete { 0 } else { EXIT_INCOMPLETE }
+        }
+        (Err(e), _) => {
+            eprintln!("edge-uploader: exporting from {}: {}", path.display(), edge_telemetry::logging::error_chain(&e));
+            EXIT_INCOMPLETE
+        }
+        (Ok(_), Err(e)) => {
+            eprintln!("edge-uploader: exporting from {}: writing the exported records: {e}", path.display());
+            EXIT_INCOMPLETE
+        }
+    }
+}
+
+/// Writes the records of every quarantined chunk (of `stream`) to `out`; returns the chunks as
+/// the spool read them and what was written of each (by chunk id).
+fn export(
+    path: &Path,
+    stream: Option<&str>,
+    format: Format,
+    out: &mut dyn Write,
+) -> Result<(Vec<SalvagedChunk>, HashMap<i64, Written>), ExportError> {
+    let mut written: HashMap<i64, Written> = HashMap::new();
+    let chunks = edge_spool::export_quarantined(path, stream, &mut |chunk, batch, records| {
+        let w = written.entry(chunk.id).or_default();
+        match check_batch(batch, records, format) {
+            Ok(recs) => {
+                for rec in &recs {
+                    write_record(out, rec, format)?;
+                }
+                w.records += recs.len() as u64;
+            }
+            Err(why) => w.problems.push(why),
+        }
+        Ok(())
+    })?;
+    Ok((chunks, written))
+}
+
+/// The records of one batch, all of them writable in `format`, or why none is written. A batch
+/// is written whole or not at all, so that what is missing is a batch the report names.
+fn check_batch(batch: &[u8], records: i64, format: Format) -> Result<Vec<&[u8]>, String> {
+    let expected = u32::try_from(records).map_err(|_| format!("a batch's row counts {records} records"))?;
+    let recs = edge_proto::records::split_records(batch, expected)
+        .map_err(|e| format!("a batch of {} bytes does not hold {records} framed records: {e}", batch.len()))?;
+    if format == Format::Ndjson
+        && let Some(i) = recs.iter().position(|r| r.contains(&b'\n'))
+    {
+        return Err(format!(
+            "record {} of a batch of {records} holds a newline, which NDJSON cannot carry: the batch is exported \
+             with --format raw",
+            i + 1
+        ));
+    }
+    Ok(recs)
+}
+
+fn write_record(out: &mut dyn Write, rec: &[u8], format: Format) -> std::io::Result<()> {
+    match format {
+        Format::Ndjson => {
+            out.write_all(rec)?;
+            out.write_all(b"\n")
+        }
+        Format::Raw => {
+            let len = u32::try_from(rec.len()).map_err(std::io::Error::other)?;
+            out.write_all(&len.to_le_bytes())?;
+            out.write_all(rec)
+        }
+    }
+}
+
+/// The report for standard error, and whether every record was exported.
+fn render(
+    path: &Path,
+    stream: Option<&str>,
+    chunks: &[SalvagedChunk],
+    written: &HashMap<i64, Written>,
+) -> (String, bool) {
+    let mut text = String::new();
+    let (mut total, mut claimed, mut partial) = (0u64, 0u64, 0usize);
+    for c in chunks {
+        let w = written.get(&c.id);
+        let records = w.map_or(0, |w| w.records);
+        let problems: Vec<&str> = c
+            .problems
+            .iter()
+            .map(String::as_str)
+            .chain(w.iter().flat_map(|w| w.problems.iter().map(String::as_str)))
+            .collect();
+        let claims = u64::try_from(c.records).unwrap_or(0);
+        total += records;
+        claimed = claimed.saturating_add(claims);
+        let _ = write!(text, "chunk {} (stream {}, seq {}): ", c.id, c.stream, c.seq);
+        if problems.is_empty() {
+            let _ = write!(text, "{records} records exported");
+        } else {
+            partial += 1;
+            let _ = write!(text, "{records} of {claims} records exported; not exported: {}", problems.join("; "));
+        }
+        let _ = writeln!(text, " (quarantined: {})", c.reason);
+    }
+    let of = stream.map(|s| format!(" of stream {s:?}")).unwrap_or_default();
+    let _ = write!(text, "{}: exported {total} records of {} quarantined chunk(s){of}", path.display(), chunks.len());
+    if partial == 0 {
+        let _ = writeln!(text);
+    } else {
+        let _ = writeln!(
+            text,
+            "; {partial} chunk(s) not in full ({} of their records are not exported, see above)",
+            claimed.saturating_sub(total)
+        );
+    }
+    (text, partial == 0)
+}
