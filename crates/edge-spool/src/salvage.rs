@@ -2,16 +2,18 @@
 //! `edge-uploader spool export-quarantined`.
 //!
 //! A quarantined chunk is never sent again. It stays in the spool, with its reason, until an
-//! operator purges it, and until then its records exist nowhere else: the ingest rejected it,
-//! or its bytes failed their checksum before it was sent. This gives them back, so that they can
-//! be looked at, fixed, or pushed again as new records, before the purge deletes them.
+//! operator purges it. This gives its records back, so that they can be looked at, fixed, or
+//! pushed again as new records, before the purge deletes them. (Whether the ingest may hold the
+//! chunk already depends on why it was quarantined; the caller says so.)
 //!
 //! Only what checks out is handed over: a batch whose bytes match their CRC-32C and whose row
 //! matches its row checksum, of a chunk whose own row and stream row match theirs (from schema
-//! version 3; older files have no row checksums). A chunk's row names the range of batches it
-//! holds, so a damaged chunk row could name another chunk's batches, whose records are not in
-//! quarantine and will be delivered: nothing of such a chunk is handed over. Each chunk says what
-//! was handed over and what was not, and why.
+//! version 3; older files have no row checksums), and whose batches' rows, the failed ones
+//! included, add up to the chunk's records and bytes. A chunk's row names the range of batches
+//! it holds, so a damaged chunk row, or a batch row without a checksum, could bring in another
+//! chunk's batches, whose records are not in quarantine and will be delivered: nothing of such a
+//! chunk is handed over, and nothing of a chunk before all of its batches are checked. Each
+//! chunk says what was handed over and what was not, and why.
 //!
 //! The connection is read-only and reads one snapshot, so it can run beside the agent; the
 //! agent never deletes a quarantined chunk (only a purge does, with the agent stopped).
@@ -187,6 +189,11 @@ pub fn export_quarantined(
 }
 
 /// Hands over the batches of the chunk of row `r` that check out, and counts what does not.
+/// Every batch is read and checked first, and the batches' rows (the failed ones included) must
+/// add up to the chunk's records and bytes: only then is anything handed over. A range that
+/// names a batch too many or too few (which rows without checksums, of versions 1 and 2 or
+/// legacy batches, cannot show otherwise) hands over nothing, for the extra batch could be
+/// another chunk's.
 fn export_chunk(
     r: &rusqlite::Row<'_>,
     version: i64,
@@ -200,7 +207,9 @@ fn export_chunk(
     let range: (i64, i64, i64) = (r.get(6).map_err(get)?, r.get(7).map_err(get)?, r.get(8).map_err(get)?);
     let mut b =
         if version == 1 { batches.query([c.id]) } else { batches.query(range) }.map_err(ctx("reading batches"))?;
-    let (mut records, mut bytes) = (0i64, 0u64);
+    // The good batches, held until the chunk adds up: a chunk is at most a few MiB.
+    let mut good: Vec<(Vec<u8>, i64)> = Vec::new();
+    let (mut records, mut bytes, mut unreadable) = (0i64, 0u64, false);
     loop {
         let row = match b.next() {
             Ok(Some(row)) => row,
@@ -208,6 +217,7 @@ fn export_chunk(
             Err(e) => {
                 c.bad_batches += 1;
                 c.problems.push(format!("the rest of its batches are unreadable: {e}"));
+                unreadable = true;
                 break;
             }
         };
@@ -217,12 +227,7 @@ fn export_chunk(
                 records = records.saturating_add(v.records);
                 bytes = bytes.saturating_add(v.len);
                 match (v.problem, kept) {
-                    (None, Some(data)) => {
-                        batch(c, &data, v.records).map_err(ExportError::Output)?;
-                        c.batches += 1;
-                        c.exported_records = c.exported_records.saturating_add(u64::try_from(v.records).unwrap_or(0));
-                        c.exported_bytes = c.exported_bytes.saturating_add(v.len);
-                    }
+                    (None, Some(data)) => good.push((data, v.records)),
                     (problem, _) => {
                         c.bad_batches += 1;
                         c.problems.push(problem.unwrap_or_else(|| "a batch was not handed over".into()));
@@ -232,16 +237,31 @@ fn export_chunk(
             Err(e) => {
                 c.bad_batches += 1;
                 c.problems.push(format!("a batch row is unreadable: {e}"));
+                unreadable = true;
             }
         }
     }
-    if c.batches + c.bad_batches == 0 {
+    if good.is_empty() && c.bad_batches == 0 {
         c.problems.push("it has no batches".into());
-    } else if c.complete() && (records != c.records || i64::try_from(bytes).ok() != Some(c.bytes)) {
+        return Ok(());
+    }
+    if unreadable {
+        c.problems.push("with rows unread its batches cannot be counted against its row: none is exported".into());
+        return Ok(());
+    }
+    if records != c.records || i64::try_from(bytes).ok() != Some(c.bytes) {
         c.problems.push(format!(
-            "its row says {} bytes / {} records, its batches hold {bytes} bytes / {records} records",
+            "its row says {} bytes / {} records, the batches it names hold {bytes} bytes / {records} records: they \
+             may not all be its own, so none is exported",
             c.bytes, c.records
         ));
+        return Ok(());
+    }
+    for (data, n) in good {
+        batch(c, &data, n).map_err(ExportError::Output)?;
+        c.batches += 1;
+        c.exported_records = c.exported_records.saturating_add(u64::try_from(n).unwrap_or(0));
+        c.exported_bytes = c.exported_bytes.saturating_add(crate::len_u64(&data));
     }
     Ok(())
 }

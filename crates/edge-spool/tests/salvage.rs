@@ -1,5 +1,6 @@
-//! `export_quarantined`: a quarantined chunk whose own row is damaged hands over nothing (the
-//! batch range it names may be another chunk's), and a failing output stops the export.
+//! `export_quarantined`: a quarantined chunk whose own row, or its stream's row, is damaged, or
+//! whose batches do not add up to its row, hands over nothing (the batches it names may be
+//! another chunk's), and a failing output stops the export.
 
 use edge_spool::{AppendRequest, Batch, ExportError, Spool, SpoolOptions, export_quarantined};
 
@@ -64,4 +65,54 @@ fn an_output_that_fails_stops_the_export_with_its_error() {
     // Another stream's name: nothing in quarantine there.
     let none = export_quarantined(&path, Some("t"), &mut |_, _, _| Ok(())).expect("export");
     assert!(none.is_empty());
+}
+
+/// The chunks' ids, what the export says of each, and the batches it handed over (chunk, data).
+type Exported = (Vec<i64>, Vec<edge_spool::SalvagedChunk>, Vec<(i64, Vec<u8>)>);
+
+/// Damages the spool behind its back with `sql`, then exports everything.
+fn export_after(sql: &str) -> Exported {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("spool.db");
+    let (mut spool, _) = Spool::open(SpoolOptions::new(path.clone())).expect("open");
+    let ids = two_quarantined(&mut spool);
+    drop(spool);
+    let raw = rusqlite::Connection::open(&path).expect("raw connection");
+    assert_eq!(raw.execute(sql, [ids[0]]).expect("damage"), 1, "{sql}");
+    drop(raw);
+    let mut got = Vec::new();
+    let chunks = export_quarantined(&path, None, &mut |c, data, _| {
+        got.push((c.id, data.to_vec()));
+        Ok(())
+    })
+    .expect("export");
+    (ids, chunks, got)
+}
+
+#[test]
+fn a_chunk_whose_stream_row_fails_its_checksum_hands_over_nothing() {
+    // Both chunks are of the one stream: neither name is known to be theirs.
+    let (_, chunks, got) = export_after(
+        "UPDATE streams SET next_seq = next_seq + 1 WHERE id = (SELECT stream_id FROM chunks WHERE id = ?1)",
+    );
+    assert!(got.is_empty(), "{got:?}");
+    for c in &chunks {
+        assert!(!c.complete() && c.batches == 0, "{c:?}");
+        assert!(c.problems.iter().any(|p| p.starts_with("the row of its stream fails its checksum")), "{c:?}");
+    }
+}
+
+#[test]
+fn a_chunk_whose_batches_do_not_add_up_to_its_row_hands_over_none_of_them() {
+    // One of the first chunk's two batches is gone: the other checks out on its own, but the
+    // chunk's row says two records.
+    let (ids, chunks, got) =
+        export_after("DELETE FROM batches WHERE id = (SELECT first_batch FROM chunks WHERE id = ?1)");
+    assert!(!chunks[0].complete() && chunks[0].batches == 0, "{:?}", chunks[0]);
+    assert!(
+        chunks[0].problems.iter().any(|p| p.contains("may not all be its own, so none is exported")),
+        "{:?}",
+        chunks[0]
+    );
+    assert_eq!(got, vec![(ids[1], b"thr".to_vec()), (ids[1], b"fou".to_vec())]);
 }

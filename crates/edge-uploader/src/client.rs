@@ -73,6 +73,14 @@ impl IntakeClient {
         self.sender.as_mut().context("intake connection")
     }
 
+    /// Connects now if not connected: an error here means nothing of the next request was sent.
+    ///
+    /// # Errors
+    /// When the socket cannot be connected to, or the HTTP handshake fails.
+    pub async fn connected(&mut self) -> anyhow::Result<()> {
+        self.connect().await.map(|_| ())
+    }
+
     /// `GET path`, answer parsed as JSON.
     pub async fn get_json(&mut self, path: &str) -> anyhow::Result<IntakeResponse> {
         let sender = self.connect().await?;

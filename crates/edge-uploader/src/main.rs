@@ -67,6 +67,10 @@ enum Command {
         /// checked before anything is sent; a refusal names how many records were accepted.
         #[arg(long, conflicts_with = "raw")]
         framed: bool,
+        /// With --framed: skip the first N records of the input (to go on after a push that
+        /// stopped part-way, from the number it printed).
+        #[arg(long, requires = "framed", default_value_t = 0)]
+        skip: usize,
         /// Intake socket (default: from the config).
         #[arg(long)]
         socket: Option<PathBuf>,
@@ -139,6 +143,7 @@ enum SpoolCommand {
         /// Only this stream's chunks.
         #[arg(long)]
         stream: Option<String>,
+        /// How the records are written.
         #[arg(long, value_enum, default_value = "ndjson")]
         format: edge_uploader::spool_export::Format,
     },
@@ -302,10 +307,10 @@ fn main() -> ExitCode {
                 Err(e) => report(Err(e)),
             }
         }
-        Command::Push { stream, raw, framed, socket, config, file } => {
+        Command::Push { stream, raw, framed, skip, socket, config, file } => {
             let mode = match (raw, framed) {
                 (true, _) => PushMode::OneRecord,
-                (_, true) => PushMode::Framed,
+                (_, true) => PushMode::Framed { skip },
                 _ => PushMode::Lines,
             };
             report(runtime().and_then(|rt| rt.block_on(push(stream, mode, socket, config, file))))
@@ -373,8 +378,8 @@ enum PushMode {
     Lines,
     /// The whole input as one record.
     OneRecord,
-    /// Length-prefixed records, one request each.
-    Framed,
+    /// Length-prefixed records, one request each, after the first `skip`.
+    Framed { skip: usize },
 }
 
 async fn push(
@@ -392,8 +397,8 @@ async fn push(
         Some(p) => std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
     };
     let mut client = edge_uploader::client::IntakeClient::new(&socket);
-    if mode == PushMode::Framed {
-        return push_framed(&mut client, &stream, Bytes::from(data)).await;
+    if let PushMode::Framed { skip } = mode {
+        return push_framed(&mut client, &stream, Bytes::from(data), skip).await;
     }
     let ctype = if mode == PushMode::OneRecord { "application/octet-stream" } else { "application/x-ndjson" };
     let resp = client.post(&stream, ctype, Bytes::from(data)).await?;
@@ -409,13 +414,20 @@ async fn push(
     }
 }
 
-/// `push --framed`: every record is read (a truncated input sends nothing) and then sent as a
-/// request of its own, in order. Each answer 200 means that record is durable in the spool, so
-/// a refusal part-way says exactly which records were accepted and which were not sent.
+/// Most answers "retry later" (503, 507) `push --framed` waits out for one record.
+const PUSH_RETRIES: u32 = 10;
+
+/// `push --framed`: every record is read (a truncated input sends nothing) and then, after the
+/// first `skip`, sent as a request of its own, in order. Each answer 200 means that record is
+/// durable in the spool, so a failure part-way says which records were accepted, whether the
+/// one that failed may have been stored, and the `--skip` to go on with. An answer to retry later
+/// (a full request budget or spool: 503, 507) is waited out, as its `Retry-After` asks, up to
+/// [`PUSH_RETRIES`] times per record.
 async fn push_framed(
     client: &mut edge_uploader::client::IntakeClient,
     stream: &str,
     data: Bytes,
+    skip: usize,
 ) -> anyhow::Result<()> {
     let mut records = Vec::new();
     for r in edge_proto::records::RecordIter::new(&data) {
@@ -424,24 +436,59 @@ async fn push_framed(
         })?;
         records.push(data.slice_ref(r));
     }
-    let (n, mut bytes) = (records.len(), 0u64);
-    for (i, rec) in records.into_iter().enumerate() {
+    let n = records.len();
+    anyhow::ensure!(skip <= n, "--skip {skip}: the input holds {n} records");
+    // What is in the spool before record `i + 1` (from 0), for the messages.
+    let so_far = |i: usize| match (i - skip, skip) {
+        (0, 0) => format!("no record of {n} on stream {stream} was accepted"),
+        (0, _) => format!("no record after the {skip} skipped was accepted on stream {stream}"),
+        (_, 0) => format!("records 1-{i} of {n} on stream {stream} were accepted"),
+        (done, _) => {
+            format!("records {}-{i} of {n} on stream {stream} were accepted ({done} after the skipped)", skip + 1)
+        }
+    };
+    let mut bytes = 0u64;
+    for (i, rec) in records.into_iter().enumerate().skip(skip) {
         let len = rec.len() as u64;
-        let resp = client.post(stream, "application/octet-stream", rec).await.with_context(|| {
-            format!("accepted {i} of {n} records on stream {stream}; record {} and the rest were not sent", i + 1)
-        })?;
-        if resp.status != 200 {
-            anyhow::bail!(
-                "accepted {i} of {n} records on stream {stream}; record {} was refused (HTTP {}): {}; it and the \
-                 rest were not stored",
-                i + 1,
-                resp.status,
-                resp.body
-            );
+        let mut tries = 0;
+        loop {
+            client.connected().await.with_context(|| {
+                format!("{}; record {} and the rest were not sent: go on with --skip {i}", so_far(i), i + 1)
+            })?;
+            let resp = client.post(stream, "application/octet-stream", rec.clone()).await.with_context(|| {
+                format!(
+                    "{}; record {} may or may not have been stored (it was sent, its answer not read): look for it \
+                     before going on with --skip {i} or --skip {}",
+                    so_far(i),
+                    i + 1,
+                    i + 1
+                )
+            })?;
+            match resp.status {
+                200 => break,
+                503 | 507 if tries < PUSH_RETRIES => {
+                    tries += 1;
+                    let wait = Duration::from_secs(resp.retry_after.unwrap_or(1).clamp(1, 30));
+                    eprintln!(
+                        "edge-uploader: record {} refused for now (HTTP {}): {}; trying again in {wait:?}",
+                        i + 1,
+                        resp.status,
+                        resp.body
+                    );
+                    tokio::time::sleep(wait).await;
+                }
+                status => anyhow::bail!(
+                    "{}; record {} was refused (HTTP {status}): {}; it and the rest were not stored: go on with --skip {i} \
+                     once it is fixed",
+                    so_far(i),
+                    i + 1,
+                    resp.body
+                ),
+            }
         }
         bytes += len;
     }
-    println!("accepted {n} records ({bytes} bytes) on stream {stream}");
+    println!("accepted {} records ({bytes} bytes) on stream {stream}", n - skip);
     Ok(())
 }
 

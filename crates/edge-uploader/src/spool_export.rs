@@ -1,9 +1,11 @@
 //! `edge-uploader spool export-quarantined`: the records of the chunks held in quarantine.
 //!
 //! A quarantined chunk (its bytes failed their checksum, or the ingest rejected it) is never
-//! sent again, and its records exist nowhere else until `spool purge-quarantined` deletes them.
-//! This prints them, so that an operator can look at them, fix them and push them again as new
-//! records (`edge-uploader push`) before the purge. It only reads (`edge_spool::export_quarantined`:
+//! sent again, and is kept until `spool purge-quarantined` deletes it. This prints its records,
+//! so that an operator can look at them, fix them and push them again as new records
+//! (`edge-uploader push`) before the purge. A chunk the ingest refused was not stored there; one
+//! whose bytes went bad in the spool may have been, if the agent had sent it before (its answer
+//! lost): the report says so for such chunks, to be looked up at the ingest first. It only reads (`edge_spool::export_quarantined`:
 //! every batch whose checksums pass, nothing of a chunk whose own row is damaged), so it runs
 //! beside the agent too.
 //!
@@ -102,12 +104,14 @@ fn check_batch(batch: &[u8], records: i64, format: Format) -> Result<Vec<&[u8]>,
     let expected = u32::try_from(records).map_err(|_| format!("a batch's row counts {records} records"))?;
     let recs = edge_proto::records::split_records(batch, expected)
         .map_err(|e| format!("a batch of {} bytes does not hold {records} framed records: {e}", batch.len()))?;
+    // A newline inside would split the record, and the intake takes a line's trailing `\r` off
+    // (CRLF input): pushed back as NDJSON, either would come back changed.
     if format == Format::Ndjson
-        && let Some(i) = recs.iter().position(|r| r.contains(&b'\n'))
+        && let Some(i) = recs.iter().position(|r| r.contains(&b'\n') || r.last() == Some(&b'\r'))
     {
         return Err(format!(
-            "record {} of a batch of {records} holds a newline, which NDJSON cannot carry: the batch is exported \
-             with --format raw",
+            "record {} of a batch of {records} holds a newline or ends in a carriage return, which NDJSON does \
+             not carry as it is: export it with --format raw",
             i + 1
         ));
     }
@@ -126,6 +130,17 @@ fn write_record(out: &mut dyn Write, rec: &[u8], format: Format) -> std::io::Res
             out.write_all(rec)
         }
     }
+}
+
+/// Whether a chunk quarantined for `reason` may be stored at the ingest already: one whose bytes
+/// went bad in the spool may have been sent before they did, with the answer lost, and one over
+/// the ingest's limit may have been stored before the limit was lowered. The others (refused by
+/// the ingest, over the protocol's limit) were not stored.
+fn may_be_stored(reason: &str) -> bool {
+    use crate::uploader::{OVER_SERVER_LIMIT, QUARANTINE_CORRUPT, QUARANTINE_UNREADABLE};
+    reason.starts_with(QUARANTINE_CORRUPT)
+        || reason.starts_with(QUARANTINE_UNREADABLE)
+        || reason.contains(OVER_SERVER_LIMIT)
 }
 
 /// The report for standard error, and whether every record was exported.
@@ -156,7 +171,15 @@ fn render(
             partial += 1;
             let _ = write!(text, "{records} of {claims} records exported; not exported: {}", problems.join("; "));
         }
-        let _ = writeln!(text, " (quarantined: {})", c.reason);
+        let _ = write!(text, " (quarantined: {})", c.reason);
+        if records > 0 && may_be_stored(&c.reason) {
+            let _ = write!(
+                text,
+                "; the agent may have sent it before it was quarantined (its answer lost, then its bytes went bad, or \
+                 the ingest's limit lowered since): look for these records at the ingest before pushing them again"
+            );
+        }
+        let _ = writeln!(text);
     }
     let of = stream.map(|s| format!(" of stream {s:?}")).unwrap_or_default();
     let _ = write!(text, "{}: exported {total} records of {} quarantined chunk(s){of}", path.display(), chunks.len());
@@ -170,4 +193,41 @@ fn render(
         );
     }
     (text, partial == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn framed(records: &[&[u8]]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for r in records {
+            edge_proto::records::encode_record(&mut out, r);
+        }
+        out
+    }
+
+    #[test]
+    fn ndjson_refuses_a_batch_whose_records_would_come_back_changed_and_raw_takes_it() {
+        for odd in [&b"a\nb"[..], b"crlf\r"] {
+            let batch = framed(&[b"{}", odd]);
+            let why = check_batch(&batch, 2, Format::Ndjson).expect_err("not NDJSON-safe");
+            assert!(why.starts_with("record 2 of a batch of 2 holds a newline or ends in a carriage return"), "{why}");
+            assert_eq!(check_batch(&batch, 2, Format::Raw).expect("raw"), vec![&b"{}"[..], odd]);
+        }
+        // A carriage return inside a record is carried as it is.
+        assert_eq!(check_batch(&framed(&[b"a\rb"]), 1, Format::Ndjson).expect("ndjson").len(), 1);
+        // Framing that does not hold the row's count of records.
+        let why = check_batch(&framed(&[b"{}"]), 2, Format::Raw).expect_err("count");
+        assert!(why.contains("does not hold 2 framed records"), "{why}");
+    }
+
+    #[test]
+    fn only_chunks_whose_bytes_went_bad_or_were_over_the_ingests_limit_may_be_stored_already() {
+        assert!(may_be_stored("corrupt in spool: batch 3: crc32c stored 1, computed 2"));
+        assert!(may_be_stored("unreadable in spool: database disk image is malformed"));
+        assert!(may_be_stored("600000 bytes, over the server's limit of 524288"));
+        assert!(!may_be_stored("rejected by server: BadRecords"));
+        assert!(!may_be_stored("9000 records, over the protocol's limit of 8192"));
+    }
 }

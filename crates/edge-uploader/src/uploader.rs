@@ -48,6 +48,16 @@ use crate::spool_task::{ReaderHandle, SpoolHandle};
 /// rest waits in quinn, and the Welcome opens the whole window a round trip later anyway.
 pub const EARLY_BYTES: u64 = 1 << 20;
 
+/// How the quarantine reason of a chunk whose bytes failed their checksum when read begins.
+/// Such a chunk may have been sent before its bytes went bad (from memory, or read earlier, with
+/// the answer lost): `spool export-quarantined` warns that the ingest may hold it.
+pub const QUARANTINE_CORRUPT: &str = "corrupt in spool";
+/// The same for a chunk SQLite could not read.
+pub const QUARANTINE_UNREADABLE: &str = "unreadable in spool";
+/// In the quarantine reason of a chunk larger than the ingest takes; an ingest whose limit was
+/// lowered may hold it from before.
+pub const OVER_SERVER_LIMIT: &str = "over the server's limit";
+
 /// How long after a path event (a link up, a default route; see `netwatch`) the uploader tries
 /// again, drawn at random: the rest of a link's set-up (address, routes) usually lands within
 /// moments and its notifications come in bursts, and gateways whose links come back together
@@ -748,7 +758,7 @@ impl<'a> Connection<'a> {
             Err(SpoolError::Corrupt { chunk, detail }) => {
                 error!(chunk = chunk.0, stream = %meta.stream, seq = meta.seq, records = meta.records, bytes = meta.bytes, %detail, "spool chunk is corrupt; quarantined, it will not be uploaded");
                 self.counters.spool_corrupt_chunks.fetch_add(1, Ordering::Relaxed);
-                self.spool.quarantine(chunk, format!("corrupt in spool: {detail}"));
+                self.spool.quarantine(chunk, format!("{QUARANTINE_CORRUPT}: {detail}"));
                 Ok(None)
             }
             // Damage SQLite itself found in this chunk's pages: failing the whole upload loop
@@ -756,7 +766,7 @@ impl<'a> Connection<'a> {
             Err(e) if e.is_corruption() => {
                 error!(chunk = meta.id.0, stream = %meta.stream, seq = meta.seq, records = meta.records, bytes = meta.bytes, error = %e, "spool chunk is unreadable (database damage); quarantined, it will not be uploaded");
                 self.counters.spool_corrupt_chunks.fetch_add(1, Ordering::Relaxed);
-                self.spool.quarantine(meta.id, format!("unreadable in spool: {e}"));
+                self.spool.quarantine(meta.id, format!("{QUARANTINE_UNREADABLE}: {e}"));
                 Ok(None)
             }
             Err(e) => Err(e.into()),
@@ -1045,7 +1055,7 @@ impl<'a> Connection<'a> {
                         error!(chunk = meta.id.0, stream = %meta.stream, seq = meta.seq, bytes = raw.len(), max_chunk_payload, "chunk is larger than the server accepts; quarantined");
                         self.spool.quarantine(
                             meta.id,
-                            format!("{} bytes, over the server's limit of {max_chunk_payload}", raw.len()),
+                            format!("{} bytes, {OVER_SERVER_LIMIT} of {max_chunk_payload}", raw.len()),
                         );
                         continue;
                     }
@@ -1317,7 +1327,7 @@ async fn send_chunk_inner(
     if wire as u64 > u64::from(max_chunk_payload) {
         // Sending it would only get the connection closed, again and again.
         return SendOutcome::Unsendable(format!(
-            "{wire} bytes on the wire ({raw_len} uncompressed), over the server's limit of {max_chunk_payload}"
+            "{wire} bytes on the wire ({raw_len} uncompressed), {OVER_SERVER_LIMIT} of {max_chunk_payload}"
         ));
     }
     let header = ChunkHeader {

@@ -92,7 +92,7 @@ fn exports_every_intact_batch_of_the_quarantined_chunks_only_and_names_what_it_c
     let (rejected, damaged) = (by("rejected"), by("damaged"));
     let bad_batch = damage_second_batch(&path, &damaged);
     spool.quarantine(rejected.id, "rejected by the server: bad records").expect("quarantine");
-    spool.quarantine(damaged.id, "corrupt: test").expect("quarantine");
+    spool.quarantine(damaged.id, "corrupt in spool: test").expect("quarantine");
 
     // Raw: every record of `rejected`, and `damaged` but for its second batch. The spool is held
     // open by this process the whole time, as the agent holds it.
@@ -102,7 +102,9 @@ fn exports_every_intact_batch_of_the_quarantined_chunks_only_and_names_what_it_c
     assert_eq!(raw_records(&out), want, "{err}");
     assert!(err.contains(&format!("chunk {} (stream damaged, seq 1): 3 of 4 records exported", damaged.id.0)), "{err}");
     assert!(err.contains(&format!("batch {bad_batch}: crc32c stored")), "{err}");
-    assert!(err.contains("(quarantined: corrupt: test)"), "{err}");
+    // Its bytes went bad in the spool: the agent may have sent it before, and the report says so.
+    assert!(err.contains("(quarantined: corrupt in spool: test); the agent may have sent it before"), "{err}");
+    assert!(!err.contains("(quarantined: rejected by the server: bad records);"), "refused: not stored: {err}");
     assert!(err.contains(&format!("chunk {} (stream rejected, seq 1): 3 records exported", rejected.id.0)), "{err}");
     assert!(err.contains("exported 6 records of 2 quarantined chunk(s); 1 chunk(s) not in full"), "{err}");
 
@@ -110,7 +112,12 @@ fn exports_every_intact_batch_of_the_quarantined_chunks_only_and_names_what_it_c
     let (code, out, err) = export(&path, &["--stream", "rejected"]);
     assert_eq!(code, 1, "{err}");
     assert_eq!(String::from_utf8(out).expect("utf-8"), "{\"t\":1}\n{\"t\":2}\n", "{err}");
-    assert!(err.contains("2 of 3 records exported; not exported: record 1 of a batch of 1 holds a newline"), "{err}");
+    assert!(
+        err.contains(
+            "2 of 3 records exported; not exported: record 1 of a batch of 1 holds a newline or ends in a carriage"
+        ),
+        "{err}"
+    );
 
     // A stream whose quarantined chunks are all intact and NDJSON-safe: exit 0.
     spool.quarantine(by("live").id, "rejected by the server: test").expect("quarantine");
@@ -164,4 +171,18 @@ fn push_framed_reads_the_whole_input_before_it_sends_anything() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("the input is not length-prefixed records: record 3 is cut short"), "{err}");
     assert!(!err.contains("no-agent.sock"), "nothing was sent: {err}");
+
+    // Skipping more records than the input holds is refused, before anything is sent.
+    data.truncate(0);
+    encode_record(&mut data, b"one");
+    std::fs::write(&input, &data).expect("input");
+    let out = Command::new(BIN)
+        .args(["push", "--framed", "--skip", "2", "--stream", "s", "--socket"])
+        .arg(&socket)
+        .arg(&input)
+        .output()
+        .expect("run edge-uploader");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("--skip 2: the input holds 1 records") && !err.contains("no-agent.sock"), "{err}");
 }
