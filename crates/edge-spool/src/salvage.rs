@@ -79,8 +79,9 @@ pub enum ExportError {
 
 /// Reads the spool file at `path` read-only and hands every batch of every quarantined chunk
 /// (of `stream` only, when given) that checks out to `batch`, with its chunk and the number of
-/// records its row counts, in order of stream name, then sequence number, then batch id. Returns
-/// the chunks, each with what was handed over and what was not. See the module docs.
+/// records its row counts, in order of stream name, then sequence number, then batch id; a
+/// chunk's batches only once all of them are checked and add up to its row. Returns the chunks,
+/// each with what was handed over and what was not. See the module docs.
 ///
 /// # Errors
 /// [`ExportError::Spool`] when the file does not exist or is not a spool SQLite can read (then
