@@ -594,6 +594,18 @@ mod tests {
         all.into_iter().find(|m| m.id == ChunkId(id)).expect("chunk listed")
     }
 
+    /// The batches `export_quarantined` hands over, by chunk id.
+    fn exported(path: &std::path::Path) -> Vec<(i64, Vec<u8>)> {
+        let mut got = Vec::new();
+        let chunks = crate::export_quarantined(path, None, &mut |c, data, _| {
+            got.push((c.id, data.to_vec()));
+            Ok(())
+        })
+        .expect("export");
+        assert!(chunks.iter().all(crate::SalvagedChunk::complete), "{chunks:?}");
+        got
+    }
+
     fn one(stream: &str, data: &[u8]) -> AppendRequest {
         AppendRequest { batches: vec![Batch { stream: stream.into(), data: data.to_vec(), records: 1 }] }
     }
@@ -631,6 +643,10 @@ mod tests {
         drop(v1);
         let audit = crate::check(&path).expect("check a version-1 file");
         assert!(!audit.has_damage() && audit.chunks == 3 && audit.batches == 8, "{audit:?}");
+        // The quarantined chunk's records, from the file as version 1 wrote it (no row checksums,
+        // batches by chunk id) and again once migrated.
+        let quarantined = vec![(a_second, b"a3".to_vec()), (a_second, b"a4".to_vec())];
+        assert_eq!(exported(&path), quarantined);
 
         let opts = SpoolOptions::new(&path);
         let (mut spool, report) = Spool::open(opts.clone()).expect("open migrates");
@@ -646,6 +662,7 @@ mod tests {
         assert_eq!((stats.sealed_bytes, stats.open_bytes, stats.quarantined_chunks), (8, 4, 1));
         let audit = crate::check(&path).expect("check the migrated file");
         assert!(!audit.has_damage() && audit.chunks == 3 && audit.batches == 8, "{audit:?}");
+        assert_eq!(exported(&path), quarantined);
 
         // Open batches seal into the right chunks, and sequence numbers continue.
         spool.append(&[one("a", b"a7"), one("b", b"b3")], 30).expect("append after migration");
@@ -693,7 +710,13 @@ mod tests {
             )
             .expect("chunk");
             conn.pragma_update(None, "user_version", 2).expect("user_version");
+            conn.execute("UPDATE chunks SET quarantine = 'rejected by server: test' WHERE id = 1", [])
+                .expect("quarantine");
         }
+        // The quarantined chunk's records as version 2 holds them (by range, no row checksums),
+        // and once migrated (legacy batches, without a row checksum under the legacy mark).
+        let quarantined = vec![(1, b"a1".to_vec()), (1, b"a2".to_vec())];
+        assert_eq!(exported(&path), quarantined);
         let opts = SpoolOptions::new(&path);
         let (mut spool, report) = Spool::open(opts.clone()).expect("open migrates");
         assert!(!report.created && report.quarantined.is_none(), "{report:?}");
@@ -705,6 +728,7 @@ mod tests {
             .query_row("SELECT value FROM meta WHERE key = ?1", [META_LEGACY_BATCHES], |r| r.get(0))
             .expect("legacy mark");
         assert_eq!(legacy, 3);
+        assert_eq!(exported(&path), quarantined);
         let mut reader = spool.reader().expect("reader");
         assert_eq!(reader.read(&meta(&spool, 1)).expect("migrated chunk reads"), b"a1a2");
         // The open batch seals with a new one into a chunk whose rows all carry checksums.
