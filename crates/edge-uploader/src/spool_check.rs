@@ -173,7 +173,8 @@ pub fn render(path: &Path, r: &CheckReport) -> String {
     if r.quarantined_intact > 0 || !r.quarantined_damaged.is_empty() {
         let _ = writeln!(
             out,
-            "the records of the quarantined chunks (every batch that checks out): `edge-uploader spool export-quarantined`"
+            "the records of the quarantined chunks (their batches that check out, of chunks whose rows add up): \
+             `edge-uploader spool export-quarantined`"
         );
     }
     if let Some(t) = &r.lost_tail {

@@ -261,9 +261,9 @@ pub fn degraded_reasons(status: &Value, max_backlog_age: Duration, now_ms: u64) 
 
 /// What the operator should know that is not a state the agent is in now, and so not a reason
 /// for `degraded`: both last as long as the spool file (the agent keeps quarantined chunks for
-/// inspection (`spool export-quarantined`) until `spool purge-quarantined`, and counts dropped records since the spool was
-/// created), and a status that
-/// stayed degraded for them could not say when something new goes wrong.
+/// inspection, `spool export-quarantined`, until `spool purge-quarantined`, and counts dropped
+/// records since the spool was created), and a status that stayed degraded for them could not
+/// say when something new goes wrong.
 pub fn notes(status: &Value) -> Vec<String> {
     let sp = &status["spool"];
     let mut notes = Vec::new();
