@@ -158,10 +158,7 @@ impl CheckReport {
 /// [`SpoolError::Io`] if the file does not exist; [`SpoolError::Sqlite`] if SQLite cannot open
 /// it at all. A file that is not a database is *reported* (in `integrity`), not an error.
 pub fn check(path: &Path) -> Result<CheckReport, SpoolError> {
-    std::fs::metadata(path).map_err(|source| SpoolError::Io { path: path.to_owned(), source })?;
-    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
-        .map_err(ctx("opening the database read-only"))?;
-    conn.busy_timeout(schema::BUSY_TIMEOUT).map_err(ctx("setting busy_timeout"))?;
+    let conn = open_read_only(path)?;
     let mut report = CheckReport::default();
     match integrity(&conn) {
         Ok(lines) => report.integrity = lines,
@@ -205,6 +202,16 @@ pub fn check(path: &Path) -> Result<CheckReport, SpoolError> {
         }
     }
     Ok(report)
+}
+
+/// The spool file at `path`, opened read-only (never created): for readers beside the agent,
+/// which read WAL snapshots and never block its writer.
+pub(crate) fn open_read_only(path: &Path) -> Result<Connection, SpoolError> {
+    std::fs::metadata(path).map_err(|source| SpoolError::Io { path: path.to_owned(), source })?;
+    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
+        .map_err(ctx("opening the database read-only"))?;
+    conn.busy_timeout(schema::BUSY_TIMEOUT).map_err(ctx("setting busy_timeout"))?;
+    Ok(conn)
 }
 
 pub(crate) fn error_text(e: &SpoolError) -> String {
@@ -338,27 +345,27 @@ pub(crate) struct Membership {
     pub(crate) open_filter: &'static str,
 }
 
-pub(crate) const V1_MEMBERSHIP: Membership = Membership {
+const V1_MEMBERSHIP: Membership = Membership {
     chunk_columns: "c.id, c.id, c.id",
     chunk_batches: "SELECT id, data, records, crc32c FROM batches WHERE chunk_id = ?1 ORDER BY id",
     open_filter: "b.chunk_id IS NULL",
 };
 
-pub(crate) const V2_MEMBERSHIP: Membership = Membership {
+const V2_MEMBERSHIP: Membership = Membership {
     chunk_columns: "c.stream_id, c.first_batch, c.last_batch",
     chunk_batches: "SELECT id, data, records, crc32c FROM batches
                     WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 ORDER BY id",
     open_filter: "s.id IS NULL OR b.id > s.sealed_through",
 };
 
-pub(crate) const V3_MEMBERSHIP: Membership = Membership {
+const V3_MEMBERSHIP: Membership = Membership {
     chunk_columns: "c.stream_id, c.first_batch, c.last_batch",
     chunk_batches: "SELECT id, stream_id, data, records, crc32c, commit_ms, row_crc FROM batches
                     WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 ORDER BY id",
     open_filter: "s.id IS NULL OR b.id > s.sealed_through",
 };
 
-pub(crate) const V4_MEMBERSHIP: Membership = Membership {
+const V4_MEMBERSHIP: Membership = Membership {
     chunk_columns: "c.stream_id, c.first_batch, c.last_batch",
     chunk_batches: "SELECT id, stream_id, data, records, crc32c, commit_ms, row_crc, segment, seg_offset, seg_len
                     FROM batches WHERE stream_id = ?1 AND id BETWEEN ?2 AND ?3 ORDER BY id",
@@ -405,13 +412,18 @@ fn check_fixed_rows(conn: &Connection, report: &mut CheckReport) -> Result<i64, 
     Ok(legacy)
 }
 
-fn walk(conn: &Connection, path: &Path, version: i64, report: &mut CheckReport) -> Result<(), SpoolError> {
-    let m = match version {
+/// How a file of schema `version` ties batches to chunks.
+pub(crate) fn membership(version: i64) -> &'static Membership {
+    match version {
         1 => &V1_MEMBERSHIP,
         2 => &V2_MEMBERSHIP,
         3 => &V3_MEMBERSHIP,
         _ => &V4_MEMBERSHIP,
-    };
+    }
+}
+
+fn walk(conn: &Connection, path: &Path, version: i64, report: &mut CheckReport) -> Result<(), SpoolError> {
+    let m = membership(version);
     let rows_checked = if version >= 3 {
         Some(RowChecks { legacy_through: check_fixed_rows(conn, report)?, segments: version >= 4 })
     } else {

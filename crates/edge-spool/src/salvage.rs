@@ -20,9 +20,7 @@
 
 use std::path::Path;
 
-use rusqlite::{Connection, OpenFlags};
-
-use crate::check::{Files, RowChecks, V1_MEMBERSHIP, V2_MEMBERSHIP, V3_MEMBERSHIP, V4_MEMBERSHIP, check_batch};
+use crate::check::{Files, RowChecks, check_batch, membership, open_read_only};
 use crate::error::ctx;
 use crate::rowcrc::{self, ChunkRow};
 use crate::segment::SegmentFiles;
@@ -92,10 +90,7 @@ pub fn export_quarantined(
     stream: Option<&str>,
     batch: &mut OnBatch<'_>,
 ) -> Result<Vec<SalvagedChunk>, ExportError> {
-    std::fs::metadata(path).map_err(|source| SpoolError::Io { path: path.to_owned(), source })?;
-    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
-        .map_err(ctx("opening the database read-only"))?;
-    conn.busy_timeout(schema::BUSY_TIMEOUT).map_err(ctx("setting busy_timeout"))?;
+    let conn = open_read_only(path)?;
     let version = match schema::inspect(&conn)? {
         // A file of no tables yet (a spool created and never written): nothing in quarantine.
         (0, 0) => return Ok(Vec::new()),
@@ -113,12 +108,7 @@ pub fn export_quarantined(
     };
     // One snapshot for the whole export: the chunk rows and the batches they name agree.
     let tx = conn.unchecked_transaction().map_err(ctx("beginning a read transaction"))?;
-    let m = match version {
-        1 => &V1_MEMBERSHIP,
-        2 => &V2_MEMBERSHIP,
-        3 => &V3_MEMBERSHIP,
-        _ => &V4_MEMBERSHIP,
-    };
+    let m = membership(version);
     // A damaged `meta` row leaves no legacy mark: every batch row must then have a checksum.
     let rows = (version >= 3).then(|| RowChecks {
         legacy_through: schema::read_verified_meta(&tx).map_or(0, |meta| meta.legacy_batches_through),

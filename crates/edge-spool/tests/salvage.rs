@@ -23,23 +23,9 @@ fn two_quarantined(spool: &mut Spool) -> Vec<i64> {
 
 #[test]
 fn a_chunk_whose_row_fails_its_checksum_hands_over_none_of_the_batches_it_names() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("spool.db");
-    let (mut spool, _) = Spool::open(SpoolOptions::new(path.clone())).expect("open");
-    let ids = two_quarantined(&mut spool);
-    drop(spool);
     // The first chunk's row now names the second chunk's batches too: under its old checksum.
-    let raw = rusqlite::Connection::open(&path).expect("raw connection");
-    let last: i64 = raw.query_row("SELECT last_batch FROM chunks WHERE id = ?1", [ids[1]], |r| r.get(0)).expect("row");
-    raw.execute("UPDATE chunks SET last_batch = ?1 WHERE id = ?2", (last, ids[0])).expect("damage");
-    drop(raw);
-
-    let mut got = Vec::new();
-    let chunks = export_quarantined(&path, None, &mut |c, data, records| {
-        got.push((c.id, data.to_vec(), records));
-        Ok(())
-    })
-    .expect("export");
+    let (ids, chunks, got) =
+        export_after("UPDATE chunks SET last_batch = (SELECT max(last_batch) FROM chunks) WHERE id = ?1");
     assert_eq!(chunks.len(), 2);
     assert!(!chunks[0].complete() && chunks[0].batches == 0, "{:?}", chunks[0]);
     assert!(chunks[0].problems[0].starts_with("its chunk row fails its checksum"), "{:?}", chunks[0]);
@@ -67,8 +53,9 @@ fn an_output_that_fails_stops_the_export_with_its_error() {
     assert!(none.is_empty());
 }
 
-/// The chunks' ids, what the export says of each, and the batches it handed over (chunk, data).
-type Exported = (Vec<i64>, Vec<edge_spool::SalvagedChunk>, Vec<(i64, Vec<u8>)>);
+/// The chunks' ids, what the export says of each, and the batches it handed over (chunk, data,
+/// records).
+type Exported = (Vec<i64>, Vec<edge_spool::SalvagedChunk>, Vec<(i64, Vec<u8>, i64)>);
 
 /// Damages the spool behind its back with `sql`, then exports everything.
 fn export_after(sql: &str) -> Exported {
@@ -81,8 +68,8 @@ fn export_after(sql: &str) -> Exported {
     assert_eq!(raw.execute(sql, [ids[0]]).expect("damage"), 1, "{sql}");
     drop(raw);
     let mut got = Vec::new();
-    let chunks = export_quarantined(&path, None, &mut |c, data, _| {
-        got.push((c.id, data.to_vec()));
+    let chunks = export_quarantined(&path, None, &mut |c, data, records| {
+        got.push((c.id, data.to_vec(), records));
         Ok(())
     })
     .expect("export");
@@ -114,5 +101,5 @@ fn a_chunk_whose_batches_do_not_add_up_to_its_row_hands_over_none_of_them() {
         "{:?}",
         chunks[0]
     );
-    assert_eq!(got, vec![(ids[1], b"thr".to_vec()), (ids[1], b"fou".to_vec())]);
+    assert_eq!(got, vec![(ids[1], b"thr".to_vec(), 1), (ids[1], b"fou".to_vec(), 1)]);
 }

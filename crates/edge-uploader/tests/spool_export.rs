@@ -161,14 +161,18 @@ fn push_framed_reads_the_whole_input_before_it_sends_anything() {
     std::fs::write(&input, &data).expect("input");
     // No agent listens there: an input that is refused before anything is sent never finds out.
     let socket = dir.path().join("no-agent.sock");
-    let out = Command::new(BIN)
-        .args(["push", "--framed", "--stream", "s", "--socket"])
-        .arg(&socket)
-        .arg(&input)
-        .output()
-        .expect("run edge-uploader");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let push = |extra: &[&str]| {
+        let out = Command::new(BIN)
+            .args(["push", "--framed", "--stream", "s", "--socket"])
+            .arg(&socket)
+            .args(extra)
+            .arg(&input)
+            .output()
+            .expect("run edge-uploader");
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, err) = push(&[]);
+    assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("the input is not length-prefixed records: record 3 is cut short"), "{err}");
     assert!(!err.contains("no-agent.sock"), "nothing was sent: {err}");
 
@@ -176,13 +180,7 @@ fn push_framed_reads_the_whole_input_before_it_sends_anything() {
     data.truncate(0);
     encode_record(&mut data, b"one");
     std::fs::write(&input, &data).expect("input");
-    let out = Command::new(BIN)
-        .args(["push", "--framed", "--skip", "2", "--stream", "s", "--socket"])
-        .arg(&socket)
-        .arg(&input)
-        .output()
-        .expect("run edge-uploader");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let (code, err) = push(&["--skip", "2"]);
+    assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("--skip 2: the input holds 1 records") && !err.contains("no-agent.sock"), "{err}");
 }
