@@ -66,7 +66,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::server::hex;
-use crate::store::{IncomingChunk, PersistOutcome, StatsCell, StoreFailure, StoreStatsView};
+use crate::store::{ChunkKey, IncomingChunk, PersistOutcome, StatsCell, StoreFailure, StoreStatsView};
 
 /// Bytes reserved for a message's headers (and subject) inside the server's `max_payload`.
 pub const HEADER_ROOM: usize = 4096;
@@ -185,22 +185,9 @@ impl JetStreamSink {
     /// the background as soon as NATS answers. A stream with the wrong settings, or a server
     /// whose `max_payload` is too small, is an error at start.
     pub async fn start(opts: JetStreamOptions) -> Result<Self, JetStreamError> {
-        let addrs = opts
-            .servers
-            .iter()
-            .map(|s| s.parse::<async_nats::ServerAddr>().map_err(|e| JetStreamError::Options(format!("{s:?}: {e}"))))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut connect = async_nats::ConnectOptions::new()
-            .name("edge-ingest")
-            .retry_on_initial_connect()
-            .connection_timeout(opts.connect_timeout);
-        if let Some(ca) = &opts.tls_ca {
-            connect = connect.add_root_certificates(ca.clone()).require_tls(true);
-        }
-        if let Some((cert, key)) = &opts.tls_client {
-            connect = connect.add_client_certificate(cert.clone(), key.clone());
-        }
+        let (addrs, connect) = connect_options(&opts)?;
         let client = connect
+            .retry_on_initial_connect()
             .connect(addrs)
             .await
             .map_err(|e| JetStreamError::Request(format!("connecting to {}: {e}", shown(&opts.servers))))?;
@@ -433,7 +420,7 @@ impl Inner {
         }
         let key = &chunk.key;
         let spool = hex(&key.spool);
-        let id = format!("{}.{}.{spool}.{}", token(&key.device), token(&key.stream), key.seq);
+        let id = message_id(key);
         let total = parts.len();
         let mut acks = Vec::with_capacity(total);
         for (i, part) in parts.into_iter().enumerate() {
@@ -479,6 +466,96 @@ impl Inner {
             None => Ok(new),
         }
     }
+}
+
+/// The server addresses and the connection options (TLS) of `opts`, shared by the sink and
+/// [`lookup`].
+fn connect_options(
+    opts: &JetStreamOptions,
+) -> Result<(Vec<async_nats::ServerAddr>, async_nats::ConnectOptions), JetStreamError> {
+    let addrs = opts
+        .servers
+        .iter()
+        .map(|s| s.parse::<async_nats::ServerAddr>().map_err(|e| JetStreamError::Options(format!("{s:?}: {e}"))))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut connect = async_nats::ConnectOptions::new().name("edge-ingest").connection_timeout(opts.connect_timeout);
+    if let Some(ca) = &opts.tls_ca {
+        connect = connect.add_root_certificates(ca.clone()).require_tls(true);
+    }
+    if let Some((cert, key)) = &opts.tls_client {
+        connect = connect.add_client_certificate(cert.clone(), key.clone());
+    }
+    Ok((addrs, connect))
+}
+
+/// The subject tokens of a chunk after the prefix, without the part: `<device>.<stream>.<spool>.<seq>`.
+fn message_id(key: &ChunkKey) -> String {
+    format!("{}.{}.{}.{}", token(&key.device), token(&key.stream), hex(&key.spool), key.seq)
+}
+
+/// What the stream holds of one chunk ([`lookup`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    /// Parts the chunk was cut into, as its stored parts' `Edge-Part` headers say; 0 when none
+    /// is stored.
+    pub parts: usize,
+    /// The numbers of the parts stored (from 1), ascending.
+    pub found: Vec<usize>,
+    /// Records in the stored parts, as their `Edge-Records` headers say.
+    pub records: u64,
+}
+
+impl Held {
+    /// Whether every part of the chunk is stored.
+    pub fn whole(&self) -> bool {
+        self.parts > 0 && self.found.len() == self.parts
+    }
+}
+
+/// Which parts of the chunk `key` the stream of `opts` holds: a read, for `edge-ingest stored`.
+/// Connects once, within `opts.connect_timeout`, and does not wait for NATS beyond that.
+pub async fn lookup(opts: &JetStreamOptions, key: &ChunkKey) -> Result<Held, JetStreamError> {
+    use futures_util::TryStreamExt as _;
+    let (addrs, connect) = connect_options(opts)?;
+    let client = connect
+        .connect(addrs)
+        .await
+        .map_err(|e| JetStreamError::Request(format!("connecting to {}: {e}", shown(&opts.servers))))?;
+    let mut js = jetstream::new(client);
+    js.set_timeout(opts.ack_timeout);
+    let stream = js
+        .get_stream(&opts.stream)
+        .await
+        .map_err(|e| JetStreamError::Request(format!("stream {:?}: {e}", opts.stream)))?;
+    let prefix = format!("{}.{}.", opts.subject_prefix, message_id(key));
+    let filter = format!("{prefix}*");
+    let subjects: Vec<(String, usize)> = stream
+        .info_with_subjects(&filter)
+        .await
+        .map_err(|e| JetStreamError::Request(format!("listing the subjects {filter}: {e}")))?
+        .try_collect()
+        .await
+        .map_err(|e| JetStreamError::Request(format!("listing the subjects {filter}: {e}")))?;
+    let mut held = Held { parts: 0, found: Vec::new(), records: 0 };
+    for (subject, _) in subjects {
+        let Some(n) = subject.strip_prefix(&prefix).and_then(|n| n.parse::<usize>().ok()) else {
+            continue;
+        };
+        let msg = stream
+            .get_last_raw_message_by_subject(&subject)
+            .await
+            .map_err(|e| JetStreamError::Request(format!("reading {subject}: {e}")))?;
+        let header = |name: &str| msg.headers.get(name).map(|v| v.as_str().to_owned());
+        let total = header("Edge-Part").and_then(|p| p.split_once('/').and_then(|(_, t)| t.parse::<usize>().ok()));
+        let Some(total) = total else {
+            return Err(JetStreamError::Request(format!("{subject} has no Edge-Part header of the form n/total")));
+        };
+        held.parts = held.parts.max(total);
+        held.records += header("Edge-Records").and_then(|r| r.parse::<u64>().ok()).unwrap_or(0);
+        held.found.push(n);
+    }
+    held.found.sort_unstable();
+    Ok(held)
 }
 
 /// Whether a publish was refused because the stream already holds a message on its subject.

@@ -75,8 +75,36 @@ enum Command {
         device: Option<String>,
         #[arg(long)]
         stream: Option<String>,
+        /// Only chunks of this spool id (32 hex digits).
+        #[arg(long)]
+        spool: Option<String>,
+        /// Only chunks of this sequence number.
+        #[arg(long)]
+        seq: Option<u64>,
         #[arg(long, value_enum, default_value_t = Format::Ndjson)]
         format: Format,
+    },
+    /// Whether one chunk is stored, by its key: for a chunk an agent holds in quarantine that
+    /// it may have sent before (`edge-uploader spool export-quarantined` names them). Reads
+    /// the sink of the config, or the store in --data-dir. Exit 0 stored in full, 1 not stored
+    /// or only in part, 2 usage error, 3 could not tell (the store or NATS could not be read),
+    /// 78 configuration error.
+    Stored {
+        /// Config file whose `[sink]` and `[store] data_dir` say where to look.
+        #[arg(long, short, conflicts_with = "data_dir")]
+        config: Option<PathBuf>,
+        /// The file store's directory, instead of a config.
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        #[arg(long)]
+        device: String,
+        #[arg(long)]
+        stream: String,
+        /// The spool id, 32 hex digits.
+        #[arg(long)]
+        spool: String,
+        #[arg(long)]
+        seq: u64,
     },
 }
 
@@ -168,7 +196,19 @@ fn main() -> ExitCode {
         }
         Command::Status { config, addr, json } => status(config, addr, json),
         Command::Pki { command } => report(pki(command)),
-        Command::Export { data_dir, device, stream, format } => report(export(data_dir, device, stream, format)),
+        Command::Export { data_dir, device, stream, spool, seq, format } => {
+            let spool = match spool.as_deref().map(edge_ingest::server::parse_spool_id).transpose() {
+                Ok(spool) => spool,
+                Err(e) => {
+                    eprintln!("edge-ingest: --spool: {e}");
+                    return ExitCode::from(EXIT_USAGE);
+                }
+            };
+            report(export(data_dir, ExportFilter { device, stream, spool, seq }, format))
+        }
+        Command::Stored { config, data_dir, device, stream, spool, seq } => {
+            stored(config, data_dir, device, stream, &spool, seq)
+        }
     }
 }
 
@@ -388,10 +428,9 @@ fn pki(cmd: PkiCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn export(data_dir: PathBuf, device: Option<String>, stream: Option<String>, format: Format) -> anyhow::Result<()> {
+fn export(data_dir: PathBuf, filter: ExportFilter, format: Format) -> anyhow::Result<()> {
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(1 << 20, stdout.lock());
-    let filter = ExportFilter { device, stream };
     let report = edge_ingest::store::export(&data_dir, &filter, |chunk| {
         for rec in &chunk.records {
             match format {
@@ -412,4 +451,127 @@ fn export(data_dir: PathBuf, device: Option<String>, stream: Option<String>, for
     out.flush()?;
     eprintln!("{report:?}");
     Ok(())
+}
+
+/// `edge-ingest stored`: prints whether the chunk of that key is stored and returns the exit
+/// code (0 whole, 1 not or in part, 2 usage, 3 could not tell, 78 configuration).
+fn stored(
+    config: Option<PathBuf>,
+    data_dir: Option<PathBuf>,
+    device: String,
+    stream: String,
+    spool: &str,
+    seq: u64,
+) -> ExitCode {
+    let spool = match edge_ingest::server::parse_spool_id(spool) {
+        Ok(spool) => spool,
+        Err(e) => {
+            eprintln!("edge-ingest: --spool: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let key = edge_ingest::store::ChunkKey { device, spool, stream, seq };
+    let shown = format!(
+        "chunk (device {:?}, stream {:?}, spool {}, seq {seq})",
+        key.device,
+        key.stream,
+        edge_ingest::server::hex(&key.spool)
+    );
+    let found = match data_dir {
+        Some(dir) => stored_in_files(&dir, &key),
+        // Only the sink's settings are read: the TLS files are the server's business.
+        None => match config::load(config.as_deref()) {
+            Ok(cfg) => match cfg.sink {
+                config::SinkOptions::Files => stored_in_files(&cfg.store.data_dir, &key),
+                config::SinkOptions::JetStream(opts) => stored_in_jetstream(&opts, &key),
+            },
+            Err(e) => {
+                eprintln!("edge-ingest: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
+                return ExitCode::from(EXIT_CONFIG as u8);
+            }
+        },
+    };
+    match found {
+        Ok((true, what)) => {
+            println!("{shown}: stored{what}");
+            ExitCode::SUCCESS
+        }
+        Ok((false, what)) => {
+            println!("{shown}: {what}");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("edge-ingest: looking up {shown}: {}", edge_telemetry::logging::error_chain(e.as_ref()));
+            ExitCode::from(EXIT_LOOKUP_FAILED)
+        }
+    }
+}
+
+/// Exit code of a command line that does not parse, as clap exits for its own usage errors.
+const EXIT_USAGE: u8 = 2;
+
+/// `edge-ingest stored`'s exit code when it could not tell (the store or NATS could not be read).
+const EXIT_LOOKUP_FAILED: u8 = 3;
+
+/// Whether the file store in `dir` holds the chunk `key` whole, and what to say of it.
+fn stored_in_files(dir: &std::path::Path, key: &edge_ingest::store::ChunkKey) -> anyhow::Result<(bool, String)> {
+    let filter = ExportFilter {
+        device: Some(key.device.clone()),
+        stream: Some(key.stream.clone()),
+        spool: Some(key.spool),
+        seq: Some(key.seq),
+    };
+    let mut found = None;
+    let report = edge_ingest::store::export(dir, &filter, |chunk| {
+        found = Some((chunk.records.len(), chunk.stored_ms, chunk.segment));
+        Ok(())
+    })
+    .with_context(|| format!("reading the store in {}", dir.display()))?;
+    Ok(match found {
+        Some((records, stored_ms, segment)) => {
+            let at = humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + Duration::from_millis(stored_ms));
+            (
+                true,
+                format!(", {records} records, at {at} (the server's clock), in segment {segment} of {}", dir.display()),
+            )
+        }
+        None if report.corrupt > 0 => (
+            false,
+            format!(
+                "an entry of it is in {} but does not read back whole (its checksum or its decoding fails, logged                  above): the store cannot give its records back",
+                dir.display()
+            ),
+        ),
+        None => (false, format!("not stored in {}", dir.display())),
+    })
+}
+
+/// Whether the JetStream stream of `opts` holds every part of the chunk `key`, and what to say.
+fn stored_in_jetstream(
+    opts: &edge_ingest::jetstream::JetStreamOptions,
+    key: &edge_ingest::store::ChunkKey,
+) -> anyhow::Result<(bool, String)> {
+    let rt =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the tokio runtime")?;
+    let held = rt.block_on(edge_ingest::jetstream::lookup(opts, key)).with_context(|| {
+        format!("in JetStream stream {:?} on {}", opts.stream, edge_ingest::jetstream::shown(&opts.servers))
+    })?;
+    let stream = &opts.stream;
+    Ok(if held.whole() {
+        (true, format!(", {} records in {} part(s), in JetStream stream {stream:?}", held.records, held.parts))
+    } else if held.found.is_empty() {
+        (false, format!("not stored in JetStream stream {stream:?}"))
+    } else {
+        let found: Vec<String> = held.found.iter().map(usize::to_string).collect();
+        (
+            false,
+            format!(
+                "only in part in JetStream stream {stream:?}: part(s) {} of {}, {} records; the records of the \
+                 other parts are not stored",
+                found.join(", "),
+                held.parts,
+                held.records
+            ),
+        )
+    })
 }

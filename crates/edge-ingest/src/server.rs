@@ -1526,6 +1526,25 @@ pub fn hex(bytes: &[u8]) -> String {
     s
 }
 
+/// A spool id from its 32 hex digits (either case), as [`hex`] writes it; the error names what
+/// is wrong with `text`.
+pub fn parse_spool_id(text: &str) -> Result<[u8; 16], String> {
+    let digits = text.as_bytes();
+    if digits.len() != 32 {
+        return Err(format!("spool id {text:?} is {} characters; it is 32 hex digits", digits.len()));
+    }
+    let mut id = [0u8; 16];
+    for (byte, pair) in id.iter_mut().zip(digits.chunks_exact(2)) {
+        // `from_str_radix` alone would take a sign ("+f").
+        let pair = std::str::from_utf8(pair)
+            .ok()
+            .filter(|p| p.bytes().all(|b| b.is_ascii_hexdigit()))
+            .and_then(|p| u8::from_str_radix(p, 16).ok());
+        *byte = pair.ok_or_else(|| format!("spool id {text:?} is not 32 hex digits"))?;
+    }
+    Ok(id)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1687,5 +1706,17 @@ mod tests {
         }
         assert_eq!(w.store_idle(sample(t0, 25, 0, 3)), Duration::from_secs(15));
         assert_eq!(w.store_idle(sample(t0, 25, 0, 4)), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_spool_id_reads_back_from_its_hex_and_bad_text_is_named() {
+        let id: [u8; 16] = std::array::from_fn(|i| (i as u8).wrapping_mul(37));
+        assert_eq!(parse_spool_id(&hex(&id)), Ok(id));
+        assert_eq!(parse_spool_id(&hex(&id).to_uppercase()), Ok(id));
+        let short = parse_spool_id("abc").expect_err("too short");
+        assert!(short.contains("\"abc\"") && short.contains("3 characters"), "{short}");
+        let signed = format!("+f{}", &hex(&id)[2..]);
+        assert!(parse_spool_id(&signed).expect_err("a sign").contains("not 32 hex digits"));
+        assert!(parse_spool_id(&"é".repeat(16)).is_err());
     }
 }

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream::stream::{Config as StreamConfig, DiscardPolicy, RetentionPolicy, StorageType};
-use edge_ingest::jetstream::{JetStreamError, JetStreamOptions, JetStreamSink};
+use edge_ingest::jetstream::{JetStreamError, JetStreamOptions, JetStreamSink, lookup};
 use edge_ingest::store::{ChunkKey, IncomingChunk, Payload, PersistOutcome, StoreFailure};
 use edge_proto::Codec;
 use edge_proto::records::encode_record;
@@ -141,8 +141,19 @@ async fn a_large_chunk_is_cut_into_parts_and_a_partial_resend_completes_it() {
         .expect("publish")
         .await
         .expect("ack");
+    // `edge-ingest stored` sees the one part, and that it is one of four.
+    let o = opts(&stream, &prefix);
+    let held = lookup(&o, &c.key).await.expect("lookup");
+    assert_eq!((held.parts, held.found.as_slice(), held.whole()), (4, &[1][..], false), "{held:?}");
     assert_eq!(sink.persist(c.clone()).await, PersistOutcome::Stored, "parts 2 to 4 are new");
-    assert_eq!(sink.persist(c).await, PersistOutcome::Duplicate, "all four are stored now");
+    assert_eq!(sink.persist(c.clone()).await, PersistOutcome::Duplicate, "all four are stored now");
+    let held = lookup(&o, &c.key).await.expect("lookup");
+    assert_eq!((held.parts, held.found.as_slice(), held.whole()), (4, &[1, 2, 3, 4][..], true), "{held:?}");
+    // The hand-made part 1 has no Edge-Records header; the sink's three parts hold the other 7.
+    assert_eq!(held.records, 7);
+    let other = ChunkKey { seq: 8, ..c.key.clone() };
+    let held = lookup(&o, &other).await.expect("lookup");
+    assert_eq!((held.parts, held.found.len(), held.whole()), (0, 0, false), "{held:?}");
     let after = nats::messages(&js, &stream).await.expect("read back");
     nats::delete_stream(&js, &stream).await;
     assert_eq!(after.len(), 4, "each part exactly once");

@@ -348,21 +348,31 @@ fn export_orders_by_device_then_spool_appearance_then_stream_then_seq_and_filter
         ]
     );
 
-    let only_b = ExportFilter { device: Some("dev-b".into()), stream: None };
+    let only_b = ExportFilter { device: Some("dev-b".into()), stream: None, ..ExportFilter::default() };
     let (seen, report) = export_all(dir.path(), &only_b);
     assert!(seen.iter().all(|s| s.key.device == "dev-b") && seen.len() == 3, "{seen:?}");
     assert_eq!(report.chunks, 3);
-    let only_zeta = ExportFilter { device: None, stream: Some("zeta".into()) };
+    let only_zeta = ExportFilter { device: None, stream: Some("zeta".into()), ..ExportFilter::default() };
     let (seen, _) = export_all(dir.path(), &only_zeta);
     assert_eq!(
         seen.iter().map(|s| (s.key.device.as_str(), s.key.seq)).collect::<Vec<_>>(),
         vec![("dev-a", 1), ("dev-b", 1), ("dev-b", 2)]
     );
-    let both = ExportFilter { device: Some("dev-a".into()), stream: Some("alpha".into()) };
+    let both = ExportFilter { device: Some("dev-a".into()), stream: Some("alpha".into()), ..ExportFilter::default() };
     let (seen, _) = export_all(dir.path(), &both);
     assert_eq!(seen.len(), 3);
-    let none = ExportFilter { device: Some("dev-c".into()), stream: None };
+    let none = ExportFilter { device: Some("dev-c".into()), stream: None, ..ExportFilter::default() };
     assert_eq!(export_all(dir.path(), &none).0, vec![]);
+    // One chunk by its whole key: the spool and the seq narrow as the device and stream do.
+    let one =
+        ExportFilter { device: Some("dev-a".into()), stream: Some("alpha".into()), spool: Some(SPOOL_A), seq: Some(9) };
+    let (seen, report) = export_all(dir.path(), &one);
+    assert_eq!(seen.iter().map(|s| s.key.clone()).collect::<Vec<_>>(), vec![key("dev-a", SPOOL_A, "alpha", 9)]);
+    assert_eq!(report.chunks, 1);
+    let other_spool = ExportFilter { spool: Some(SPOOL_B), ..one.clone() };
+    assert_eq!(export_all(dir.path(), &other_spool).0, vec![]);
+    let any_spool = ExportFilter { spool: None, seq: Some(1), ..ExportFilter::default() };
+    assert_eq!(export_all(dir.path(), &any_spool).0.len(), 3);
 }
 
 #[test]

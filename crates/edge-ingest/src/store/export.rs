@@ -26,11 +26,18 @@ pub struct ExportFilter {
     pub device: Option<String>,
     /// Only this stream.
     pub stream: Option<String>,
+    /// Only this spool id.
+    pub spool: Option<[u8; 16]>,
+    /// Only this sequence number.
+    pub seq: Option<u64>,
 }
 
 impl ExportFilter {
     fn matches(&self, key: &ChunkKey) -> bool {
-        self.device.as_deref().is_none_or(|d| d == key.device) && self.stream.as_deref().is_none_or(|s| s == key.stream)
+        self.device.as_deref().is_none_or(|d| d == key.device)
+            && self.stream.as_deref().is_none_or(|s| s == key.stream)
+            && self.spool.is_none_or(|s| s == key.spool)
+            && self.seq.is_none_or(|s| s == key.seq)
     }
 }
 

@@ -1,0 +1,112 @@
+//! `edge-ingest stored`: whether one chunk is in the file store, by its key, from the command
+//! line, with the exit codes scripts rely on (0 stored, 1 not, 2 usage, 3 could not tell).
+
+use std::path::Path;
+use std::process::Command;
+
+use edge_ingest::store::{ChunkKey, ExportFilter, IncomingChunk, Payload, PersistOutcome, Store, StoreOptions, export};
+use edge_proto::Codec;
+use edge_proto::records::encode_record;
+
+const BIN: &str = env!("CARGO_BIN_EXE_edge-ingest");
+const SPOOL: [u8; 16] = [0x5a; 16];
+
+fn chunk(seq: u64, records: usize) -> IncomingChunk {
+    let mut payload = Vec::new();
+    for i in 0..records {
+        encode_record(&mut payload, format!("{{\"seq\":{seq},\"i\":{i}}}").as_bytes());
+    }
+    IncomingChunk {
+        key: ChunkKey { device: "gw-1".into(), spool: SPOOL, stream: "temp.c".into(), seq },
+        records: u32::try_from(records).expect("small"),
+        codec: Codec::None,
+        raw_len: u32::try_from(payload.len()).expect("small"),
+        checksum: edge_proto::crc32c(&payload),
+        created_ms: 1_700_000_000_000,
+        payload: Payload::from(payload),
+    }
+}
+
+fn stored(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(BIN).arg("stored").args(args).output().expect("run edge-ingest");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn key_args<'a>(dir: &'a str, spool: &'a str, seq: &'a str) -> Vec<&'a str> {
+    vec!["--data-dir", dir, "--device", "gw-1", "--stream", "temp.c", "--spool", spool, "--seq", seq]
+}
+
+#[test]
+fn a_stored_chunk_a_missing_one_and_a_damaged_one_are_told_apart_by_exit_code() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut store = Store::open(StoreOptions::new(dir.path())).expect("open").0;
+    for seq in 1..=3 {
+        assert_eq!(store.persist(vec![chunk(seq, 4)]), vec![PersistOutcome::Stored]);
+    }
+    drop(store);
+    let data = dir.path().to_str().expect("utf-8 path");
+    let spool = "5a".repeat(16);
+
+    let (code, out, err) = stored(&key_args(data, &spool, "2"));
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("seq 2") && out.contains("stored, 4 records"), "{out}");
+    // Upper-case hex names the same spool.
+    assert_eq!(stored(&key_args(data, &spool.to_uppercase(), "2")).0, 0);
+
+    let (code, out, err) = stored(&key_args(data, &spool, "9"));
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("seq 9") && out.contains("not stored in"), "{out}");
+    let other_spool = "5b".repeat(16);
+    assert_eq!(stored(&key_args(data, &other_spool, "2")).0, 1, "another spool's seq 2 is not this one");
+
+    // Chunk 3's bytes go bad in the store: there, but its records cannot be had.
+    let mut at = None;
+    let filter = ExportFilter { seq: Some(3), ..ExportFilter::default() };
+    export(dir.path(), &filter, |c| {
+        at = Some((c.segment, c.offset + edge_ingest::store::format::entry_header_len(c.key) as u64));
+        Ok(())
+    })
+    .expect("export");
+    let (segment, payload) = at.expect("chunk 3 exported before the damage");
+    flip(dir.path(), segment, payload + 2);
+    let (code, out, err) = stored(&key_args(data, &spool, "3"));
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("does not read back whole"), "{out}");
+    assert_eq!(stored(&key_args(data, &spool, "2")).0, 0, "its neighbour is unharmed");
+}
+
+#[test]
+fn bad_keys_are_usage_errors_and_an_unreadable_store_is_not_a_verdict() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().to_str().expect("utf-8 path");
+    let (code, _, err) = stored(&key_args(data, "5a5a", "1"));
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--spool") && err.contains("\"5a5a\""), "names the bad value: {err}");
+    let (code, _, err) = stored(&key_args(data, &"zz".repeat(16), "1"));
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = stored(&["--device", "gw-1", "--stream", "s", "--spool", &"00".repeat(16)]);
+    assert_eq!(code, 2, "clap's usage error for a missing --seq: {err}");
+    let config = dir.path().join("edge-ingest.toml");
+    std::fs::write(&config, "[sink]\nkind = \"carrier-pigeon\"\n").expect("write config");
+    let args = ["--config", config.to_str().expect("utf-8"), "--device", "gw-1", "--stream", "s"];
+    let (code, _, err) = stored(&[&args[..], &["--spool", &"00".repeat(16), "--seq", "1"]].concat());
+    assert_eq!(code, 78, "an invalid config: {err}");
+
+    let missing = dir.path().join("no-such-store");
+    let (code, out, err) = stored(&key_args(missing.to_str().expect("utf-8"), &"5a".repeat(16), "1"));
+    assert_eq!(code, 3, "could not tell, which is not 'not stored': {out}{err}");
+    assert!(err.contains("no-such-store"), "names the directory: {err}");
+}
+
+fn flip(dir: &Path, segment: u64, offset: u64) {
+    let path =
+        dir.join(edge_ingest::store::format::SEGMENTS_DIR).join(edge_ingest::store::format::segment_file_name(segment));
+    let mut bytes = std::fs::read(&path).expect("read segment");
+    let at = usize::try_from(offset).expect("small");
+    bytes[at] ^= 0x40;
+    std::fs::write(&path, bytes).expect("write segment");
+}
