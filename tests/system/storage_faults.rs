@@ -405,10 +405,13 @@ fn corrupt_spool_chunks_are_quarantined_never_sent_and_the_agent_keeps_working()
         .as_array()
         .map_or(0, |a| a.iter().filter_map(|c| c["salvageable_records"].as_u64()).sum());
     let mut salvaged = 0u64;
+    let mut asked = 0u64;
     for stream in &old.streams {
+        // The agent's config: the report's lookup commands then name the device, from its
+        // certificate.
         let out = Command::new(edge_testkit::bin("edge-uploader")?)
-            .args(["spool", "export-quarantined", "--spool", &spool.to_string_lossy(), "--stream", stream])
-            .args(["--format", "raw"])
+            .args(["spool", "export-quarantined", "--config", &world.agent_config.to_string_lossy()])
+            .args(["--stream", stream, "--format", "raw"])
             .output()?;
         let err = String::from_utf8_lossy(&out.stderr);
         let records = edge_proto::records::RecordIter::new(&out.stdout).collect::<Result<Vec<_>, _>>()?.len() as u64;
@@ -420,6 +423,25 @@ fn corrupt_spool_chunks_are_quarantined_never_sent_and_the_agent_keeps_working()
         // a chunk sent before that may be at the ingest already.
         assert_eq!(quarantined_here, err.contains("(quarantined: corrupt in spool: "), "{err}");
         assert!(!quarantined_here || err.contains("the agent may have sent it before"), "{err}");
+        // Each such chunk comes with the command that asks the ingest, which is run here as
+        // printed, with this world's ingest config. The flips came before the agent ever read
+        // the chunks, so none of them is stored.
+        for line in err.lines().filter_map(|l| l.trim_start().strip_prefix("edge-ingest stored ")) {
+            assert!(line.contains(&format!("--device gw-sf-quarantine --stream {stream} --spool ")), "{line}");
+            let mut args: Vec<String> = line.split_whitespace().map(str::to_owned).collect();
+            let at = args.iter().position(|a| a == "--config").context("--config in the command")? + 1;
+            args[at] = world.ingest_config.to_string_lossy().into_owned();
+            let asked_out = Command::new(edge_testkit::bin("edge-ingest")?).arg("stored").args(&args).output()?;
+            let said = String::from_utf8_lossy(&asked_out.stdout);
+            assert_eq!(
+                asked_out.status.code(),
+                Some(1),
+                "{line}: {said}{}",
+                String::from_utf8_lossy(&asked_out.stderr)
+            );
+            assert!(said.contains("not stored in "), "{said}");
+            asked += 1;
+        }
         if records == 0 {
             continue;
         }
@@ -435,6 +457,7 @@ fn corrupt_spool_chunks_are_quarantined_never_sent_and_the_agent_keeps_working()
         assert!(said.contains(&format!("accepted {records} records")), "{said}");
     }
     assert_eq!(salvaged, salvageable, "every batch spool check called salvageable was exported");
+    assert!(asked > 0 || salvaged == 0, "every chunk with records to salvage came with a lookup command");
     assert!(salvaged > 0 || damaged_records == 0, "the flips left no batch to salvage; the seed should be changed");
     drain(&rt, &world.intake_socket(), Duration::from_secs(120))?;
     agent.terminate(Duration::from_secs(30))?;

@@ -204,6 +204,28 @@ pub struct Config {
 
 /// Reads and validates the config (file optional unless named explicitly).
 pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
+    load_with_env(path, None)
+}
+
+/// [`load`] for commands that look at what the service uses (`stored`): for the packaged config,
+/// with the overrides of the service's environment file on top of this process's environment
+/// (`edge_telemetry::service_env`).
+pub fn load_as_service(path: Option<&Path>) -> anyhow::Result<Config> {
+    let service = edge_telemetry::service_env::for_packaged_config(
+        path,
+        Path::new(DEFAULT_CONFIG_PATH),
+        Path::new(crate::status::SERVICE_ENV_FILE),
+        ENV_PREFIX,
+        "edge-ingest",
+    );
+    load_with_env(path, service)
+}
+
+/// [`load`] with the environment `env_vars` instead of this process's, when given.
+fn load_with_env(
+    path: Option<&Path>,
+    env_vars: Option<std::collections::HashMap<String, String>>,
+) -> anyhow::Result<Config> {
     let (path, explicit) = match path {
         Some(p) => (p.to_path_buf(), true),
         None => (PathBuf::from(DEFAULT_CONFIG_PATH), false),
@@ -228,7 +250,8 @@ pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
             .try_parsing(true)
             .list_separator(",")
             .with_list_parse_key("tls.crls")
-            .with_list_parse_key("sink.jetstream.servers"),
+            .with_list_parse_key("sink.jetstream.servers")
+            .source(env_vars.map(|m| m.into_iter().collect())),
     );
     let raw: RawConfig = builder.build().and_then(|c| c.try_deserialize()).map_err(|e| {
         anyhow::anyhow!("{}: {e}", if exists { path.display().to_string() } else { "environment".into() })

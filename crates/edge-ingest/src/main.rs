@@ -479,8 +479,9 @@ fn stored(
     );
     let found = match data_dir {
         Some(dir) => stored_in_files(&dir, &key),
-        // Only the sink's settings are read: the TLS files are the server's business.
-        None => match config::load(config.as_deref()) {
+        // Only the sink's settings are read (as the service has them): the TLS files are the
+        // server's business.
+        None => match config::load_as_service(config.as_deref()) {
             Ok(cfg) => match cfg.sink {
                 config::SinkOptions::Files => stored_in_files(&cfg.store.data_dir, &key),
                 config::SinkOptions::JetStream(opts) => stored_in_jetstream(&opts, &key),

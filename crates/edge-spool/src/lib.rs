@@ -273,7 +273,7 @@ pub use check::{CheckReport, DamagedBatch, DamagedChunk, LostTail, Replayable, c
 pub use error::SpoolError;
 pub use host::HostCheck;
 pub use reader::SpoolReader;
-pub use salvage::{ExportError, OnBatch, SalvagedChunk, export_quarantined};
+pub use salvage::{ExportError, OnBatch, Salvage, SalvagedChunk, Selection, export_quarantined};
 pub use segment::disk_usage;
 pub use spool::Spool;
 pub use state::Snapshot;

@@ -24,7 +24,26 @@ use crate::check::{Files, RowChecks, check_batch, membership, open_read_only};
 use crate::error::ctx;
 use crate::rowcrc::{self, ChunkRow};
 use crate::segment::SegmentFiles;
-use crate::{SpoolError, schema};
+use crate::{SpoolError, SpoolId, schema};
+
+/// Which quarantined chunks [`export_quarantined`] reads; `None` takes every one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Selection<'a> {
+    /// Only this stream's.
+    pub stream: Option<&'a str>,
+    /// Only the chunk of this sequence number (of each stream, without `stream`).
+    pub seq: Option<i64>,
+}
+
+/// What [`export_quarantined`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Salvage {
+    /// The spool's id, the one its chunks are sent under (with the device and stream, the key the
+    /// ingest stores them by). `None` when the row that holds it fails its checksum or is missing.
+    pub spool_id: Option<SpoolId>,
+    /// The quarantined chunks selected, each with what was handed over of it.
+    pub chunks: Vec<SalvagedChunk>,
+}
 
 /// One quarantined chunk, as [`export_quarantined`] read it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,24 +95,20 @@ pub enum ExportError {
 }
 
 /// Reads the spool file at `path` read-only and hands every batch of every quarantined chunk
-/// (of `stream` only, when given) that checks out to `batch`, with its chunk and the number of
-/// records its row counts, in order of stream name, then sequence number, then batch id; a
-/// chunk's batches only once all of them are checked and add up to its row. Returns the chunks,
-/// each with what was handed over and what was not. See the module docs.
+/// that `select` takes and that checks out to `batch`, with its chunk and the number of records
+/// its row counts, in order of stream name, then sequence number, then batch id; a chunk's
+/// batches only once all of them are checked and add up to its row. Returns the spool's id and
+/// the chunks, each with what was handed over and what was not. See the module docs.
 ///
 /// # Errors
 /// [`ExportError::Spool`] when the file does not exist or is not a spool SQLite can read (then
 /// nothing was handed over), or a read failed part-way; [`ExportError::Output`] when `batch`
 /// failed. What was handed over before stays handed over.
-pub fn export_quarantined(
-    path: &Path,
-    stream: Option<&str>,
-    batch: &mut OnBatch<'_>,
-) -> Result<Vec<SalvagedChunk>, ExportError> {
+pub fn export_quarantined(path: &Path, select: Selection<'_>, batch: &mut OnBatch<'_>) -> Result<Salvage, ExportError> {
     let conn = open_read_only(path)?;
     let version = match schema::inspect(&conn)? {
         // A file of no tables yet (a spool created and never written): nothing in quarantine.
-        (0, 0) => return Ok(Vec::new()),
+        (0, 0) => return Ok(Salvage { spool_id: None, chunks: Vec::new() }),
         (version @ 1..=schema::SCHEMA_VERSION, _) => version,
         (found, _) if found > schema::SCHEMA_VERSION => {
             return Err(SpoolError::UnsupportedSchema { found, supported: schema::SCHEMA_VERSION }.into());
@@ -109,9 +124,17 @@ pub fn export_quarantined(
     // One snapshot for the whole export: the chunk rows and the batches they name agree.
     let tx = conn.unchecked_transaction().map_err(ctx("beginning a read transaction"))?;
     let m = membership(version);
+    // From version 3 the meta values have a checksum; before, the id's row is taken as it is.
+    let meta = (version >= 3).then(|| schema::read_verified_meta(&tx).ok()).flatten();
+    let spool_id = if version >= 3 {
+        meta.as_ref().map(|meta| meta.spool_id.clone())
+    } else {
+        tx.query_row("SELECT value FROM meta WHERE key = ?1", [schema::META_SPOOL_ID], |r| r.get::<_, Vec<u8>>(0)).ok()
+    };
+    let spool_id = spool_id.and_then(|id| <[u8; 16]>::try_from(id.as_slice()).ok()).map(SpoolId);
     // A damaged `meta` row leaves no legacy mark: every batch row must then have a checksum.
     let rows = (version >= 3).then(|| RowChecks {
-        legacy_through: schema::read_verified_meta(&tx).map_or(0, |meta| meta.legacy_batches_through),
+        legacy_through: meta.as_ref().map_or(0, |meta| meta.legacy_batches_through),
         segments: version >= 4,
     });
     let row_columns = if rows.is_some() {
@@ -147,7 +170,7 @@ pub fn export_quarantined(
             bad_batches: 0,
             problems: Vec::new(),
         };
-        if stream.is_some_and(|s| s != c.stream) {
+        if select.stream.is_some_and(|s| s != c.stream) || select.seq.is_some_and(|seq| seq != c.seq) {
             continue;
         }
         if rows.is_some() {
@@ -176,7 +199,7 @@ pub fn export_quarantined(
         }
         out.push(c);
     }
-    Ok(out)
+    Ok(Salvage { spool_id, chunks: out })
 }
 
 /// Hands over the batches of the chunk of row `r` that check out, and counts what does not.

@@ -1,8 +1,9 @@
 //! `export_quarantined`: a quarantined chunk whose own row, or its stream's row, is damaged, or
 //! whose batches do not add up to its row, hands over nothing (the batches it names may be
-//! another chunk's), and a failing output stops the export.
+//! another chunk's), a failing output stops the export, and a selection takes one stream or one
+//! chunk.
 
-use edge_spool::{AppendRequest, Batch, ExportError, Spool, SpoolOptions, export_quarantined};
+use edge_spool::{AppendRequest, Batch, ExportError, Selection, Spool, SpoolOptions, export_quarantined};
 
 /// Two chunks of stream `s`, two batches each; both quarantined. Returns their ids.
 fn two_quarantined(spool: &mut Spool) -> Vec<i64> {
@@ -41,7 +42,7 @@ fn an_output_that_fails_stops_the_export_with_its_error() {
     let (mut spool, _) = Spool::open(SpoolOptions::new(path.clone())).expect("open");
     two_quarantined(&mut spool);
     let mut calls = 0;
-    let err = export_quarantined(&path, Some("s"), &mut |_, _, _| {
+    let err = export_quarantined(&path, Selection { stream: Some("s"), seq: None }, &mut |_, _, _| {
         calls += 1;
         Err(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "reader went away"))
     })
@@ -49,8 +50,37 @@ fn an_output_that_fails_stops_the_export_with_its_error() {
     assert!(matches!(&err, ExportError::Output(e) if e.kind() == std::io::ErrorKind::BrokenPipe), "{err:?}");
     assert_eq!(calls, 1, "nothing more was read after the failure");
     // Another stream's name: nothing in quarantine there.
-    let none = export_quarantined(&path, Some("t"), &mut |_, _, _| Ok(())).expect("export");
-    assert!(none.is_empty());
+    let none =
+        export_quarantined(&path, Selection { stream: Some("t"), seq: None }, &mut |_, _, _| Ok(())).expect("export");
+    assert!(none.chunks.is_empty());
+}
+
+#[test]
+fn a_selection_by_seq_exports_that_chunk_only_and_the_spool_id_comes_with_it() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("spool.db");
+    let (mut spool, _) = Spool::open(SpoolOptions::new(path.clone())).expect("open");
+    two_quarantined(&mut spool);
+    let id = spool.id();
+    drop(spool);
+    let mut got = Vec::new();
+    let second = export_quarantined(&path, Selection { stream: Some("s"), seq: Some(2) }, &mut |c, data, _| {
+        got.push((c.seq, data.to_vec()));
+        Ok(())
+    })
+    .expect("export");
+    assert_eq!(second.spool_id, Some(id));
+    assert_eq!(second.chunks.iter().map(|c| c.seq).collect::<Vec<_>>(), vec![2]);
+    assert_eq!(got, vec![(2, b"thr".to_vec()), (2, b"fou".to_vec())]);
+    let none =
+        export_quarantined(&path, Selection { stream: None, seq: Some(3) }, &mut |_, _, _| Ok(())).expect("export");
+    assert!(none.chunks.is_empty(), "{none:?}");
+    // A damaged meta row: the id is not vouched for, and the chunks still export.
+    let raw = rusqlite::Connection::open(&path).expect("raw connection");
+    raw.execute("UPDATE meta SET value = zeroblob(16) WHERE key = 'spool_id'", []).expect("damage");
+    drop(raw);
+    let all = export_quarantined(&path, Selection::default(), &mut |_, _, _| Ok(())).expect("export");
+    assert_eq!((all.spool_id, all.chunks.len()), (None, 2));
 }
 
 /// The chunks' ids, what the export says of each, and the batches it handed over (chunk, data,
@@ -68,11 +98,12 @@ fn export_after(sql: &str) -> Exported {
     assert_eq!(raw.execute(sql, [ids[0]]).expect("damage"), 1, "{sql}");
     drop(raw);
     let mut got = Vec::new();
-    let chunks = export_quarantined(&path, None, &mut |c, data, records| {
+    let chunks = export_quarantined(&path, Selection::default(), &mut |c, data, records| {
         got.push((c.id, data.to_vec(), records));
         Ok(())
     })
-    .expect("export");
+    .expect("export")
+    .chunks;
     (ids, chunks, got)
 }
 

@@ -143,6 +143,9 @@ enum SpoolCommand {
         /// Only this stream's chunks.
         #[arg(long)]
         stream: Option<String>,
+        /// Only the chunk of this sequence number (with --stream, one chunk).
+        #[arg(long, requires = "stream")]
+        seq: Option<i64>,
         /// How the records are written.
         #[arg(long, value_enum, default_value = "ndjson")]
         format: edge_uploader::spool_export::Format,
@@ -203,8 +206,9 @@ fn main() -> ExitCode {
         Command::Spool { command: SpoolCommand::PurgeQuarantined(SpoolTarget { config, spool, json }) } => {
             ExitCode::from(edge_uploader::spool_purge::run(config.as_deref(), spool, json))
         }
-        Command::Spool { command: SpoolCommand::ExportQuarantined { config, spool, stream, format } } => {
-            ExitCode::from(edge_uploader::spool_export::run(config.as_deref(), spool, stream.as_deref(), format))
+        Command::Spool { command: SpoolCommand::ExportQuarantined { config, spool, stream, seq, format } } => {
+            let select = edge_spool::Selection { stream: stream.as_deref(), seq };
+            ExitCode::from(edge_uploader::spool_export::run(config.as_deref(), spool, select, format))
         }
         Command::Run { config } => {
             let cfg = match config::load_checked(config.as_deref()) {

@@ -25,10 +25,18 @@ pub const EXIT_DAMAGE: u8 = 1;
 /// config (its spool options, with the service's overrides). `Err` is the exit code, the reason
 /// printed: an invalid config, or no spool file there (opening would create one).
 pub(crate) fn existing_spool(config: Option<&Path>, spool: Option<PathBuf>) -> Result<edge_spool::SpoolOptions, u8> {
-    let opts = match spool {
-        Some(p) => edge_spool::SpoolOptions::new(p),
+    existing_spool_and_config(config, spool).map(|(opts, _)| opts)
+}
+
+/// [`existing_spool`], with the config it was named by (`None` under `--spool`).
+pub(crate) fn existing_spool_and_config(
+    config: Option<&Path>,
+    spool: Option<PathBuf>,
+) -> Result<(edge_spool::SpoolOptions, Option<crate::config::Config>), u8> {
+    let (opts, config) = match spool {
+        Some(p) => (edge_spool::SpoolOptions::new(p), None),
         None => match crate::config::load_as_service(config) {
-            Ok(c) => c.spool,
+            Ok(c) => (c.spool.clone(), Some(c)),
             Err(e) => {
                 eprintln!("edge-uploader: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
                 return Err(config_exit());
@@ -39,7 +47,7 @@ pub(crate) fn existing_spool(config: Option<&Path>, spool: Option<PathBuf>) -> R
         eprintln!("edge-uploader: spool file {} does not exist", opts.path.display());
         return Err(config_exit());
     }
-    Ok(opts)
+    Ok((opts, config))
 }
 
 /// Resolves the spool path ([`existing_spool`]), runs the check, prints the result and returns

@@ -5,9 +5,11 @@
 //! so that an operator can look at them, fix them and push them again as new records
 //! (`edge-uploader push`) before the purge. A chunk the ingest refused was not stored there; one
 //! whose bytes went bad in the spool may have been, if the agent had sent it before (its answer
-//! lost): the report says so for such chunks, to be looked up at the ingest first. It only reads (`edge_spool::export_quarantined`:
-//! every batch whose checksums pass, nothing of a chunk whose own row is damaged), so it runs
-//! beside the agent too.
+//! lost): for each such chunk the report prints the `edge-ingest stored` command that asks the
+//! ingest, with the chunk's key (the device, from the config's certificate; the stream; the
+//! spool id; the seq), and `--stream S --seq N` exports one chunk alone. It only reads
+//! (`edge_spool::export_quarantined`: every batch whose checksums pass, nothing of a chunk whose
+//! own row is damaged), so it runs beside the agent too.
 //!
 //! The records go to standard output, in the formats of `edge-ingest export`: NDJSON (each
 //! record and a newline) or raw (a 4-byte little-endian length and the record). Each chunk, with
@@ -22,7 +24,7 @@ use std::fmt::Write as _;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use edge_spool::{ExportError, SalvagedChunk};
+use edge_spool::{ExportError, SalvagedChunk, Selection, SpoolId};
 
 /// Exit code when records could not be exported, or the export failed.
 pub const EXIT_INCOMPLETE: u8 = 1;
@@ -45,20 +47,30 @@ struct Written {
     problems: Vec<String>,
 }
 
-/// Resolves the spool ([`crate::spool_check::existing_spool`]), exports to standard output,
-/// reports on standard error and returns the exit code.
-pub fn run(config: Option<&Path>, spool: Option<PathBuf>, stream: Option<&str>, format: Format) -> u8 {
-    let path = match crate::spool_check::existing_spool(config, spool) {
-        Ok(opts) => opts.path,
+/// The key the ingest would store a chunk of this spool under, less its stream and seq.
+#[derive(Debug, Clone, Default)]
+struct Origin {
+    /// The device id, from the config's certificate (`None` under `--spool`, or unreadable).
+    device: Option<String>,
+    /// The spool id, `None` when its row fails its checksum.
+    spool: Option<SpoolId>,
+}
+
+/// Resolves the spool ([`crate::spool_check::existing_spool_and_config`]), exports the chunks
+/// `select` takes to standard output, reports on standard error and returns the exit code.
+pub fn run(config: Option<&Path>, spool: Option<PathBuf>, select: Selection<'_>, format: Format) -> u8 {
+    let (path, device) = match crate::spool_check::existing_spool_and_config(config, spool) {
+        Ok((opts, config)) => (opts.path, config.and_then(|c| device_of(&c.upload.tls.cert))),
         Err(code) => return code,
     };
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(1 << 20, stdout.lock());
-    let exported = export(&path, stream, format, &mut out);
+    let exported = export(&path, select, format, &mut out);
     let flushed = out.flush();
     match (exported, flushed) {
-        (Ok((chunks, written)), Ok(())) => {
-            let (text, complete) = render(&path, stream, &chunks, &written);
+        (Ok((salvage, written)), Ok(())) => {
+            let origin = Origin { device, spool: salvage.spool_id };
+            let (text, complete) = render(&path, select, &origin, &salvage.chunks, &written);
             eprint!("{text}");
             if complete { 0 } else { EXIT_INCOMPLETE }
         }
@@ -73,16 +85,24 @@ pub fn run(config: Option<&Path>, spool: Option<PathBuf>, stream: Option<&str>, 
     }
 }
 
-/// Writes the records of every quarantined chunk (of `stream`) to `out`; returns the chunks as
-/// the spool read them and what was written of each (by chunk id).
+/// The device id in the certificate file `cert` (the agent's `upload.cert`), if it reads.
+fn device_of(cert: &Path) -> Option<String> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject as _;
+    let der = CertificateDer::from_pem_file(cert).ok()?;
+    edge_transport::device_id_from_cert_der(der.as_ref()).ok()
+}
+
+/// Writes the records of every quarantined chunk `select` takes to `out`; returns the spool's id
+/// and chunks as the spool read them, and what was written of each (by chunk id).
 fn export(
     path: &Path,
-    stream: Option<&str>,
+    select: Selection<'_>,
     format: Format,
     out: &mut dyn Write,
-) -> Result<(Vec<SalvagedChunk>, HashMap<i64, Written>), ExportError> {
+) -> Result<(edge_spool::Salvage, HashMap<i64, Written>), ExportError> {
     let mut written: HashMap<i64, Written> = HashMap::new();
-    let chunks = edge_spool::export_quarantined(path, stream, &mut |chunk, batch, records| {
+    let salvage = edge_spool::export_quarantined(path, select, &mut |chunk, batch, records| {
         let w = written.entry(chunk.id).or_default();
         match check_batch(batch, records, format) {
             Ok(recs) => {
@@ -95,7 +115,7 @@ fn export(
         }
         Ok(())
     })?;
-    Ok((chunks, written))
+    Ok((salvage, written))
 }
 
 /// The records of one batch, all of them writable in `format`, or why none is written. A batch
@@ -143,15 +163,30 @@ fn may_be_stored(reason: &str) -> bool {
         || reason.contains(OVER_SERVER_LIMIT)
 }
 
+/// The `edge-ingest stored` command that asks the ingest whether chunk `c` of `origin` is
+/// stored; placeholders where the device or the spool id is not known here.
+fn stored_command(origin: &Origin, c: &SalvagedChunk) -> String {
+    let device = origin.device.as_deref().unwrap_or("<the device id: the common name of upload.cert>");
+    let spool = origin
+        .spool
+        .map_or_else(|| "<the spool id: its row in the spool fails its checksum>".into(), |id| id.to_string());
+    format!(
+        "edge-ingest stored --config /etc/edge-ingest/edge-ingest.toml --device {device} --stream {} --spool {spool} \
+         --seq {}",
+        c.stream, c.seq
+    )
+}
+
 /// The report for standard error, and whether every record was exported.
 fn render(
     path: &Path,
-    stream: Option<&str>,
+    select: Selection<'_>,
+    origin: &Origin,
     chunks: &[SalvagedChunk],
     written: &HashMap<i64, Written>,
 ) -> (String, bool) {
     let mut text = String::new();
-    let (mut total, mut claimed, mut partial) = (0u64, 0u64, 0usize);
+    let (mut total, mut claimed, mut partial, mut ask) = (0u64, 0u64, 0usize, 0usize);
     for c in chunks {
         let w = written.get(&c.id);
         let records = w.map_or(0, |w| w.records);
@@ -173,15 +208,22 @@ fn render(
         }
         let _ = write!(text, " (quarantined: {})", c.reason);
         if records > 0 && may_be_stored(&c.reason) {
+            ask += 1;
             let _ = write!(
                 text,
                 "; the agent may have sent it before it was quarantined (its answer lost, then its bytes went bad, or \
-                 the ingest's limit lowered since): look for these records at the ingest before pushing them again"
+                 the ingest's limit lowered since): before pushing these records again, ask the ingest with\n    {}",
+                stored_command(origin, c)
             );
         }
         let _ = writeln!(text);
     }
-    let of = stream.map(|s| format!(" of stream {s:?}")).unwrap_or_default();
+    let of = match (select.stream, select.seq) {
+        (Some(s), Some(seq)) => format!(" of stream {s:?}, seq {seq}"),
+        (Some(s), None) => format!(" of stream {s:?}"),
+        (None, Some(seq)) => format!(" of seq {seq}"),
+        (None, None) => String::new(),
+    };
     let _ = write!(text, "{}: exported {total} records of {} quarantined chunk(s){of}", path.display(), chunks.len());
     if partial == 0 {
         let _ = writeln!(text);
@@ -190,6 +232,13 @@ fn render(
             text,
             "; {partial} chunk(s) not in full ({} of their records are not exported, see above)",
             claimed.saturating_sub(total)
+        );
+    }
+    if ask > 0 {
+        let _ = writeln!(
+            text,
+            "{ask} chunk(s) may be stored at the ingest already: where `edge-ingest stored` exits 0 (stored), leave \
+             that chunk's records out of the push (`--stream S --seq N` exports one chunk alone)"
         );
     }
     (text, partial == 0)

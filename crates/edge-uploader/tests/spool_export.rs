@@ -104,9 +104,30 @@ fn exports_every_intact_batch_of_the_quarantined_chunks_only_and_names_what_it_c
     assert!(err.contains(&format!("batch {bad_batch}: crc32c stored")), "{err}");
     // Its bytes went bad in the spool: the agent may have sent it before, and the report says so.
     assert!(err.contains("(quarantined: corrupt in spool: test); the agent may have sent it before"), "{err}");
+    // With the command that asks the ingest, keyed by this spool's id; under --spool there is no
+    // certificate to take the device id from, so that is left for the operator to fill in.
+    let ask = format!(
+        "edge-ingest stored --config /etc/edge-ingest/edge-ingest.toml --device <the device id: the common name of \
+         upload.cert> --stream damaged --spool {} --seq 1",
+        spool.id()
+    );
+    assert!(err.contains(&format!("ask the ingest with\n    {ask}\n")), "{err}");
+    assert_eq!(err.matches("edge-ingest stored --").count(), 1, "only the chunk that may be stored: {err}");
+    assert!(err.contains("1 chunk(s) may be stored at the ingest already"), "{err}");
     assert!(!err.contains("(quarantined: rejected by the server: bad records);"), "refused: not stored: {err}");
     assert!(err.contains(&format!("chunk {} (stream rejected, seq 1): 3 records exported", rejected.id.0)), "{err}");
     assert!(err.contains("exported 6 records of 2 quarantined chunk(s); 1 chunk(s) not in full"), "{err}");
+
+    // One chunk alone, by stream and seq; a seq without its stream is a usage error.
+    let (code, out, err) = export(&path, &["--stream", "damaged", "--seq", "1", "--format", "raw"]);
+    assert_eq!(code, 1, "{err}");
+    assert_eq!(raw_records(&out), want[..3].to_vec(), "{err}");
+    assert!(err.contains("of 1 quarantined chunk(s) of stream \"damaged\", seq 1;"), "{err}");
+    let (code, out, err) = export(&path, &["--stream", "damaged", "--seq", "2"]);
+    assert_eq!((code, out.len()), (0, 0), "no such chunk in quarantine: {err}");
+    let (code, _, err) = export(&path, &["--seq", "1"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--stream"), "{err}");
 
     // NDJSON, one stream: the batch holding a newline is named, not written.
     let (code, out, err) = export(&path, &["--stream", "rejected"]);
