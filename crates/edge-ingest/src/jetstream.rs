@@ -496,13 +496,13 @@ fn message_id(key: &ChunkKey) -> String {
 /// What the stream holds of one chunk ([`lookup`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Held {
-    /// Parts the chunk was cut into, as its stored parts' `Edge-Part` headers say; 0 when none
-    /// is stored.
+    /// Parts the chunk was cut into, as its stored parts' `Edge-Part` headers say.
     pub parts: usize,
     /// The numbers of the parts stored (from 1), ascending.
     pub found: Vec<usize>,
-    /// Records in the stored parts, as their `Edge-Records` headers say.
-    pub records: u64,
+    /// Records in the stored parts, as their `Edge-Records` headers say; `None` when a part
+    /// has no such header (a message this sink did not publish).
+    pub records: Option<u64>,
 }
 
 impl Held {
@@ -512,9 +512,17 @@ impl Held {
     }
 }
 
-/// Which parts of the chunk `key` the stream of `opts` holds: a read, for `edge-ingest stored`.
-/// Connects once, within `opts.connect_timeout`, and does not wait for NATS beyond that.
-pub async fn lookup(opts: &JetStreamOptions, key: &ChunkKey) -> Result<Held, JetStreamError> {
+/// Which parts of the chunk `(device, stream, spool, seq)` the stream of `opts` holds, by spool
+/// id (32 hex digits, ascending; every spool's chunk of that seq when `spool` is `None`; none
+/// when nothing is stored): a read, for `edge-ingest stored`. Connects once, within
+/// `opts.connect_timeout`, and does not wait for NATS beyond that.
+pub async fn lookup(
+    opts: &JetStreamOptions,
+    device: &str,
+    stream: &str,
+    spool: Option<&[u8; 16]>,
+    seq: u64,
+) -> Result<Vec<(String, Held)>, JetStreamError> {
     use futures_util::TryStreamExt as _;
     let (addrs, connect) = connect_options(opts)?;
     let client = connect
@@ -523,25 +531,31 @@ pub async fn lookup(opts: &JetStreamOptions, key: &ChunkKey) -> Result<Held, Jet
         .map_err(|e| JetStreamError::Request(format!("connecting to {}: {e}", shown(&opts.servers))))?;
     let mut js = jetstream::new(client);
     js.set_timeout(opts.ack_timeout);
-    let stream = js
+    let js_stream = js
         .get_stream(&opts.stream)
         .await
         .map_err(|e| JetStreamError::Request(format!("stream {:?}: {e}", opts.stream)))?;
-    let prefix = format!("{}.{}.", opts.subject_prefix, message_id(key));
-    let filter = format!("{prefix}*");
-    let subjects: Vec<(String, usize)> = stream
+    let spool_token = spool.map_or_else(|| "*".to_owned(), |s| hex(s));
+    let filter = format!("{}.{}.{}.{spool_token}.{seq}.*", opts.subject_prefix, token(device), token(stream));
+    let subjects: Vec<(String, usize)> = js_stream
         .info_with_subjects(&filter)
         .await
         .map_err(|e| JetStreamError::Request(format!("listing the subjects {filter}: {e}")))?
         .try_collect()
         .await
         .map_err(|e| JetStreamError::Request(format!("listing the subjects {filter}: {e}")))?;
-    let mut held = Held { parts: 0, found: Vec::new(), records: 0 };
+    let mut by_spool: std::collections::BTreeMap<String, Held> = std::collections::BTreeMap::new();
     for (subject, _) in subjects {
-        let Some(n) = subject.strip_prefix(&prefix).and_then(|n| n.parse::<usize>().ok()) else {
+        // `<prefix>.<device>.<stream>.<spool>.<seq>.<part>`: the tokens are escaped, so the
+        // last three are the spool, the seq and the part.
+        let mut tail = subject.rsplitn(4, '.');
+        let (Some(part), Some(_seq), Some(spool)) = (tail.next(), tail.next(), tail.next()) else {
             continue;
         };
-        let msg = stream
+        let Ok(n) = part.parse::<usize>() else {
+            continue;
+        };
+        let msg = js_stream
             .get_last_raw_message_by_subject(&subject)
             .await
             .map_err(|e| JetStreamError::Request(format!("reading {subject}: {e}")))?;
@@ -550,12 +564,19 @@ pub async fn lookup(opts: &JetStreamOptions, key: &ChunkKey) -> Result<Held, Jet
         let Some(total) = total else {
             return Err(JetStreamError::Request(format!("{subject} has no Edge-Part header of the form n/total")));
         };
+        let held = by_spool.entry(spool.to_owned()).or_insert(Held { parts: 0, found: Vec::new(), records: Some(0) });
         held.parts = held.parts.max(total);
-        held.records += header("Edge-Records").and_then(|r| r.parse::<u64>().ok()).unwrap_or(0);
+        let records = header("Edge-Records").and_then(|r| r.parse::<u64>().ok());
+        held.records = held.records.zip(records).map(|(a, b)| a + b);
         held.found.push(n);
     }
-    held.found.sort_unstable();
-    Ok(held)
+    Ok(by_spool
+        .into_iter()
+        .map(|(spool, mut held)| {
+            held.found.sort_unstable();
+            (spool, held)
+        })
+        .collect())
 }
 
 /// Whether a publish was refused because the stream already holds a message on its subject.

@@ -86,9 +86,10 @@ enum Command {
     },
     /// Whether one chunk is stored, by its key: for a chunk an agent holds in quarantine that
     /// it may have sent before (`edge-uploader spool export-quarantined` names them). Reads
-    /// the sink of the config, or the store in --data-dir. Exit 0 stored in full, 1 not stored
-    /// or only in part, 2 usage error, 3 could not tell (the store or NATS could not be read),
-    /// 78 configuration error.
+    /// the sink of the config, or the store in --data-dir. Without --spool, every spool's
+    /// chunk of that device, stream and seq is listed. Exit 0 stored in full, 1 not stored, 2
+    /// usage error, 3 could not tell (the store or NATS could not be read, or the store has
+    /// damaged regions the chunk may be in), 4 only in part (JetStream), 78 configuration error.
     Stored {
         /// Config file whose `[sink]` and `[store] data_dir` say where to look.
         #[arg(long, short, conflicts_with = "data_dir")]
@@ -100,9 +101,9 @@ enum Command {
         device: String,
         #[arg(long)]
         stream: String,
-        /// The spool id, 32 hex digits.
+        /// The spool id, 32 hex digits; without it, every spool's chunk of that seq.
         #[arg(long)]
-        spool: String,
+        spool: Option<String>,
         #[arg(long)]
         seq: u64,
     },
@@ -207,7 +208,7 @@ fn main() -> ExitCode {
             report(export(data_dir, ExportFilter { device, stream, spool, seq }, format))
         }
         Command::Stored { config, data_dir, device, stream, spool, seq } => {
-            stored(config, data_dir, device, stream, &spool, seq)
+            stored(config, data_dir, device, stream, spool.as_deref(), seq)
         }
     }
 }
@@ -454,37 +455,31 @@ fn export(data_dir: PathBuf, filter: ExportFilter, format: Format) -> anyhow::Re
 }
 
 /// `edge-ingest stored`: prints whether the chunk of that key is stored and returns the exit
-/// code (0 whole, 1 not or in part, 2 usage, 3 could not tell, 78 configuration).
+/// code (see the command's doc).
 fn stored(
     config: Option<PathBuf>,
     data_dir: Option<PathBuf>,
     device: String,
     stream: String,
-    spool: &str,
+    spool: Option<&str>,
     seq: u64,
 ) -> ExitCode {
-    let spool = match edge_ingest::server::parse_spool_id(spool) {
+    let spool = match spool.map(edge_ingest::server::parse_spool_id).transpose() {
         Ok(spool) => spool,
         Err(e) => {
             eprintln!("edge-ingest: --spool: {e}");
             return ExitCode::from(EXIT_USAGE);
         }
     };
-    let key = edge_ingest::store::ChunkKey { device, spool, stream, seq };
-    let shown = format!(
-        "chunk (device {:?}, stream {:?}, spool {}, seq {seq})",
-        key.device,
-        key.stream,
-        edge_ingest::server::hex(&key.spool)
-    );
+    let asked = Asked { device, stream, spool, seq };
     let found = match data_dir {
-        Some(dir) => stored_in_files(&dir, &key),
+        Some(dir) => stored_in_files(&dir, &asked),
         // Only the sink's settings are read (as the service has them): the TLS files are the
         // server's business.
         None => match config::load_as_service(config.as_deref()) {
             Ok(cfg) => match cfg.sink {
-                config::SinkOptions::Files => stored_in_files(&cfg.store.data_dir, &key),
-                config::SinkOptions::JetStream(opts) => stored_in_jetstream(&opts, &key),
+                config::SinkOptions::Files => stored_in_files(&cfg.store.data_dir, &asked),
+                config::SinkOptions::JetStream(opts) => stored_in_jetstream(&opts, &asked),
             },
             Err(e) => {
                 eprintln!("edge-ingest: invalid config: {}", edge_telemetry::logging::error_chain(e.as_ref()));
@@ -493,16 +488,18 @@ fn stored(
         },
     };
     match found {
-        Ok((true, what)) => {
-            println!("{shown}: stored{what}");
-            ExitCode::SUCCESS
-        }
-        Ok((false, what)) => {
-            println!("{shown}: {what}");
-            ExitCode::FAILURE
+        Ok(found) => {
+            for line in &found.lines {
+                println!("{line}");
+            }
+            ExitCode::from(found.code)
         }
         Err(e) => {
-            eprintln!("edge-ingest: looking up {shown}: {}", edge_telemetry::logging::error_chain(e.as_ref()));
+            eprintln!(
+                "edge-ingest: looking up {}: {}",
+                asked.shown(None),
+                edge_telemetry::logging::error_chain(e.as_ref())
+            );
             ExitCode::from(EXIT_LOOKUP_FAILED)
         }
     }
@@ -511,68 +508,128 @@ fn stored(
 /// Exit code of a command line that does not parse, as clap exits for its own usage errors.
 const EXIT_USAGE: u8 = 2;
 
-/// `edge-ingest stored`'s exit code when it could not tell (the store or NATS could not be read).
+/// `edge-ingest stored`'s exit code when it could not tell.
 const EXIT_LOOKUP_FAILED: u8 = 3;
 
-/// Whether the file store in `dir` holds the chunk `key` whole, and what to say of it.
-fn stored_in_files(dir: &std::path::Path, key: &edge_ingest::store::ChunkKey) -> anyhow::Result<(bool, String)> {
+/// `edge-ingest stored`'s exit code when JetStream holds some of the chunk's parts only.
+const EXIT_IN_PART: u8 = 4;
+
+/// The chunk `edge-ingest stored` asks about; `spool` `None` for every spool's.
+struct Asked {
+    device: String,
+    stream: String,
+    spool: Option<[u8; 16]>,
+    seq: u64,
+}
+
+impl Asked {
+    /// The chunk as the output names it, in the spool of hex id `spool` (or the one asked for).
+    fn shown(&self, spool: Option<&str>) -> String {
+        let asked = self.spool.as_ref().map(|s| edge_ingest::server::hex(s));
+        let spool = spool.or(asked.as_deref()).unwrap_or("any");
+        format!("chunk (device {:?}, stream {:?}, spool {spool}, seq {})", self.device, self.stream, self.seq)
+    }
+}
+
+/// What `edge-ingest stored` prints, and its exit code.
+struct Found {
+    lines: Vec<String>,
+    code: u8,
+}
+
+impl Found {
+    fn not_stored(asked: &Asked, place: String) -> Self {
+        Found { lines: vec![format!("{}: not stored in {place}", asked.shown(None))], code: 1 }
+    }
+}
+
+/// Whether the file store in `dir` holds the chunk: one line per spool's chunk found. A store
+/// that has no segments directory, or damaged regions the chunk may be in, cannot tell.
+fn stored_in_files(dir: &std::path::Path, asked: &Asked) -> anyhow::Result<Found> {
+    let segments = dir.join(edge_ingest::store::format::SEGMENTS_DIR);
+    anyhow::ensure!(
+        segments.is_dir(),
+        "{} is not an ingest store: it has no {} directory (the config's [store] data_dir, or --data-dir, names \
+         another directory?)",
+        dir.display(),
+        edge_ingest::store::format::SEGMENTS_DIR
+    );
     let filter = ExportFilter {
-        device: Some(key.device.clone()),
-        stream: Some(key.stream.clone()),
-        spool: Some(key.spool),
-        seq: Some(key.seq),
+        device: Some(asked.device.clone()),
+        stream: Some(asked.stream.clone()),
+        spool: asked.spool,
+        seq: Some(asked.seq),
     };
-    let mut found = None;
+    let mut lines = Vec::new();
     let report = edge_ingest::store::export(dir, &filter, |chunk| {
-        found = Some((chunk.records.len(), chunk.stored_ms, chunk.segment));
+        let at = humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + Duration::from_millis(chunk.stored_ms));
+        lines.push(format!(
+            "{}: stored, {} records, at {at} (the server's clock), in segment {} of {}",
+            asked.shown(Some(&edge_ingest::server::hex(&chunk.key.spool))),
+            chunk.records.len(),
+            chunk.segment,
+            dir.display()
+        ));
         Ok(())
     })
     .with_context(|| format!("reading the store in {}", dir.display()))?;
-    Ok(match found {
-        Some((records, stored_ms, segment)) => {
-            let at = humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + Duration::from_millis(stored_ms));
-            (
-                true,
-                format!(", {records} records, at {at} (the server's clock), in segment {segment} of {}", dir.display()),
-            )
+    if !lines.is_empty() {
+        if asked.spool.is_none() && lines.len() > 1 {
+            lines.push(
+                "several spools hold this seq of the stream: each spool numbers its own chunks, so only the one \
+                 under the agent's spool id is its chunk"
+                    .into(),
+            );
         }
-        None if report.corrupt > 0 => (
-            false,
-            format!(
-                "an entry of it is in {} but does not read back whole (its checksum or its decoding fails, logged                  above): the store cannot give its records back",
-                dir.display()
-            ),
-        ),
-        None => (false, format!("not stored in {}", dir.display())),
-    })
+        return Ok(Found { lines, code: 0 });
+    }
+    // The last segment's tail is the commit being written while a server runs; anything else
+    // that did not parse, or an entry of this key that does not read back, may be the chunk.
+    anyhow::ensure!(
+        report.corrupt == 0 && report.corrupt_regions == 0,
+        "not found, but the store cannot rule it out: {} entries of it do not read back whole (checksum or \
+         decoding), and {} regions of {} bytes do not parse",
+        report.corrupt,
+        report.corrupt_regions,
+        report.corrupt_bytes
+    );
+    Ok(Found::not_stored(asked, dir.display().to_string()))
 }
 
-/// Whether the JetStream stream of `opts` holds every part of the chunk `key`, and what to say.
-fn stored_in_jetstream(
-    opts: &edge_ingest::jetstream::JetStreamOptions,
-    key: &edge_ingest::store::ChunkKey,
-) -> anyhow::Result<(bool, String)> {
+/// Whether the JetStream stream of `opts` holds every part of the chunk: one line per spool's
+/// chunk found. Exit 0 when one is whole, 4 when some are there only in part.
+fn stored_in_jetstream(opts: &edge_ingest::jetstream::JetStreamOptions, asked: &Asked) -> anyhow::Result<Found> {
     let rt =
         tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the tokio runtime")?;
-    let held = rt.block_on(edge_ingest::jetstream::lookup(opts, key)).with_context(|| {
+    let lookup = edge_ingest::jetstream::lookup(opts, &asked.device, &asked.stream, asked.spool.as_ref(), asked.seq);
+    let found = rt.block_on(lookup).with_context(|| {
         format!("in JetStream stream {:?} on {}", opts.stream, edge_ingest::jetstream::shown(&opts.servers))
     })?;
     let stream = &opts.stream;
-    Ok(if held.whole() {
-        (true, format!(", {} records in {} part(s), in JetStream stream {stream:?}", held.records, held.parts))
-    } else if held.found.is_empty() {
-        (false, format!("not stored in JetStream stream {stream:?}"))
-    } else {
-        let found: Vec<String> = held.found.iter().map(usize::to_string).collect();
-        (
-            false,
-            format!(
-                "only in part in JetStream stream {stream:?}: part(s) {} of {}, {} records; the records of the \
-                 other parts are not stored",
-                found.join(", "),
-                held.parts,
-                held.records
-            ),
-        )
-    })
+    if found.is_empty() {
+        return Ok(Found::not_stored(asked, format!("JetStream stream {stream:?}")));
+    }
+    let mut code = EXIT_IN_PART;
+    let mut lines = Vec::new();
+    for (spool, held) in &found {
+        let records = held.records.map_or_else(|| "records not counted".to_owned(), |r| format!("{r} records"));
+        if held.whole() {
+            code = 0;
+            lines.push(format!(
+                "{}: stored, {records} in {} part(s), in JetStream stream {stream:?}",
+                asked.shown(Some(spool)),
+                held.parts
+            ));
+        } else {
+            let parts: Vec<String> = held.found.iter().map(usize::to_string).collect();
+            lines.push(format!(
+                "{}: only in part in JetStream stream {stream:?}: part(s) {} of {} ({records}); the other parts' \
+                 records are not stored, and pushing all of the chunk's records again would store these parts' twice",
+                asked.shown(Some(spool)),
+                parts.join(", "),
+                held.parts
+            ));
+        }
+    }
+    Ok(Found { lines, code })
 }

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use async_nats::jetstream::stream::{Config as StreamConfig, DiscardPolicy, RetentionPolicy, StorageType};
-use edge_ingest::jetstream::{JetStreamError, JetStreamOptions, JetStreamSink, lookup};
+use edge_ingest::jetstream::{Held, JetStreamError, JetStreamOptions, JetStreamSink, lookup};
 use edge_ingest::store::{ChunkKey, IncomingChunk, Payload, PersistOutcome, StoreFailure};
 use edge_proto::Codec;
 use edge_proto::records::encode_record;
@@ -76,7 +76,19 @@ async fn a_chunk_is_stored_once_whichever_ingest_server_receives_it() {
     let c = chunk("gw.01", "temp.c", 42, &recs);
     assert_eq!(a.persist(c.clone()).await, PersistOutcome::Stored);
     assert_eq!(b.persist(c.clone()).await, PersistOutcome::Duplicate);
-    assert_eq!(a.persist(c).await, PersistOutcome::Duplicate);
+    assert_eq!(a.persist(c.clone()).await, PersistOutcome::Duplicate);
+    // `edge-ingest stored` finds it by the names as they are (escaped in the subject as
+    // `publish` escapes them), by its spool or by any spool, and nothing at another seq.
+    let o = opts(&stream, &prefix);
+    let whole = Held { parts: 1, found: vec![1], records: Some(5) };
+    let spool = "07".repeat(16);
+    assert_eq!(
+        lookup(&o, "gw.01", "temp.c", Some(&c.key.spool), 42).await.expect("lookup"),
+        vec![(spool.clone(), whole.clone())]
+    );
+    assert_eq!(lookup(&o, "gw.01", "temp.c", None, 42).await.expect("lookup"), vec![(spool, whole)]);
+    assert_eq!(lookup(&o, "gw.01", "temp.c", None, 43).await.expect("lookup"), vec![]);
+    assert_eq!(lookup(&o, "gw%2E01", "temp.c", None, 42).await.expect("lookup"), vec![], "no unescaped match");
 
     let msgs = nats::messages(&js, &stream).await.expect("read back");
     nats::delete_stream(&js, &stream).await;
@@ -143,17 +155,17 @@ async fn a_large_chunk_is_cut_into_parts_and_a_partial_resend_completes_it() {
         .expect("ack");
     // `edge-ingest stored` sees the one part, and that it is one of four.
     let o = opts(&stream, &prefix);
-    let held = lookup(&o, &c.key).await.expect("lookup");
-    assert_eq!((held.parts, held.found.as_slice(), held.whole()), (4, &[1][..], false), "{held:?}");
+    let held = |found: Vec<(String, Held)>| found.into_iter().map(|(_, h)| h).collect::<Vec<_>>();
+    let one = held(lookup(&o, "gw-03", "big", Some(&c.key.spool), 7).await.expect("lookup"));
+    // The hand-made part 1 has no Edge-Records header: the records are not counted.
+    assert_eq!(one, vec![Held { parts: 4, found: vec![1], records: None }]);
+    assert!(!one[0].whole());
     assert_eq!(sink.persist(c.clone()).await, PersistOutcome::Stored, "parts 2 to 4 are new");
     assert_eq!(sink.persist(c.clone()).await, PersistOutcome::Duplicate, "all four are stored now");
-    let held = lookup(&o, &c.key).await.expect("lookup");
-    assert_eq!((held.parts, held.found.as_slice(), held.whole()), (4, &[1, 2, 3, 4][..], true), "{held:?}");
-    // The hand-made part 1 has no Edge-Records header; the sink's three parts hold the other 7.
-    assert_eq!(held.records, 7);
-    let other = ChunkKey { seq: 8, ..c.key.clone() };
-    let held = lookup(&o, &other).await.expect("lookup");
-    assert_eq!((held.parts, held.found.len(), held.whole()), (0, 0, false), "{held:?}");
+    let all = held(lookup(&o, "gw-03", "big", Some(&c.key.spool), 7).await.expect("lookup"));
+    assert_eq!(all, vec![Held { parts: 4, found: vec![1, 2, 3, 4], records: None }]);
+    assert!(all[0].whole());
+    assert_eq!(lookup(&o, "gw-03", "big", Some(&c.key.spool), 8).await.expect("lookup"), vec![]);
     let after = nats::messages(&js, &stream).await.expect("read back");
     nats::delete_stream(&js, &stream).await;
     assert_eq!(after.len(), 4, "each part exactly once");

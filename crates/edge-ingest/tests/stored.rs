@@ -1,5 +1,7 @@
 //! `edge-ingest stored`: whether one chunk is in the file store, by its key, from the command
-//! line, with the exit codes scripts rely on (0 stored, 1 not, 2 usage, 3 could not tell).
+//! line, with the exit codes scripts rely on (0 stored, 1 not, 2 usage, 3 could not tell), and
+//! through a config as the operator runs it (the JetStream sink's lookup itself is tested in
+//! `jetstream.rs`).
 
 use std::path::Path;
 use std::process::Command;
@@ -12,12 +14,16 @@ const BIN: &str = env!("CARGO_BIN_EXE_edge-ingest");
 const SPOOL: [u8; 16] = [0x5a; 16];
 
 fn chunk(seq: u64, records: usize) -> IncomingChunk {
+    chunk_of(SPOOL, seq, records)
+}
+
+fn chunk_of(spool: [u8; 16], seq: u64, records: usize) -> IncomingChunk {
     let mut payload = Vec::new();
     for i in 0..records {
         encode_record(&mut payload, format!("{{\"seq\":{seq},\"i\":{i}}}").as_bytes());
     }
     IncomingChunk {
-        key: ChunkKey { device: "gw-1".into(), spool: SPOOL, stream: "temp.c".into(), seq },
+        key: ChunkKey { device: "gw-1".into(), spool, stream: "temp.c".into(), seq },
         records: u32::try_from(records).expect("small"),
         codec: Codec::None,
         raw_len: u32::try_from(payload.len()).expect("small"),
@@ -63,20 +69,82 @@ fn a_stored_chunk_a_missing_one_and_a_damaged_one_are_told_apart_by_exit_code() 
     let other_spool = "5b".repeat(16);
     assert_eq!(stored(&key_args(data, &other_spool, "2")).0, 1, "another spool's seq 2 is not this one");
 
-    // Chunk 3's bytes go bad in the store: there, but its records cannot be had.
+    // Without --spool: every spool's chunk of that seq, each named by its spool.
+    let mut store = Store::open(StoreOptions::new(dir.path())).expect("reopen").0;
+    assert_eq!(store.persist(vec![chunk_of([0x5b; 16], 2, 1)]), vec![PersistOutcome::Stored]);
+    drop(store);
+    let any = ["--data-dir", data, "--device", "gw-1", "--stream", "temp.c", "--seq", "2"];
+    let (code, out, err) = stored(&any);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains(&format!("spool {spool}, seq 2): stored, 4 records")), "{out}");
+    assert!(out.contains(&format!("spool {other_spool}, seq 2): stored, 1 records")), "{out}");
+    assert!(out.contains("several spools hold this seq"), "{out}");
+
+    // Chunk 3's payload goes bad in the store: its entry is there, its records cannot be had,
+    // so the store cannot say it is stored, nor that it is not.
+    let (segment, header, payload) = located(dir.path(), 3);
+    flip(dir.path(), segment, payload + 2);
+    let (code, out, err) = stored(&key_args(data, &spool, "3"));
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(err.contains("cannot rule it out: 1 entries of it do not read back whole"), "{err}");
+    assert_eq!(stored(&key_args(data, &spool, "2")).0, 0, "its neighbour is unharmed");
+    // A damaged entry header makes a region that does not parse: whatever was asked for, and
+    // was not found, may be in it.
+    flip(dir.path(), segment, payload + 2);
+    flip(dir.path(), segment, header + 14);
+    for seq in ["3", "9"] {
+        let (code, out, err) = stored(&key_args(data, &spool, seq));
+        assert_eq!(code, 3, "seq {seq}: {out}{err}");
+        assert!(err.contains("1 regions of"), "{err}");
+    }
+    assert_eq!(stored(&key_args(data, &spool, "2")).0, 0, "found where it is whole");
+}
+
+/// Segment, entry offset and payload offset of the chunk of `seq` in the store at `dir`.
+fn located(dir: &Path, seq: u64) -> (u64, u64, u64) {
     let mut at = None;
-    let filter = ExportFilter { seq: Some(3), ..ExportFilter::default() };
-    export(dir.path(), &filter, |c| {
-        at = Some((c.segment, c.offset + edge_ingest::store::format::entry_header_len(c.key) as u64));
+    let filter = ExportFilter { seq: Some(seq), spool: Some(SPOOL), ..ExportFilter::default() };
+    export(dir, &filter, |c| {
+        at = Some((c.segment, c.offset, c.offset + edge_ingest::store::format::entry_header_len(c.key) as u64));
         Ok(())
     })
     .expect("export");
-    let (segment, payload) = at.expect("chunk 3 exported before the damage");
-    flip(dir.path(), segment, payload + 2);
-    let (code, out, err) = stored(&key_args(data, &spool, "3"));
-    assert_eq!(code, 1, "{out}{err}");
-    assert!(out.contains("does not read back whole"), "{out}");
-    assert_eq!(stored(&key_args(data, &spool, "2")).0, 0, "its neighbour is unharmed");
+    at.expect("the chunk is stored")
+}
+
+#[test]
+fn through_the_operators_config_with_the_file_sink_and_with_jetstream_out_of_reach() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let mut store = Store::open(StoreOptions::new(&data)).expect("open").0;
+    assert_eq!(store.persist(vec![chunk(1, 2)]), vec![PersistOutcome::Stored]);
+    drop(store);
+    // The server's TLS files must exist for the config to load, as for every command.
+    let pki = edge_transport::pki::InMemoryPki::generate(&["localhost"]).expect("pki");
+    let tls = pki.write_server_files(&dir.path().join("tls")).expect("server files");
+    let head = format!("[tls]\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\n", tls.cert, tls.key, tls.client_ca);
+    let files = dir.path().join("files.toml");
+    std::fs::write(&files, format!("{head}[store]\ndata_dir = {data:?}\n")).expect("write config");
+    let spool = "5a".repeat(16);
+    let ask = |config: &Path, seq: &str| {
+        let config = config.to_str().expect("utf-8").to_owned();
+        stored(&["--config", &config, "--device", "gw-1", "--stream", "temp.c", "--spool", &spool, "--seq", seq])
+    };
+    let (code, out, err) = ask(&files, "1");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("stored, 2 records"), "{out}");
+    assert_eq!(ask(&files, "2").0, 1);
+
+    // NATS where nothing listens: the lookup cannot tell, which is not "not stored".
+    let port = std::net::UdpSocket::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
+    let jetstream = dir.path().join("jetstream.toml");
+    let sink = format!(
+        "[sink]\nkind = \"jetstream\"\n[sink.jetstream]\nservers = [\"nats://127.0.0.1:{port}\"]\nconnect_timeout = \"1s\"\n"
+    );
+    std::fs::write(&jetstream, format!("{head}{sink}")).expect("write config");
+    let (code, out, err) = ask(&jetstream, "1");
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(err.contains(&format!("127.0.0.1:{port}")), "names the server: {err}");
 }
 
 #[test]
@@ -100,6 +168,10 @@ fn bad_keys_are_usage_errors_and_an_unreadable_store_is_not_a_verdict() {
     let (code, out, err) = stored(&key_args(missing.to_str().expect("utf-8"), &"5a".repeat(16), "1"));
     assert_eq!(code, 3, "could not tell, which is not 'not stored': {out}{err}");
     assert!(err.contains("no-such-store"), "names the directory: {err}");
+    // A directory that exists but is no store (a wrong data_dir) cannot tell either.
+    let (code, out, err) = stored(&key_args(data, &"5a".repeat(16), "1"));
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(err.contains("is not an ingest store: it has no segments directory"), "{err}");
 }
 
 fn flip(dir: &Path, segment: u64, offset: u64) {

@@ -131,8 +131,9 @@ enum SpoolCommand {
     /// Print the records of the chunks held in quarantine (every batch whose checksums pass),
     /// to look at them or push them again before a purge; each chunk, with what was exported of
     /// it and why it is in quarantine, goes to stderr. Read-only: safe while the agent runs.
-    /// Exit 0 every record exported, 1 some could not be (named on stderr), 78 usage or
-    /// configuration error.
+    /// Chunks that may be stored at the ingest already come with the `edge-ingest stored`
+    /// command that asks it. Exit 0 every record exported, 1 some could not be (named on
+    /// stderr) or no chunk of --seq is in quarantine, 2 usage error, 78 configuration error.
     ExportQuarantined {
         /// Config file naming the spool (default /etc/edge-uploader/edge-uploader.toml).
         #[arg(long, short, conflicts_with = "spool")]

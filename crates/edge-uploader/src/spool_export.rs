@@ -16,8 +16,9 @@
 //! what was exported of it and why it is in quarantine, goes to standard error.
 //!
 //! Exit codes: 0 every record of every quarantined chunk exported (none in quarantine
-//! included), 1 some records could not be exported (named on standard error) or the output or
-//! the spool failed, 78 usage or configuration error (no such file).
+//! included), 1 some records could not be exported (named on standard error), the output or the
+//! spool failed, or no chunk of the `--seq` asked for is in quarantine, 78 configuration error
+//! (no such file); clap's usage errors exit 2.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -170,9 +171,10 @@ fn stored_command(origin: &Origin, c: &SalvagedChunk) -> String {
     let spool = origin
         .spool
         .map_or_else(|| "<the spool id: its row in the spool fails its checksum>".into(), |id| id.to_string());
+    // `--name=value`: a device id or a stream name may start with `-`.
     format!(
-        "edge-ingest stored --config /etc/edge-ingest/edge-ingest.toml --device {device} --stream {} --spool {spool} \
-         --seq {}",
+        "edge-ingest stored --config /etc/edge-ingest/edge-ingest.toml --device={device} --stream={} --spool={spool} \
+         --seq={}",
         c.stream, c.seq
     )
 }
@@ -238,8 +240,17 @@ fn render(
         let _ = writeln!(
             text,
             "{ask} chunk(s) may be stored at the ingest already: where `edge-ingest stored` exits 0 (stored), leave \
-             that chunk's records out of the push (`--stream S --seq N` exports one chunk alone)"
+             that chunk's records out of the push (`--stream S --seq N` exports one chunk alone); where it exits 4 \
+             (some parts in JetStream), pushing them again would store those parts' records twice. The spool id is \
+             the one the spool has now: if it took a new one since the chunk was sent (the agent logs it, and \
+             `status` says so for a while, when another gateway used its id), leave --spool out, and the ingest \
+             lists every spool's chunk of that seq"
         );
+    }
+    if let (Some(seq), true) = (select.seq, chunks.is_empty()) {
+        let of = select.stream.map(|s| format!(" of stream {s:?}")).unwrap_or_default();
+        let _ = writeln!(text, "no chunk{of} with seq {seq} is in quarantine");
+        return (text, false);
     }
     (text, partial == 0)
 }

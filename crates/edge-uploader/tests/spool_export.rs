@@ -107,8 +107,8 @@ fn exports_every_intact_batch_of_the_quarantined_chunks_only_and_names_what_it_c
     // With the command that asks the ingest, keyed by this spool's id; under --spool there is no
     // certificate to take the device id from, so that is left for the operator to fill in.
     let ask = format!(
-        "edge-ingest stored --config /etc/edge-ingest/edge-ingest.toml --device <the device id: the common name of \
-         upload.cert> --stream damaged --spool {} --seq 1",
+        "edge-ingest stored --config /etc/edge-ingest/edge-ingest.toml --device=<the device id: the common name of \
+         upload.cert> --stream=damaged --spool={} --seq=1",
         spool.id()
     );
     assert!(err.contains(&format!("ask the ingest with\n    {ask}\n")), "{err}");
@@ -124,7 +124,8 @@ fn exports_every_intact_batch_of_the_quarantined_chunks_only_and_names_what_it_c
     assert_eq!(raw_records(&out), want[..3].to_vec(), "{err}");
     assert!(err.contains("of 1 quarantined chunk(s) of stream \"damaged\", seq 1;"), "{err}");
     let (code, out, err) = export(&path, &["--stream", "damaged", "--seq", "2"]);
-    assert_eq!((code, out.len()), (0, 0), "no such chunk in quarantine: {err}");
+    assert_eq!((code, out.len()), (1, 0), "{err}");
+    assert!(err.ends_with("no chunk of stream \"damaged\" with seq 2 is in quarantine\n"), "{err}");
     let (code, _, err) = export(&path, &["--seq", "1"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--stream"), "{err}");
