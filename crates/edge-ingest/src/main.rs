@@ -88,8 +88,10 @@ enum Command {
     /// it may have sent before (`edge-uploader spool export-quarantined` names them). Reads
     /// the sink of the config, or the store in --data-dir. Without --spool, every spool's
     /// chunk of that device, stream and seq is listed. Exit 0 stored in full, 1 not stored, 2
-    /// usage error, 3 could not tell (the store or NATS could not be read, or the store has
-    /// damaged regions the chunk may be in), 4 only in part (JetStream), 78 configuration error.
+    /// usage error, 3 could not tell (the store or NATS could not be read, the store has
+    /// damaged regions the chunk may be in, or without --spool several spools' chunks, or
+    /// damage, leave open which one is the agent's), 4 only in part (JetStream), 78
+    /// configuration error.
     Stored {
         /// Config file whose `[sink]` and `[store] data_dir` say where to look.
         #[arg(long, short, conflicts_with = "data_dir")]
@@ -541,6 +543,37 @@ impl Found {
     fn not_stored(asked: &Asked, place: String) -> Self {
         Found { lines: vec![format!("{}: not stored in {place}", asked.shown(None))], code: 1 }
     }
+
+    /// The chunks found, as (line, whole): exit 4 when one is there only in part; asked
+    /// without a spool id, 0 only for one spool's chunk, whole, where nothing could hide
+    /// another (`damaged`), else 3, for which one is the agent's cannot be told here.
+    fn listed(asked: &Asked, found: Vec<(String, bool)>, damaged: bool) -> Self {
+        let in_part = found.iter().any(|(_, whole)| !whole);
+        let several = found.len() > 1;
+        let mut lines: Vec<String> = found.into_iter().map(|(line, _)| line).collect();
+        let code = if in_part {
+            EXIT_IN_PART
+        } else if asked.spool.is_some() {
+            0
+        } else if several {
+            lines.push(
+                "several spools hold this seq of the stream: each spool numbers its own chunks, so only the one \
+                 under the agent's spool id is its chunk; ask again with --spool"
+                    .into(),
+            );
+            EXIT_LOOKUP_FAILED
+        } else if damaged {
+            lines.push(
+                "the store has damaged regions, which may hold another spool's chunk of this seq: ask again with \
+                 --spool"
+                    .into(),
+            );
+            EXIT_LOOKUP_FAILED
+        } else {
+            0
+        };
+        Found { lines, code }
+    }
 }
 
 /// Whether the file store in `dir` holds the chunk: one line per spool's chunk found. A store
@@ -560,33 +593,28 @@ fn stored_in_files(dir: &std::path::Path, asked: &Asked) -> anyhow::Result<Found
         spool: asked.spool,
         seq: Some(asked.seq),
     };
-    let mut lines = Vec::new();
+    let mut found = Vec::new();
     let report = edge_ingest::store::export(dir, &filter, |chunk| {
         let at = humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + Duration::from_millis(chunk.stored_ms));
-        lines.push(format!(
+        let line = format!(
             "{}: stored, {} records, at {at} (the server's clock), in segment {} of {}",
             asked.shown(Some(&edge_ingest::server::hex(&chunk.key.spool))),
             chunk.records.len(),
             chunk.segment,
             dir.display()
-        ));
+        );
+        found.push((line, true));
         Ok(())
     })
     .with_context(|| format!("reading the store in {}", dir.display()))?;
-    if !lines.is_empty() {
-        if asked.spool.is_none() && lines.len() > 1 {
-            lines.push(
-                "several spools hold this seq of the stream: each spool numbers its own chunks, so only the one \
-                 under the agent's spool id is its chunk"
-                    .into(),
-            );
-        }
-        return Ok(Found { lines, code: 0 });
-    }
     // The last segment's tail is the commit being written while a server runs; anything else
     // that did not parse, or an entry of this key that does not read back, may be the chunk.
+    let damaged = report.corrupt > 0 || report.corrupt_regions > 0;
+    if !found.is_empty() {
+        return Ok(Found::listed(asked, found, damaged));
+    }
     anyhow::ensure!(
-        report.corrupt == 0 && report.corrupt_regions == 0,
+        !damaged,
         "not found, but the store cannot rule it out: {} entries of it do not read back whole (checksum or \
          decoding), and {} regions of {} bytes do not parse",
         report.corrupt,
@@ -609,27 +637,27 @@ fn stored_in_jetstream(opts: &edge_ingest::jetstream::JetStreamOptions, asked: &
     if found.is_empty() {
         return Ok(Found::not_stored(asked, format!("JetStream stream {stream:?}")));
     }
-    let mut code = EXIT_IN_PART;
     let mut lines = Vec::new();
     for (spool, held) in &found {
         let records = held.records.map_or_else(|| "records not counted".to_owned(), |r| format!("{r} records"));
         if held.whole() {
-            code = 0;
-            lines.push(format!(
+            let line = format!(
                 "{}: stored, {records} in {} part(s), in JetStream stream {stream:?}",
                 asked.shown(Some(spool)),
                 held.parts
-            ));
+            );
+            lines.push((line, true));
         } else {
             let parts: Vec<String> = held.found.iter().map(usize::to_string).collect();
-            lines.push(format!(
+            let line = format!(
                 "{}: only in part in JetStream stream {stream:?}: part(s) {} of {} ({records}); the other parts' \
                  records are not stored, and pushing all of the chunk's records again would store these parts' twice",
                 asked.shown(Some(spool)),
                 parts.join(", "),
                 held.parts
-            ));
+            );
+            lines.push((line, false));
         }
     }
-    Ok(Found { lines, code })
+    Ok(Found::listed(asked, lines, false))
 }
