@@ -207,9 +207,12 @@ fn main() -> ExitCode {
                     return ExitCode::from(EXIT_USAGE);
                 }
             };
+            // Entries the export skips are logged with their segment and offset: on stderr.
+            let _ = edge_telemetry::logging::init("warn", edge_telemetry::logging::LogFormat::Text);
             report(export(data_dir, ExportFilter { device, stream, spool, seq }, format))
         }
         Command::Stored { config, data_dir, device, stream, spool, seq } => {
+            let _ = edge_telemetry::logging::init("warn", edge_telemetry::logging::LogFormat::Text);
             stored(config, data_dir, device, stream, spool.as_deref(), seq)
         }
     }
@@ -452,8 +455,42 @@ fn export(data_dir: PathBuf, filter: ExportFilter, format: Format) -> anyhow::Re
     })
     .with_context(|| format!("exporting from {}", data_dir.display()))?;
     out.flush()?;
-    eprintln!("{report:?}");
+    eprintln!("{}", export_summary(&data_dir, &report));
     Ok(())
+}
+
+/// What `edge-ingest export` says on stderr when it is done: what it exported, and what it
+/// skipped (each skipped entry or region is logged above it with its segment and offset).
+fn export_summary(data_dir: &std::path::Path, r: &edge_ingest::store::ExportReport) -> String {
+    let mut text = format!(
+        "exported {} records of {} chunks ({} payload bytes) from {} segment(s) in {}",
+        r.records,
+        r.chunks,
+        r.bytes,
+        r.segments,
+        data_dir.display()
+    );
+    let mut skipped = Vec::new();
+    if r.corrupt > 0 {
+        skipped.push(format!(
+            "{} entries that do not read back whole ({} of them fail to decode, the rest their checksum)",
+            r.corrupt, r.decode_errors
+        ));
+    }
+    if r.corrupt_regions > 0 {
+        skipped.push(format!("{} regions of {} bytes that do not parse", r.corrupt_regions, r.corrupt_bytes));
+    }
+    if !skipped.is_empty() {
+        text.push_str("; skipped, as damaged: ");
+        text.push_str(&skipped.join(", "));
+    }
+    if r.tail_bytes > 0 {
+        text.push_str(&format!(
+            "; {} bytes at the end of the newest segment hold no whole entry (a commit being written, or torn)",
+            r.tail_bytes
+        ));
+    }
+    text
 }
 
 /// `edge-ingest stored`: prints whether the chunk of that key is stored and returns the exit

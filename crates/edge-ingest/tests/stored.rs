@@ -90,6 +90,20 @@ fn a_stored_chunk_a_missing_one_and_a_damaged_one_are_told_apart_by_exit_code() 
     let (code, out, err) = stored(&key_args(data, &spool, "3"));
     assert_eq!(code, 3, "{out}{err}");
     assert!(err.contains("cannot rule it out: 1 entries of it do not read back whole"), "{err}");
+    assert!(err.contains("payload checksum mismatch; chunk skipped"), "the entry is logged, with its place: {err}");
+    // `export` says what it skipped, in words.
+    let out = Command::new(BIN).args(["export", "--data-dir", data, "--format", "raw"]).output().expect("export");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("payload checksum mismatch; chunk skipped"), "{err}");
+    assert!(
+        err.contains(&format!(
+            "exported 9 records of 3 chunks ({} payload bytes) from 1 segment(s) in {data}; skipped, as damaged: 1 \
+             entries that do not read back whole (0 of them fail to decode, the rest their checksum)",
+            out.stdout.len()
+        )),
+        "{err}"
+    );
     assert_eq!(stored(&key_args(data, &spool, "2")).0, 0, "its neighbour is unharmed");
     // A damaged entry header makes a region that does not parse: whatever was asked for, and
     // was not found, may be in it.
