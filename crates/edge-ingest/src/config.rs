@@ -208,8 +208,8 @@ pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
 }
 
 /// [`load`] for commands that look at what the service uses (`stored`): for the packaged config,
-/// with the overrides of the service's environment file on top of this process's environment
-/// (`edge_telemetry::service_env`).
+/// with the overrides of the service's environment file, under this process's own, which win
+/// (`edge_telemetry::service_env::overrides`).
 pub fn load_as_service(path: Option<&Path>) -> anyhow::Result<Config> {
     let service = edge_telemetry::service_env::for_packaged_config(
         path,
