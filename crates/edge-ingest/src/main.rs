@@ -68,6 +68,8 @@ enum Command {
         command: PkiCommand,
     },
     /// Print stored records in order (device, spool, stream, sequence), each exactly once.
+    /// Exit 0 every record exported, 1 the export failed or skipped damaged entries or regions
+    /// (named on stderr; what was readable is exported), 2 usage error.
     Export {
         #[arg(long)]
         data_dir: PathBuf,
@@ -209,7 +211,11 @@ fn main() -> ExitCode {
             };
             // Entries the export skips are logged with their segment and offset: on stderr.
             let _ = edge_telemetry::logging::init("warn", edge_telemetry::logging::LogFormat::Text);
-            report(export(data_dir, ExportFilter { device, stream, spool, seq }, format))
+            match export(data_dir, ExportFilter { device, stream, spool, seq }, format) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::FAILURE,
+                Err(e) => report(Err(e)),
+            }
         }
         Command::Stored { config, data_dir, device, stream, spool, seq } => {
             let _ = edge_telemetry::logging::init("warn", edge_telemetry::logging::LogFormat::Text);
@@ -434,7 +440,8 @@ fn pki(cmd: PkiCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn export(data_dir: PathBuf, filter: ExportFilter, format: Format) -> anyhow::Result<()> {
+/// `edge-ingest export`; `Ok(false)` when it skipped damaged entries or regions.
+fn export(data_dir: PathBuf, filter: ExportFilter, format: Format) -> anyhow::Result<bool> {
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(1 << 20, stdout.lock());
     let report = edge_ingest::store::export(&data_dir, &filter, |chunk| {
@@ -456,7 +463,7 @@ fn export(data_dir: PathBuf, filter: ExportFilter, format: Format) -> anyhow::Re
     .with_context(|| format!("exporting from {}", data_dir.display()))?;
     out.flush()?;
     eprintln!("{}", export_summary(&data_dir, &report));
-    Ok(())
+    Ok(report.corrupt == 0 && report.corrupt_regions == 0)
 }
 
 /// What `edge-ingest export` says on stderr when it is done: what it exported, and what it
