@@ -442,6 +442,7 @@ fn pki(cmd: PkiCommand) -> anyhow::Result<()> {
 
 /// `edge-ingest export`; `Ok(false)` when it skipped damaged entries or regions.
 fn export(data_dir: PathBuf, filter: ExportFilter, format: Format) -> anyhow::Result<bool> {
+    ensure_store(&data_dir)?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(1 << 20, stdout.lock());
     let report = edge_ingest::store::export(&data_dir, &filter, |chunk| {
@@ -620,9 +621,9 @@ impl Found {
     }
 }
 
-/// Whether the file store in `dir` holds the chunk: one line per spool's chunk found. A store
-/// that has no segments directory, or damaged regions the chunk may be in, cannot tell.
-fn stored_in_files(dir: &std::path::Path, asked: &Asked) -> anyhow::Result<Found> {
+/// An error unless `dir` is an ingest store: every store the server opened has its segments
+/// directory, so a directory without one is another (a `data_dir` or `--data-dir` mistaken).
+fn ensure_store(dir: &std::path::Path) -> anyhow::Result<()> {
     let segments = dir.join(edge_ingest::store::format::SEGMENTS_DIR);
     anyhow::ensure!(
         segments.is_dir(),
@@ -631,6 +632,13 @@ fn stored_in_files(dir: &std::path::Path, asked: &Asked) -> anyhow::Result<Found
         dir.display(),
         edge_ingest::store::format::SEGMENTS_DIR
     );
+    Ok(())
+}
+
+/// Whether the file store in `dir` holds the chunk: one line per spool's chunk found. A store
+/// that has no segments directory, or damaged regions the chunk may be in, cannot tell.
+fn stored_in_files(dir: &std::path::Path, asked: &Asked) -> anyhow::Result<Found> {
+    ensure_store(dir)?;
     let filter = ExportFilter {
         device: Some(asked.device.clone()),
         stream: Some(asked.stream.clone()),

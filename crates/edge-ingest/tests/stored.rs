@@ -195,6 +195,11 @@ fn bad_keys_are_usage_errors_and_an_unreadable_store_is_not_a_verdict() {
     let (code, out, err) = stored(&key_args(data, &"5a".repeat(16), "1"));
     assert_eq!(code, 3, "{out}{err}");
     assert!(err.contains("is not an ingest store: it has no segments directory"), "{err}");
+    // `export` refuses it too, rather than export nothing as if the store were empty.
+    let out = Command::new(BIN).args(["export", "--data-dir", data]).output().expect("export");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("is not an ingest store"), "{err}");
 }
 
 fn flip(dir: &Path, segment: u64, offset: u64) {
