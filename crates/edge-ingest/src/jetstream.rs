@@ -490,7 +490,14 @@ fn connect_options(
 
 /// The subject tokens of a chunk after the prefix, without the part: `<device>.<stream>.<spool>.<seq>`.
 fn message_id(key: &ChunkKey) -> String {
-    format!("{}.{}.{}.{}", token(&key.device), token(&key.stream), hex(&key.spool), key.seq)
+    chunk_tokens(&key.device, &key.stream, &hex(&key.spool), key.seq)
+}
+
+/// `<device>.<stream>.<spool>.<seq>` with the names escaped and `spool` as given (32 hex digits,
+/// or `*` in a filter): the one place the subject layout is written, for [`message_id`] and
+/// [`lookup`].
+fn chunk_tokens(device: &str, stream: &str, spool: &str, seq: u64) -> String {
+    format!("{}.{}.{spool}.{seq}", token(device), token(stream))
 }
 
 /// What the stream holds of one chunk ([`lookup`]).
@@ -536,7 +543,7 @@ pub async fn lookup(
         .await
         .map_err(|e| JetStreamError::Request(format!("stream {:?}: {e}", opts.stream)))?;
     let spool_token = spool.map_or_else(|| "*".to_owned(), |s| hex(s));
-    let filter = format!("{}.{}.{}.{spool_token}.{seq}.*", opts.subject_prefix, token(device), token(stream));
+    let filter = format!("{}.{}.*", opts.subject_prefix, chunk_tokens(device, stream, &spool_token, seq));
     let subjects: Vec<(String, usize)> = js_stream
         .info_with_subjects(&filter)
         .await

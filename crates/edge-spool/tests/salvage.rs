@@ -22,6 +22,16 @@ fn two_quarantined(spool: &mut Spool) -> Vec<i64> {
     chunks.iter().map(|c| c.id.0).collect()
 }
 
+/// A new spool in a temporary directory with [`two_quarantined`] in it: the directory (kept
+/// alive), the file, the spool and the chunks' ids.
+fn two_quarantined_in_a_new_spool() -> (tempfile::TempDir, std::path::PathBuf, Spool, Vec<i64>) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("spool.db");
+    let (mut spool, _) = Spool::open(SpoolOptions::new(path.clone())).expect("open");
+    let ids = two_quarantined(&mut spool);
+    (dir, path, spool, ids)
+}
+
 #[test]
 fn a_chunk_whose_row_fails_its_checksum_hands_over_none_of_the_batches_it_names() {
     // The first chunk's row now names the second chunk's batches too: under its old checksum.
@@ -37,10 +47,7 @@ fn a_chunk_whose_row_fails_its_checksum_hands_over_none_of_the_batches_it_names(
 
 #[test]
 fn an_output_that_fails_stops_the_export_with_its_error() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("spool.db");
-    let (mut spool, _) = Spool::open(SpoolOptions::new(path.clone())).expect("open");
-    two_quarantined(&mut spool);
+    let (_dir, path, _spool, _) = two_quarantined_in_a_new_spool();
     let mut calls = 0;
     let err = export_quarantined(&path, Selection { stream: Some("s"), seq: None }, &mut |_, _, _| {
         calls += 1;
@@ -57,10 +64,7 @@ fn an_output_that_fails_stops_the_export_with_its_error() {
 
 #[test]
 fn a_selection_by_seq_exports_that_chunk_only_and_the_spool_id_comes_with_it() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("spool.db");
-    let (mut spool, _) = Spool::open(SpoolOptions::new(path.clone())).expect("open");
-    two_quarantined(&mut spool);
+    let (_dir, path, spool, _) = two_quarantined_in_a_new_spool();
     let id = spool.id();
     drop(spool);
     let mut got = Vec::new();
@@ -89,10 +93,7 @@ type Exported = (Vec<i64>, Vec<edge_spool::SalvagedChunk>, Vec<(i64, Vec<u8>, i6
 
 /// Damages the spool behind its back with `sql`, then exports everything.
 fn export_after(sql: &str) -> Exported {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("spool.db");
-    let (mut spool, _) = Spool::open(SpoolOptions::new(path.clone())).expect("open");
-    let ids = two_quarantined(&mut spool);
+    let (_dir, path, spool, ids) = two_quarantined_in_a_new_spool();
     drop(spool);
     let raw = rusqlite::Connection::open(&path).expect("raw connection");
     assert_eq!(raw.execute(sql, [ids[0]]).expect("damage"), 1, "{sql}");
