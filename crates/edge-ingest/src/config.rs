@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use bytesize::ByteSize;
@@ -204,27 +205,74 @@ pub struct Config {
 
 /// Reads and validates the config (file optional unless named explicitly).
 pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
-    load_with_env(path, None)
+    load_with_env(path, None, TlsFiles::Required)
 }
 
-/// [`load`] for commands that look at what the service uses (`stored`): for the packaged config,
-/// with the overrides of the service's environment file, under this process's own, which win
-/// (`edge_telemetry::service_env::overrides`).
+/// [`load`] for commands that look at what the service stored (`stored`): for the packaged
+/// config, with the overrides of the service's environment file, under this process's own, which
+/// win (`edge_telemetry::service_env::overrides`). The `[tls]` files, the server's to serve
+/// with, are not asked for (the sink's own, for NATS, are).
 pub fn load_as_service(path: Option<&Path>) -> anyhow::Result<Config> {
-    let service = edge_telemetry::service_env::for_packaged_config(
+    load_with_env(path, service_overrides(path), TlsFiles::NotNeeded)
+}
+
+/// [`load_checked`] with the overrides the packaged service gets ([`load_as_service`]): what
+/// `check-config` checks, so that it checks what `run` under the unit will get.
+pub fn load_checked_as_service(path: Option<&Path>) -> anyhow::Result<Config> {
+    let cfg = load_with_env(path, service_overrides(path), TlsFiles::Required)?;
+    check_tls(&cfg)?;
+    Ok(cfg)
+}
+
+fn service_overrides(path: Option<&Path>) -> Option<std::collections::HashMap<String, String>> {
+    edge_telemetry::service_env::for_packaged_config(
         path,
         Path::new(DEFAULT_CONFIG_PATH),
         Path::new(crate::status::SERVICE_ENV_FILE),
         ENV_PREFIX,
         "edge-ingest",
-    );
-    load_with_env(path, service)
+    )
+}
+
+/// What the packaged unit gives a stop (`TimeoutStopSec=` in `systemd/edge-ingest.service`)
+/// before it kills the server.
+pub const UNIT_STOP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The part of [`UNIT_STOP_TIMEOUT`] a shutdown needs after its grace: the last commit's sync.
+const STOP_AFTER_GRACE: Duration = Duration::from_secs(5);
+
+impl Config {
+    /// Settings that are valid but that the operator should look at, in words (`check-config`
+    /// prints them, `run` logs them).
+    pub fn notes(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        let grace = self.server.shutdown_grace;
+        if grace + STOP_AFTER_GRACE > UNIT_STOP_TIMEOUT {
+            notes.push(format!(
+                "server.shutdown_grace ({}) leaves less than {} of the packaged unit's TimeoutStopSec={} for the \
+                 last sync: systemd would kill the server mid-stop (nothing stored is lost; chunks still in flight \
+                 are sent again); raise TimeoutStopSec in a drop-in (systemctl edit edge-ingest) too",
+                humantime::format_duration(grace),
+                humantime::format_duration(STOP_AFTER_GRACE),
+                UNIT_STOP_TIMEOUT.as_secs()
+            ));
+        }
+        notes
+    }
+}
+
+/// Whether a load asks for the `[tls]` files to exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TlsFiles {
+    Required,
+    NotNeeded,
 }
 
 /// [`load`] with the environment `env_vars` instead of this process's, when given.
 fn load_with_env(
     path: Option<&Path>,
     env_vars: Option<std::collections::HashMap<String, String>>,
+    tls: TlsFiles,
 ) -> anyhow::Result<Config> {
     let (path, explicit) = match path {
         Some(p) => (p.to_path_buf(), true),
@@ -241,6 +289,8 @@ fn load_with_env(
             .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.to_string().trim_end()))?;
         builder = builder.add_source(config::File::from(path.as_path()).format(config::FileFormat::Toml));
     }
+    // The file alone parsed above: what fails from here on, the overrides caused.
+    let names = edge_telemetry::service_env::override_names(env_vars.as_ref(), ENV_PREFIX);
     // List keys take comma-separated values from the environment; the list parser needs
     // `try_parsing`, which also reads numbers and booleans as such (every key still accepts them).
     builder = builder.add_source(
@@ -253,12 +303,18 @@ fn load_with_env(
             .with_list_parse_key("sink.jetstream.servers")
             .source(env_vars.map(|m| m.into_iter().collect())),
     );
-    let raw: RawConfig = builder.build().and_then(|c| c.try_deserialize()).map_err(|e| {
-        anyhow::anyhow!("{}: {e}", if exists { path.display().to_string() } else { "environment".into() })
-    })?;
+    let raw: RawConfig =
+        builder.build().and_then(|c| c.try_deserialize()).map_err(|e| match (names.is_empty(), exists) {
+            (false, _) => anyhow::anyhow!("environment overrides ({}): {e}", names.join(", ")),
+            (true, true) => anyhow::anyhow!("{}: {e}", path.display()),
+            (true, false) => anyhow::anyhow!("{e}"),
+        })?;
     let origin = if exists { path.display().to_string() } else { "built-in defaults and environment".into() };
-    validate(raw, exists.then_some(path))
-        .map_err(|e| anyhow::anyhow!("{origin}: {}", edge_telemetry::logging::error_chain(e.as_ref())))
+    let valid = match tls {
+        TlsFiles::Required => validate(raw, exists.then_some(path)),
+        TlsFiles::NotNeeded => validate_settings(raw, exists.then_some(path)),
+    };
+    valid.map_err(|e| anyhow::anyhow!("{origin}: {}", edge_telemetry::logging::error_chain(e.as_ref())))
 }
 
 /// [`load`], then [`check_tls`]: what `check-config` and `run` accept.
@@ -281,8 +337,20 @@ pub fn check_tls(cfg: &Config) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("{origin}: [tls]: {}", edge_telemetry::logging::error_chain(&e)))
 }
 
-/// Turns a raw config into a runtime config, naming the key on every error.
+/// Turns a raw config into a runtime config, naming the key on every error; the `[tls]` files
+/// must exist.
 pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Config> {
+    for (key, p) in [("tls.cert", &raw.tls.cert), ("tls.key", &raw.tls.key), ("tls.client_ca", &raw.tls.client_ca)] {
+        edge_transport::check_regular_file(key, p).map_err(anyhow::Error::msg)?;
+    }
+    for p in &raw.tls.crls {
+        edge_transport::check_regular_file("tls.crls", p).map_err(anyhow::Error::msg)?;
+    }
+    validate_settings(raw, source)
+}
+
+/// [`validate`] without looking at the `[tls]` files.
+fn validate_settings(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Config> {
     let listen: SocketAddr =
         raw.server.listen.parse().map_err(|_| {
             anyhow::anyhow!("server.listen: {:?} is not an address like 0.0.0.0:4433", raw.server.listen)
@@ -301,16 +369,6 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
     }
     if raw.server.memory_budget.as_u64() < u64::from(max_chunk) {
         bail!("server.memory_budget must be at least server.max_chunk_bytes");
-    }
-    for (key, p) in [("tls.cert", &raw.tls.cert), ("tls.key", &raw.tls.key), ("tls.client_ca", &raw.tls.client_ca)] {
-        if !p.is_file() {
-            bail!("{key}: file {} does not exist or is not a regular file", p.display());
-        }
-    }
-    for p in &raw.tls.crls {
-        if !p.is_file() {
-            bail!("tls.crls: file {} does not exist or is not a regular file", p.display());
-        }
     }
     if raw.store.segment_max_bytes.as_u64() < 1 << 20 {
         bail!("store.segment_max_bytes: expected at least 1 MiB, got {}", raw.store.segment_max_bytes);
@@ -434,9 +492,7 @@ fn validate_sink(raw: &RawSink) -> anyhow::Result<SinkOptions> {
         if p.as_os_str().is_empty() {
             return Ok(None);
         }
-        if !p.is_file() {
-            bail!("sink.jetstream.{key}: file {} does not exist or is not a regular file", p.display());
-        }
+        edge_transport::check_regular_file(&format!("sink.jetstream.{key}"), p).map_err(anyhow::Error::msg)?;
         Ok(Some(p.to_path_buf()))
     };
     let tls_ca = file("tls_ca", &j.tls_ca)?;

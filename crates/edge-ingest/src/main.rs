@@ -175,8 +175,11 @@ fn main() -> ExitCode {
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
     match cli.command {
-        Command::CheckConfig { config } => match config::load_checked(config.as_deref()) {
+        Command::CheckConfig { config } => match config::load_checked_as_service(config.as_deref()) {
             Ok(c) => {
+                for note in c.notes() {
+                    eprintln!("edge-ingest: note: {note}");
+                }
                 println!("config ok{}", c.source.map(|p| format!(": {}", p.display())).unwrap_or_default());
                 ExitCode::SUCCESS
             }
@@ -239,6 +242,9 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
 }
 
 async fn run(cfg: config::Config) -> anyhow::Result<()> {
+    for note in cfg.notes() {
+        tracing::warn!("{note}");
+    }
     let metrics_listener = edge_ingest::metrics::bind(cfg.metrics_listen).await?;
     let store = open_sink(&cfg).await?;
     let mut server_config = edge_transport::server_config(&cfg.tls, &cfg.tuning)

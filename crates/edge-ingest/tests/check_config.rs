@@ -108,3 +108,43 @@ fn the_stream_cap_per_device_is_checked_with_its_name() {
         assert!(text.contains("max_index_streams_per_device"), "{bad}: names the key: {text}");
     }
 }
+
+/// A value the environment got wrong is blamed on the environment, by the variable's name, not
+/// on the config file, which is fine.
+#[test]
+fn an_override_that_does_not_parse_is_named_not_the_file() {
+    let (_dir, _tls, config) = valid_config();
+    let key = "EDGE_INGEST__SERVER__MAX_IN_FLIGHT";
+    let (code, text) = check_with(&config, &[(key, "lots")]);
+    assert_eq!(code, 78, "{text}");
+    assert!(text.contains(key) && text.contains("environment overrides"), "names the variable: {text}");
+    assert!(!text.contains(&config.display().to_string()), "does not blame the file: {text}");
+}
+
+/// A shutdown grace longer than the packaged unit's stop timeout allows is valid (a drop-in may
+/// raise the timeout) but comes with a note that says what to raise.
+#[test]
+fn a_shutdown_grace_past_the_units_stop_timeout_comes_with_a_note() {
+    let (_dir, _tls, config) = valid_config();
+    let key = "EDGE_INGEST__SERVER__SHUTDOWN_GRACE";
+    let (code, text) = check_with(&config, &[(key, "10s")]);
+    assert_eq!(code, 0, "{text}");
+    assert!(!text.contains("note:"), "the default leaves room: {text}");
+    let (code, text) = check_with(&config, &[(key, "60s")]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("note: server.shutdown_grace (1m)") && text.contains("TimeoutStopSec"), "{text}");
+}
+
+/// A `[tls]` file that is missing is named as missing; one in a directory this user may not
+/// enter is named with the reason, not called missing.
+#[test]
+fn a_missing_or_unreachable_tls_file_is_named_with_the_reason() {
+    let (dir, tls, config) = valid_config();
+    std::fs::remove_file(&tls.cert).expect("remove the certificate");
+    let (code, text) = check(&config);
+    assert_eq!(code, 78, "{text}");
+    assert!(text.contains("tls.cert") && text.contains("does not exist"), "{text}");
+    let (code, text) = check_with(&config, &[("EDGE_INGEST__TLS__CERT", &dir.path().display().to_string())]);
+    assert_eq!(code, 78, "{text}");
+    assert!(text.contains("tls.cert") && text.contains("is not a regular file"), "a directory: {text}");
+}

@@ -47,6 +47,20 @@ pub fn overrides(env_file: &Path, prefix: &str) -> Overrides {
     out
 }
 
+/// The names of the overrides with `prefix` a config load applies, sorted: those of `vars` when
+/// given (the service's, [`for_packaged_config`]), else this process's own. For an error that
+/// only the overrides can have caused: a message that named the config file would send the
+/// operator to a file that is fine.
+pub fn override_names(vars: Option<&HashMap<String, String>>, prefix: &str) -> Vec<String> {
+    let wanted = |k: &str| k.strip_prefix(prefix).is_some_and(|rest| rest.starts_with("__"));
+    let mut names: Vec<String> = match vars {
+        Some(vars) => vars.keys().filter(|k| wanted(k)).cloned().collect(),
+        None => std::env::vars().map(|(k, _)| k).filter(|k| wanted(k)).collect(),
+    };
+    names.sort();
+    names
+}
+
 /// The service's overrides (see [`overrides`]) for a command given `config`, when that is the
 /// packaged config (none given, or `packaged_config`); `None` for another config, to which the
 /// unit's file does not apply. An unreadable file is said on stderr, as `program: ...`: these

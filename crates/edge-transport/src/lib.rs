@@ -148,6 +148,24 @@ pub fn cpu_has_aes_instructions() -> bool {
     }
 }
 
+/// Checks that the TLS file at `path`, named by the config key `key`, is a regular file this
+/// process can see, for the configs' validation: the error names the key and the file, and says
+/// whether it is missing, not a regular file, or out of reach (a directory this user may not
+/// search, which `Path::is_file` would call missing).
+///
+/// # Errors
+/// The message for the operator.
+pub fn check_regular_file(key: &str, path: &std::path::Path) -> Result<(), String> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() => Ok(()),
+        Ok(_) => Err(format!("{key}: {} is not a regular file", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(format!("{key}: file {} does not exist", path.display()))
+        }
+        Err(e) => Err(format!("{key}: file {}: {e}", path.display())),
+    }
+}
+
 /// Puts the suites of [`cipher_suite_preference`] first, in its order; the rest (TLS 1.2's,
 /// never offered since only TLS 1.3 is enabled) keep their order behind them.
 fn order_cipher_suites(suites: &mut [rustls::SupportedCipherSuite], aes_instructions: bool) {

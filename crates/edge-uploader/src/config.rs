@@ -292,7 +292,7 @@ pub struct Config {
 /// Reads the file (if given or present at the default path), applies environment overrides and
 /// validates. `explicit` = the operator named the file, so its absence is an error.
 pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
-    load_with_env(path, None)
+    load_with_env(path, None, TlsFiles::Required)
 }
 
 /// Where the packaged unit reads environment overrides from (`EnvironmentFile=`).
@@ -316,10 +316,28 @@ fn service_overrides_in(path: Option<&Path>, env_file: &Path) -> Option<std::col
     )
 }
 
-/// [`load`] for the commands that look at the running service (`spool check`, `spool
-/// export-quarantined`, `spool purge-quarantined`): with the overrides of [`service_overrides`].
+/// [`load`] for the commands that look at the running service's spool (`spool check`, `spool
+/// export-quarantined`, `spool purge-quarantined`): with the overrides of [`service_overrides`],
+/// and without asking for the TLS files, which these commands do not connect with (a gateway
+/// without its certificate yet, or an operator outside the group that may read `tls/`).
 pub fn load_as_service(path: Option<&Path>) -> anyhow::Result<Config> {
-    load_with_env(path, service_overrides(path))
+    load_with_env(path, service_overrides(path), TlsFiles::NotNeeded)
+}
+
+/// [`load_checked`] as the packaged service would see it: with the overrides of
+/// [`service_overrides`] (what `check-config` checks, so that it checks what `run` under the
+/// unit will get).
+pub fn load_checked_as_service(path: Option<&Path>) -> anyhow::Result<Config> {
+    let cfg = load_with_env(path, service_overrides(path), TlsFiles::Required)?;
+    check_tls(&cfg)?;
+    Ok(cfg)
+}
+
+/// Whether a load asks for the TLS files to exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TlsFiles {
+    Required,
+    NotNeeded,
 }
 
 /// The file's keys with environment overrides on top, not validated: from `env` when given,
@@ -345,22 +363,32 @@ pub fn raw_with_env(
             .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.to_string().trim_end()))?;
         builder = builder.add_source(config::File::from(path.as_path()).format(config::FileFormat::Toml));
     }
+    // The file alone parsed above: what fails from here on, the overrides caused.
+    let names = edge_telemetry::service_env::override_names(env_vars.as_ref(), ENV_PREFIX);
     let env = config::Environment::with_prefix(ENV_PREFIX).prefix_separator("__").separator("__").try_parsing(false);
     builder = builder.add_source(env.source(env_vars.map(|m| m.into_iter().collect())));
-    let raw: RawConfig = builder.build().and_then(|c| c.try_deserialize()).map_err(|e| {
-        anyhow::anyhow!("{}: {e}", if exists { path.display().to_string() } else { "environment".into() })
-    })?;
+    let raw: RawConfig =
+        builder.build().and_then(|c| c.try_deserialize()).map_err(|e| match (names.is_empty(), exists) {
+            (false, _) => anyhow::anyhow!("environment overrides ({}): {e}", names.join(", ")),
+            (true, true) => anyhow::anyhow!("{}: {e}", path.display()),
+            (true, false) => anyhow::anyhow!("{e}"),
+        })?;
     Ok((raw, exists.then_some(path)))
 }
 
 fn load_with_env(
     path: Option<&Path>,
     env: Option<std::collections::HashMap<String, String>>,
+    tls: TlsFiles,
 ) -> anyhow::Result<Config> {
     let (raw, source) = raw_with_env(path, env)?;
     let origin =
         source.as_ref().map_or_else(|| "built-in defaults and environment".into(), |p| p.display().to_string());
-    validate(raw, source).map_err(|e| anyhow::anyhow!("{origin}: {}", edge_telemetry::logging::error_chain(e.as_ref())))
+    let valid = match tls {
+        TlsFiles::Required => validate(raw, source),
+        TlsFiles::NotNeeded => validate_settings(raw, source),
+    };
+    valid.map_err(|e| anyhow::anyhow!("{origin}: {}", edge_telemetry::logging::error_chain(e.as_ref())))
 }
 
 /// [`load`], then [`check_tls`]: what `check-config` and `run` accept.
@@ -383,8 +411,18 @@ pub fn check_tls(cfg: &Config) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("{origin}: [upload] TLS files: {}", edge_telemetry::logging::error_chain(&e)))
 }
 
-/// Turns a raw config into a runtime config, naming the key on every error.
+/// Turns a raw config into a runtime config, naming the key on every error; the TLS files must
+/// exist.
 pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Config> {
+    for (key, p) in [("upload.ca", &raw.upload.ca), ("upload.cert", &raw.upload.cert), ("upload.key", &raw.upload.key)]
+    {
+        edge_transport::check_regular_file(key, p).map_err(anyhow::Error::msg)?;
+    }
+    validate_settings(raw, source)
+}
+
+/// [`validate`] without looking at the TLS files.
+fn validate_settings(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Config> {
     let full_policy = match raw.spool.full_policy.as_str() {
         "reject" => FullPolicy::Reject,
         "drop_oldest" => FullPolicy::DropOldest,
@@ -499,11 +537,20 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
         .bind
         .parse()
         .map_err(|_| anyhow::anyhow!("upload.bind: {:?} is not an address like 0.0.0.0:0", raw.upload.bind))?;
+    // Checked whether or not `upload.server_name` names the certificate: every connection
+    // attempt resolves `upload.server`.
+    let server_host = host_of(&raw.upload.server)
+        .ok_or_else(|| anyhow::anyhow!("upload.server: expected host:port, got {:?}", raw.upload.server))?;
     let server_name = match raw.upload.server_name.clone() {
         Some(n) => n,
-        None => host_of(&raw.upload.server)
-            .ok_or_else(|| anyhow::anyhow!("upload.server: expected host:port, got {:?}", raw.upload.server))?,
+        None => server_host,
     };
+    // quinn checks the name at every connection attempt, which would then all fail.
+    rustls::pki_types::ServerName::try_from(server_name.as_str()).map_err(|e| {
+        anyhow::anyhow!(
+            "upload.server_name: {server_name:?} is not a DNS name or IP address the certificate could name: {e}"
+        )
+    })?;
     if raw.upload.max_in_flight == 0 || raw.upload.max_in_flight > 1024 {
         bail!("upload.max_in_flight: expected 1..=1024, got {}", raw.upload.max_in_flight);
     }
@@ -526,12 +573,6 @@ pub fn validate(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<Confi
             humantime::format_duration(probe_interval),
             humantime::format_duration(MIN_PROBE_INTERVAL)
         );
-    }
-    for (key, p) in [("upload.ca", &raw.upload.ca), ("upload.cert", &raw.upload.cert), ("upload.key", &raw.upload.key)]
-    {
-        if !p.is_file() {
-            bail!("{key}: file {} does not exist or is not a regular file", p.display());
-        }
     }
     let metrics_listen = match raw.metrics.listen.trim() {
         "" => None,

@@ -53,7 +53,8 @@ enum Command {
         #[arg(long, short)]
         config: Option<PathBuf>,
     },
-    /// Send a file (or stdin) to the running agent's intake socket.
+    /// Send a file (or stdin) to the running agent's intake socket. Exit 0 accepted, 1 not (the
+    /// reason on stderr), 78 the config named by --config cannot be read or parsed.
     Push {
         /// Stream name ([A-Za-z0-9_.-]{1,64}).
         #[arg(long)]
@@ -80,7 +81,8 @@ enum Command {
         file: Option<PathBuf>,
     },
     /// Show the running agent's state. Exit 0 healthy, 1 degraded, 3 not running, 4 unknown (the
-    /// socket cannot be asked, e.g. permission denied, and no metrics listener answered).
+    /// socket cannot be asked, e.g. permission denied, and no metrics listener answered), 78 the
+    /// config named by --config cannot be read or parsed.
     Status {
         /// Print one JSON object (with "version": 1) instead of text.
         #[arg(long)]
@@ -191,7 +193,7 @@ fn main() -> ExitCode {
     #[cfg(feature = "failpoints")]
     let _failpoints = fail::FailScenario::setup();
     match cli.command {
-        Command::CheckConfig { config } => match config::load_checked(config.as_deref()) {
+        Command::CheckConfig { config } => match config::load_checked_as_service(config.as_deref()) {
             Ok(c) => {
                 println!("config ok{}", c.source.map(|p| format!(": {}", p.display())).unwrap_or_default());
                 ExitCode::SUCCESS
@@ -226,7 +228,13 @@ fn main() -> ExitCode {
             report(runtime().and_then(|rt| rt.block_on(edge_uploader::agent::run(cfg))))
         }
         Command::Status { json, max_backlog_age, socket, config } => {
-            let from_config = read_config_for_status(config);
+            let from_config = match read_config_for_status(config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("edge-uploader: {}", edge_telemetry::logging::error_chain(e.as_ref()));
+                    return ExitCode::from(EXIT_CONFIG as u8);
+                }
+            };
             // The metrics listener is asked only for the agent whose socket the config names.
             let metrics = if socket.is_none() { from_config.metrics } else { None };
             let socket = socket.unwrap_or(from_config.socket);
@@ -318,7 +326,14 @@ fn main() -> ExitCode {
                 (_, true) => PushMode::Framed { skip },
                 _ => PushMode::Lines,
             };
-            report(runtime().and_then(|rt| rt.block_on(push(stream, mode, socket, config, file))))
+            let socket = match socket.map_or_else(|| socket_from_config(config), Ok) {
+                Ok(socket) => socket,
+                Err(e) => {
+                    eprintln!("edge-uploader: {}", edge_telemetry::logging::error_chain(e.as_ref()));
+                    return ExitCode::from(EXIT_CONFIG as u8);
+                }
+            };
+            report(runtime().and_then(|rt| rt.block_on(push(stream, mode, socket, file))))
         }
         Command::Demo { records, duration, dir, json } => {
             let _ = edge_telemetry::logging::init("warn", edge_telemetry::logging::LogFormat::Text);
@@ -387,15 +402,8 @@ enum PushMode {
     Framed { skip: usize },
 }
 
-async fn push(
-    stream: String,
-    mode: PushMode,
-    socket: Option<PathBuf>,
-    config: Option<PathBuf>,
-    file: Option<PathBuf>,
-) -> anyhow::Result<()> {
+async fn push(stream: String, mode: PushMode, socket: PathBuf, file: Option<PathBuf>) -> anyhow::Result<()> {
     edge_proto::StreamName::new(&stream).with_context(|| format!("stream name {stream:?}"))?;
-    let socket = socket.unwrap_or_else(|| socket_from_config(config));
     let data = match file.as_deref() {
         None => read_stdin()?,
         Some(p) if p.as_os_str() == "-" => read_stdin()?,
@@ -499,8 +507,8 @@ async fn push_framed(
 
 /// The intake socket named in the config (or the default). Only that key is needed, so the
 /// file is read without requiring the TLS files to exist; an unreadable file means the default.
-fn socket_from_config(config: Option<PathBuf>) -> PathBuf {
-    raw_config_or_default(config).intake.socket
+fn socket_from_config(config: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    Ok(raw_config_or_default(config)?.intake.socket)
 }
 
 /// Where `status` asks: the intake socket and the metrics listener (if any) of the config.
@@ -509,26 +517,53 @@ struct StatusAddrs {
     metrics: Option<std::net::SocketAddr>,
 }
 
-fn read_config_for_status(config: Option<PathBuf>) -> StatusAddrs {
-    let raw = raw_config_or_default(config);
+fn read_config_for_status(config: Option<PathBuf>) -> anyhow::Result<StatusAddrs> {
+    let raw = raw_config_or_default(config)?;
     let metrics =
         raw.metrics.listen.trim().parse::<std::net::SocketAddr>().ok().map(edge_telemetry::metrics::local_addr_of);
-    StatusAddrs { socket: raw.intake.socket, metrics }
+    Ok(StatusAddrs { socket: raw.intake.socket, metrics })
 }
 
 /// The keys of the config file at `config` (or the default path) with the overrides the service
 /// sees (`config::service_overrides`: for the packaged config, `/etc/default/edge-uploader`'s
-/// too); where those do not parse, the file's alone; where it cannot be read, the defaults. Not
-/// validated: `status` and `push` need a socket path, not a config `run` would accept.
-fn raw_config_or_default(config: Option<PathBuf>) -> config::RawConfig {
-    if let Ok((raw, _)) = config::raw_with_env(config.as_deref(), config::service_overrides(config.as_deref())) {
-        return raw;
+/// too); where those do not parse, the file's alone. Not validated: `status` and `push` need a
+/// socket path, not a config `run` would accept.
+///
+/// A file named with `--config` must read and parse: an error names it (the caller exits 78),
+/// rather than asking the packaged agent's socket about another agent. The default path may be
+/// missing, unreadable to this user or broken: then the built-in defaults, said on stderr.
+fn raw_config_or_default(config: Option<PathBuf>) -> anyhow::Result<config::RawConfig> {
+    let with_env = match config::raw_with_env(config.as_deref(), config::service_overrides(config.as_deref())) {
+        Ok((raw, _)) => return Ok(raw),
+        Err(e) => e,
+    };
+    let path = config.clone().unwrap_or_else(|| PathBuf::from(config::DEFAULT_CONFIG_PATH));
+    let file = match std::fs::read_to_string(&path) {
+        Ok(text) => toml::from_str::<config::RawConfig>(&text)
+            .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.to_string().trim_end())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && config.is_none() => {
+            return Ok(config::RawConfig::default());
+        }
+        Err(e) => Err(anyhow::Error::new(e).context(format!("reading {}", path.display()))),
+    };
+    match (file, config) {
+        // The file parses; only the environment's overrides did not.
+        (Ok(raw), _) => {
+            eprintln!(
+                "edge-uploader: ignoring the environment's overrides: {}",
+                edge_telemetry::logging::error_chain(with_env.as_ref())
+            );
+            Ok(raw)
+        }
+        (Err(e), Some(_)) => Err(e.context("the config named by --config")),
+        (Err(e), None) => {
+            eprintln!(
+                "edge-uploader: using the built-in defaults: {}",
+                edge_telemetry::logging::error_chain(e.as_ref())
+            );
+            Ok(config::RawConfig::default())
+        }
     }
-    let path = config.unwrap_or_else(|| PathBuf::from(config::DEFAULT_CONFIG_PATH));
-    std::fs::read_to_string(&path)
-        .ok()
-        .and_then(|text| toml::from_str::<config::RawConfig>(&text).ok())
-        .unwrap_or_default()
 }
 
 fn read_stdin() -> anyhow::Result<Vec<u8>> {

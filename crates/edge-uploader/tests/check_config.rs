@@ -48,7 +48,7 @@ fn a_valid_config_passes_with_exit_0() {
 #[test]
 fn broken_configs_exit_78_and_name_the_key() {
     let f = files();
-    let cases: [(&str, String, &[&str]); 19] = [
+    let cases: [(&str, String, &[&str]); 21] = [
         ("no streams", format!("[spool]\nmax_streams = 0\n[upload]\n{}", f.tls), &["spool.max_streams", "got 0"]),
         ("unknown key", format!("[spool]\nmax_byte = \"1GiB\"\n[upload]\n{}", f.tls), &["max_byte", "line 2"]),
         ("wrong type", format!("[upload]\nmax_in_flight = \"lots\"\n{}", f.tls), &["max_in_flight", "line 2"]),
@@ -60,6 +60,16 @@ fn broken_configs_exit_78_and_name_the_key() {
         ),
         ("bad address", format!("[intake]\ntcp = \"localhost:http\"\n[upload]\n{}", f.tls), &["intake.tcp"]),
         ("bad server", format!("[upload]\nserver = \"no-port\"\n{}", f.tls), &["upload.server"]),
+        (
+            "bad server beside a server name",
+            format!("[upload]\nserver = \"ingest.example.com\"\nserver_name = \"ingest.example.com\"\n{}", f.tls),
+            &["upload.server: expected host:port"],
+        ),
+        (
+            "server name that no certificate can carry",
+            format!("[upload]\nserver_name = \"not a name\"\n{}", f.tls),
+            &["upload.server_name", "\"not a name\""],
+        ),
         (
             "record-stream gathering below its floor",
             format!("[intake]\nstream_pending_bytes = \"1KiB\"\n[upload]\n{}", f.tls),
@@ -144,6 +154,11 @@ fn environment_overrides_apply_and_are_validated() {
     let (code, text) = check(&p, &[("EDGE_UPLOADER__SPOOL__FULL_POLICY", "keep_everything")]);
     assert_eq!(code, 78, "{text}");
     assert!(text.contains("spool.full_policy"), "{text}");
+    // A value that does not parse is blamed on the variable, not on the file, which is fine.
+    let (code, text) = check(&p, &[("EDGE_UPLOADER__SPOOL__MAX_BYTES", "lots")]);
+    assert_eq!(code, 78, "{text}");
+    assert!(text.contains("environment overrides (EDGE_UPLOADER__SPOOL__MAX_BYTES)"), "{text}");
+    assert!(!text.contains("ok.toml"), "{text}");
 }
 
 /// The TLS files are read and parsed as `run` reads them: a key that is not one (or one the

@@ -206,3 +206,55 @@ fn push_framed_reads_the_whole_input_before_it_sends_anything() {
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("--skip 2: the input holds 1 records") && !err.contains("no-agent.sock"), "{err}");
 }
+
+/// The spool commands read the spool's path from the config, and nothing of the TLS files they
+/// do not connect with: a config whose certificate is not there (a gateway not enrolled yet)
+/// still names the spool. Without a certificate the printed lookup leaves the device id to fill.
+#[test]
+fn the_spool_commands_need_the_config_but_not_its_tls_files() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("spool.db");
+    let (mut spool, _) = Spool::open(SpoolOptions::new(path.clone())).expect("open");
+    append(&mut spool, vec![batch("a", &[b"{}"])], 1);
+    drop(spool);
+    let tls = dir.path().join("not-enrolled");
+    let config = dir.path().join("edge-uploader.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[spool]\npath = {path:?}\n[upload]\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
+            tls.join("ca.pem"),
+            tls.join("device.pem"),
+            tls.join("device.key")
+        ),
+    )
+    .expect("write config");
+    for args in [&["spool", "export-quarantined"][..], &["spool", "check"]] {
+        let out = Command::new(BIN).args(args).arg("--config").arg(&config).output().expect("run edge-uploader");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
+    }
+    // check-config, which vouches for `run`, does ask for them, naming the one missing.
+    let out = Command::new(BIN).args(["check-config", "--config"]).arg(&config).output().expect("run edge-uploader");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "{err}");
+    assert!(err.contains("upload.ca: file") && err.contains("does not exist"), "{err}");
+}
+
+/// `push` and `status` with a config named by `--config` that is not there, or does not parse,
+/// exit 78 naming it: they must not ask the packaged agent's socket about another agent.
+#[test]
+fn push_and_status_refuse_a_named_config_they_cannot_read() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let missing = dir.path().join("missing.toml");
+    let broken = dir.path().join("broken.toml");
+    std::fs::write(&broken, "[intake\nsocket = 1\n").expect("write config");
+    for config in [&missing, &broken] {
+        for args in [&["status"][..], &["push", "--stream", "s", "/dev/null"]] {
+            let out = Command::new(BIN).args(args).arg("--config").arg(config).output().expect("run edge-uploader");
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(78), "{args:?} {}: {err}", config.display());
+            assert!(err.contains(&config.display().to_string()), "names the file: {err}");
+        }
+    }
+}
