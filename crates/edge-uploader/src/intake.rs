@@ -431,20 +431,50 @@ impl Claim<'_> {
 
 impl Drop for Claim<'_> {
     fn drop(&mut self) {
-        let budget = self.budget;
-        let mut st = crate::lock(&budget.state);
-        let Some(c) = st.claims.remove(&self.ticket) else { return };
+        self.budget.release(self.ticket);
+    }
+}
+
+impl Claim<'_> {
+    /// The claim, now held by `intake` (whose [`Intake::request_budget`] it is in) rather than
+    /// borrowed: for the spool thread to keep with the request until it answers it
+    /// ([`crate::spool_task::SpoolHandle::submit`]), whether or not the producer still waits.
+    pub(crate) fn into_owned(self, intake: Arc<Intake>) -> OwnedClaim {
+        debug_assert!(std::ptr::eq(self.budget, &intake.request_budget), "a claim of this intake's budget");
+        let ticket = self.ticket;
+        std::mem::forget(self);
+        OwnedClaim { intake, ticket }
+    }
+}
+
+/// A [`Claim`] that owns its way to the budget; released when dropped.
+pub(crate) struct OwnedClaim {
+    intake: Arc<Intake>,
+    ticket: u64,
+}
+
+impl Drop for OwnedClaim {
+    fn drop(&mut self) {
+        self.intake.request_budget.release(self.ticket);
+    }
+}
+
+impl RequestBudget {
+    /// Gives back what the claim `ticket` holds, and takes it out of line.
+    fn release(&self, ticket: u64) {
+        let mut st = crate::lock(&self.state);
+        let Some(c) = st.claims.remove(&ticket) else { return };
         st.used -= c.held;
         match c.phase {
-            Phase::Queued(_) => st.queue.retain(|&t| t != self.ticket),
+            Phase::Queued(_) => st.queue.retain(|&t| t != ticket),
             Phase::Running => st.running -= 1,
             Phase::Growing(_) => {
-                st.growing.remove(&self.ticket);
+                st.growing.remove(&ticket);
             }
             Phase::GaveWay => {}
         }
-        if st.dispatch(budget.cap) {
-            budget.changed.notify_waiters();
+        if st.dispatch(self.cap) {
+            self.changed.notify_waiters();
         }
     }
 }
@@ -828,7 +858,7 @@ async fn post_records(
     resp
 }
 
-async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) -> Response {
+async fn handle(intake: &Arc<Intake>, stream: &str, headers: &HeaderMap, body: Body) -> Response {
     if !intake.accepting.load(Ordering::Acquire) {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -930,7 +960,10 @@ async fn handle(intake: &Intake, stream: &str, headers: &HeaderMap, body: Body) 
     // The last line, framed by `finish`, may have started a buffer of its own.
     held.set(batches.iter().map(|b| b.data.capacity()).sum());
 
-    match intake.spool.append(AppendRequest { batches }).await {
+    // The claim and the gauge's share go with the request: hyper drops this future when its
+    // producer goes away, but the buffers wait in the spool thread's queue until it answers.
+    let charge = (claim.into_owned(Arc::clone(intake)), held);
+    match intake.spool.submit(AppendRequest { batches }, charge).await {
         Ok(()) => {
             intake.counters.accepted(stream.as_str(), n, payload_bytes);
             (StatusCode::OK, axum::Json(json!({ "records": n, "bytes": payload_bytes }))).into_response()

@@ -25,8 +25,10 @@
 //!
 //! Memory across connections is bounded too, whatever their number: the same capacity is taken
 //! from one [`PendingBudget`] (`intake.stream_pending_total_bytes`), at most what is left of it
-//! (at least the record), so all connections' batch buffers together take at most the budget
-//! and one record. A connection that finds the budget spent stops framing and reading until a
+//! (at least the record), with what a batch costs beside its buffer ([`BATCH_OVERHEAD`]), so
+//! all connections' batches together take at most the budget and one record. An append
+//! submitted to the spool keeps its charge until the spool thread answers it, whether or not its
+//! producer is still there: its buffers are in the spool thread's queue until then. A connection that finds the budget spent stops framing and reading until a
 //! commit gives some back. That cannot wait forever: every byte taken is in an append that is
 //! committing or, on a connection with no commit running, is submitted at once, and commits end
 //! without the intake.
@@ -230,8 +232,9 @@ impl Gathered {
     }
 
     /// Frames `record` into the current batch or, where it does not [`fit`](Self::fits), into
-    /// a new batch whose buffer has `capacity` bytes (at least the framed record). Returns the
-    /// capacity that took, and what the batch it ended gave back.
+    /// a new batch whose buffer has `capacity` bytes (at least the framed record). Returns what
+    /// that took (the buffer's capacity and [`BATCH_OVERHEAD`]), and what the batch it ended
+    /// gave back.
     ///
     /// A batch ended by a change of streams keeps only its bytes: a producer that interleaves
     /// streams record by record would otherwise hold a buffer of the first size per record, and
@@ -250,7 +253,7 @@ impl Gathered {
             stream.as_str().clone_into(&mut self.cur_stream);
             self.last_capacity = capacity.max(framed);
             self.cur.reserve_exact(self.last_capacity);
-            reserved = self.cur.capacity();
+            reserved = self.cur.capacity() + BATCH_OVERHEAD;
             self.reserved += reserved;
         }
         encode_record(&mut self.cur, record);
@@ -271,14 +274,39 @@ impl Gathered {
     }
 }
 
+/// What a batch costs beside its buffer, charged with it: its `Batch` in the gathering's list
+/// (56 bytes, in a list that doubles: 112), its stream's name (up to 64 bytes), and its
+/// counters' entry at submission (40 bytes and the name again: 104). A producer that changes
+/// streams at every record makes a batch per record, and without this would hold several times
+/// the bytes it is charged for.
+pub const BATCH_OVERHEAD: usize = 320;
+
 /// An append being committed: its commit, its records, and per stream its records and payload
-/// bytes (for the counters).
+/// bytes (for the counters). The capacity of its batches' buffers stays charged to the budget
+/// until the spool thread answers it ([`SubmittedCharge`]).
 struct Committing {
     commit: Commit,
     records: u64,
-    /// The capacity of its batches' buffers, charged to the budget until the commit ends.
-    reserved: usize,
     per_stream: Vec<(String, u64, u64)>,
+}
+
+/// The charge of an append handed to the spool thread: its batches' buffers, in the budget and
+/// in the gauge of what connections hold, until the spool thread answers the append or drops
+/// it ([`crate::spool_task::SpoolHandle::submit`]). Not until the connection ends: the buffers
+/// wait in the spool thread's queue whether or not their producer is still there, and a
+/// producer that went away and came back must not find their room given back twice over.
+struct SubmittedCharge {
+    intake: Arc<Intake>,
+    bytes: usize,
+    held: HeldShare,
+}
+
+impl Drop for SubmittedCharge {
+    fn drop(&mut self) {
+        // The gauge first: another connection may take the bytes back at once.
+        self.held.set(0);
+        self.intake.stream_budget.give_back(self.bytes);
+    }
 }
 
 /// Serves one producer connection to its end; errors are reported to the producer and logged at
@@ -381,7 +409,6 @@ where
         tokio::select! {
             done = async { committing.as_mut().expect("guarded by the condition").commit.as_mut().await }, if committing.is_some() => {
                 let c = committing.take().expect("was committing");
-                p.give_back(c.reserved);
                 match done {
                     Ok(()) => {
                         p.committed += c.records;
@@ -513,8 +540,10 @@ struct Parser {
     received: u64,
     committed: u64,
     gathered: Gathered,
-    /// The buffers' capacity of this connection's gathering and committing appends, charged to
-    /// [`Intake::stream_budget`] and given back when their commit ends or the connection does.
+    /// The buffers' capacity of this connection's gathering append, charged to
+    /// [`Intake::stream_budget`]; at its submission the charge goes with it
+    /// ([`SubmittedCharge`]), and what is still gathering is given back when the connection
+    /// ends.
     charged: usize,
     /// `charged` in the gauge of what connections hold. It is lowered before the budget gets
     /// bytes back, which another connection may take at once: the gauge never counts them twice.
@@ -536,7 +565,7 @@ impl Parser {
         }
     }
 
-    /// Gives back the charge of an append whose commit ended, or that was dropped.
+    /// Gives back the charge of a gathering that was dropped.
     fn give_back(&mut self, bytes: usize) {
         self.charged -= bytes;
         self.charged_held.set(self.charged);
@@ -608,13 +637,14 @@ impl Parser {
                             return Ok(Stop::OwnCap);
                         }
                         let want = self.gathered.next_capacity(stream, batch_target).min(own_left);
-                        let Some(taken) = budget.take(want, framed) else {
+                        let Some(taken) = budget.take(want + BATCH_OVERHEAD, framed + BATCH_OVERHEAD) else {
                             return Ok(Stop::Budget);
                         };
                         capacity = taken;
                     }
                     self.received += 1;
-                    let (reserved, given_back) = self.gathered.push(stream, record, batch_target, capacity);
+                    let buffer = capacity.saturating_sub(BATCH_OVERHEAD);
+                    let (reserved, given_back) = self.gathered.push(stream, record, batch_target, buffer);
                     if reserved > capacity {
                         // The allocator's rounding, if `Vec` reports it.
                         budget.charge(reserved - capacity);
@@ -641,15 +671,23 @@ impl Parser {
                 (b.stream.clone(), records, b.data.len() as u64 - records * RECORD_OVERHEAD as u64)
             })
             .collect();
-        let commit = Box::pin(self.intake.spool.submit(AppendRequest { batches: gathered.batches }));
-        Committing { commit, records: gathered.records, reserved: gathered.reserved, per_stream }
+        // The charge moves from the connection's share to the append's: lowered here first, so
+        // the gauge never counts it twice.
+        self.charged -= gathered.reserved;
+        self.charged_held.set(self.charged);
+        let mut held = HeldShare::stream(self.intake.counters.clone());
+        held.set(gathered.reserved);
+        let charge = SubmittedCharge { intake: self.intake.clone(), bytes: gathered.reserved, held };
+        let commit = Box::pin(self.intake.spool.submit(AppendRequest { batches: gathered.batches }, charge));
+        Committing { commit, records: gathered.records, per_stream }
     }
 }
 
 impl Drop for Parser {
     fn drop(&mut self) {
-        // A connection that ends with an append gathering or committing (its producer went
-        // away, or a write failed) gives its charge back with it.
+        // A connection that ends with an append gathering (its producer went away, or a write
+        // failed) gives its charge back with it; one committing has it given back when the
+        // spool thread is done with it.
         let charged = self.charged;
         self.give_back(charged);
     }
@@ -695,12 +733,29 @@ mod tests {
         assert_eq!(g.records, 100);
         assert_eq!(
             g.reserved,
-            99 * framed + next_batch_capacity(0, 512 << 10),
+            99 * framed + next_batch_capacity(0, 512 << 10) + 100 * BATCH_OVERHEAD,
             "100 interleaved records of {framed} framed bytes: 99 closed batches of one record, one open buffer"
         );
         // One stream: buffers grow by doubling, as before.
         let g = gather(&["a"], 100, 1000);
         assert_eq!(g.batches.len(), 1, "64 KiB, then a second buffer of 128 KiB");
-        assert_eq!(g.reserved, (64 << 10) + (128 << 10));
+        assert_eq!(g.reserved, (64 << 10) + (128 << 10) + 2 * BATCH_OVERHEAD);
+    }
+
+    /// Records of one byte, each on another stream than the one before: every record is a
+    /// batch, and each is charged what its batch costs beside its byte.
+    #[test]
+    fn a_batch_per_record_is_charged_what_the_batch_costs() {
+        let n = 1000;
+        let g = gather(&["a", "b"], n, 1);
+        assert_eq!(g.batches.len(), n - 1);
+        assert!(g.reserved >= n * BATCH_OVERHEAD, "{} bytes charged for {n} batches", g.reserved);
+        // What they cost beside their bytes: the list of batches and the names.
+        let list = g.batches.capacity() * std::mem::size_of::<Batch>();
+        let names: usize = g.batches.iter().map(|b| b.stream.capacity()).sum();
+        assert!(
+            list + names <= (n - 1) * BATCH_OVERHEAD,
+            "the overhead covers the list ({list}) and the names ({names})"
+        );
     }
 }

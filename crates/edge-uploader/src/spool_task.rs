@@ -97,7 +97,7 @@ enum Cmd {
     Append {
         req: AppendRequest,
         bytes: u64,
-        reply: oneshot::Sender<Result<(), AppendFailure>>,
+        reply: Reply,
     },
     /// Acks wait in [`SpoolHandle`]'s `pending_acks`: this only wakes the thread.
     AcksPending,
@@ -239,17 +239,25 @@ impl SpoolHandle {
 
     /// Appends one producer request; resolves after the group commit that included it.
     pub async fn append(&self, req: AppendRequest) -> Result<(), AppendFailure> {
-        self.submit(req).await
+        self.submit(req, ()).await
     }
 
     /// Hands one producer request to the spool thread now, in order with every other request
     /// submitted before it; the future resolves after the group commit that included it.
-    pub fn submit(
+    ///
+    /// `charge` is what the intake holds for the request's buffers (its share of a memory
+    /// budget): the spool thread keeps it with the request and drops it when it answers, or
+    /// drops, the request. Not when the future is dropped: a producer that goes away leaves its
+    /// request in the spool thread's queue, buffers and all, and their memory is counted until
+    /// they are gone.
+    pub fn submit<C: Send + 'static>(
         &self,
         req: AppendRequest,
-    ) -> impl Future<Output = Result<(), AppendFailure>> + Send + 'static + use<> {
+        charge: C,
+    ) -> impl Future<Output = Result<(), AppendFailure>> + Send + 'static + use<C> {
         let bytes = req.batches.iter().map(|b| b.data.len() as u64).sum();
-        let (reply, rx) = oneshot::channel();
+        let (tx, rx) = oneshot::channel();
+        let reply = Reply { tx, charge: Box::new(charge) };
         let sent = self.tx.send(Cmd::Append { req, bytes, reply });
         async move {
             sent.map_err(|_| AppendFailure::Closed)?;
@@ -511,9 +519,25 @@ impl Busy {
     }
 }
 
+/// The answer to one append, and what its producer holds until then ([`SpoolHandle::submit`]).
+struct Reply {
+    tx: oneshot::Sender<Result<(), AppendFailure>>,
+    charge: Box<dyn Send>,
+}
+
+impl Reply {
+    /// Answers: the charge goes first, so the producer that reads the answer finds its budget
+    /// back.
+    fn send(self, answer: Result<(), AppendFailure>) {
+        let Reply { tx, charge } = self;
+        drop(charge);
+        let _gone = tx.send(answer);
+    }
+}
+
 /// What one commit promised, kept until it is durable.
 struct Settle {
-    replies: Vec<oneshot::Sender<Result<(), AppendFailure>>>,
+    replies: Vec<Reply>,
     answer: Result<Vec<AppendOutcome>, AppendFailure>,
     seal_waiters: Vec<oneshot::Sender<()>>,
     /// The chunks sealed (each one, with or without its bytes), for the handoff.
@@ -585,7 +609,7 @@ impl Settler {
                         AppendOutcome::Full => Err(AppendFailure::Full),
                         AppendOutcome::TooManyStreams => Err(AppendFailure::TooManyStreams),
                     };
-                    let _gone = reply.send(r);
+                    reply.send(r);
                 }
             }
             Err(failure) => {
@@ -593,7 +617,7 @@ impl Settler {
                     warn!(error = %failure, requests = replies.len(), "group commit failed; producers get an error and nothing is stored");
                 }
                 for reply in replies {
-                    let _gone = reply.send(Err(failure.clone()));
+                    reply.send(Err(failure.clone()));
                 }
             }
         }
@@ -654,7 +678,7 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
     let mut retained = Retained::default();
     let mut dropped_chunks = spool.snapshot().dropped_chunks();
     let tick = (spool.options().linger / 2).clamp(Duration::from_millis(1), Duration::from_millis(50));
-    let mut appends: Vec<(AppendRequest, oneshot::Sender<Result<(), AppendFailure>>)> = Vec::new();
+    let mut appends: Vec<(AppendRequest, Reply)> = Vec::new();
     // When the thread first saw the acks now in `pending_acks`.
     let mut acks_since: Option<Instant> = None;
     // After a commit failed: acks alone wait until then before they are tried again.
@@ -949,6 +973,48 @@ mod tests {
         blocker.execute_batch("ROLLBACK").expect("release the write lock");
         handle.append(request()).await.expect("append once the lock is free");
         assert_eq!(handle.stats().sealed_chunks, 0, "the next commit recorded the ack");
+        drop(handle);
+        thread.join();
+    }
+
+    /// What a producer's request holds (its share of an intake budget) is kept by the spool
+    /// thread with the request and dropped when it answers it, before the answer: not when the
+    /// producer's future is dropped, for the request's buffers are still in the spool thread's
+    /// hands then.
+    #[tokio::test]
+    async fn a_requests_charge_is_held_until_the_spool_answers_it_not_until_its_producer_leaves() {
+        /// Sends on its channel when dropped.
+        struct Dropped(Option<oneshot::Sender<()>>);
+        impl Drop for Dropped {
+            fn drop(&mut self) {
+                let _ = self.0.take().map(|tx| tx.send(()));
+            }
+        }
+        /// Holds up whoever drops it until the test opens it.
+        struct Gate(std::sync::mpsc::Receiver<()>);
+        impl Drop for Gate {
+            fn drop(&mut self) {
+                let _ = self.0.recv();
+            }
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (handle, thread) = spawn(dir.path());
+        let (open, gate) = std::sync::mpsc::channel();
+        let first = handle.submit(request(), Gate(gate));
+        let (tx, mut gone) = oneshot::channel();
+        // Its producer went away at once.
+        drop(handle.submit(request(), Dropped(Some(tx))));
+        // Answers go out in order, and the first one's charge holds them up: the second charge
+        // can only have been dropped with its future.
+        assert!(gone.try_recv().is_err(), "the charge of a request still in the spool's hands was dropped");
+        open.send(()).expect("the gate is waiting");
+        first.await.expect("the first append");
+        gone.await.expect("the second request's charge is dropped once it is answered");
+
+        // Dropped before the answer: the producer that reads it finds its room given back.
+        let (tx, mut gone) = oneshot::channel();
+        handle.submit(request(), Dropped(Some(tx))).await.expect("append");
+        assert!(gone.try_recv().is_ok(), "the charge is dropped before the answer");
         drop(handle);
         thread.join();
     }
