@@ -1075,6 +1075,7 @@ async fn run_connection(
     });
 
     // Handshake: read until the session has seen Hello.
+    let mut early_floors = Vec::new();
     let spool_id = {
         let mut buf = vec![0u8; 4096];
         loop {
@@ -1100,12 +1101,9 @@ async fn run_connection(
                         info!(%device, spool = %hex(&spool_id), %agent, version, early_chunks = held.len(), "agent connected");
                         hello = Some(spool_id);
                     }
-                    // Only after the Hello (the session sees to it), which may share a read.
-                    ServerEvent::Floor { stream, seq } => {
-                        if let Some(spool) = hello {
-                            shared.store.raise_floor(device, spool, stream.as_str(), seq);
-                        }
-                    }
+                    // Only after the Hello (the session sees to it), which may share a read:
+                    // applied once this connection stands (below).
+                    ServerEvent::Floor { stream, seq } => early_floors.push((stream, seq)),
                 }
             }
             if let Some(id) = hello {
@@ -1149,6 +1147,11 @@ async fn run_connection(
         chunk_tasks.spawn(handle_chunk_stream(recv, ctx()));
     }
     let mut floors = Floors::default();
+    for (stream, seq) in early_floors {
+        if floors.raise(&stream, seq) {
+            shared.store.raise_floor(device, spool_id, stream.as_str(), seq).await;
+        }
+    }
     let result = loop {
         let mut buf = [0u8; 1024];
         tokio::select! {
@@ -1165,15 +1168,24 @@ async fn run_connection(
                 // After the Hello the agent sends only floors; anything else is a violation
                 // that the session turns into an error, which closes the connection.
                 Ok(Some(n)) => {
-                    let mut st = lock(&state);
-                    st.session.handle_control_bytes(Instant::now(), &buf[..n])?;
-                    st.flush();
-                    while let Some(ev) = st.session.poll_event() {
-                        if let ServerEvent::Floor { stream, seq } = ev
-                            && floors.raise(&stream, seq)
-                        {
-                            shared.store.raise_floor(device, spool_id, stream.as_str(), seq);
+                    let mut raised = Vec::new();
+                    {
+                        let mut st = lock(&state);
+                        st.session.handle_control_bytes(Instant::now(), &buf[..n])?;
+                        st.flush();
+                        while let Some(ev) = st.session.poll_event() {
+                            if let ServerEvent::Floor { stream, seq } = ev
+                                && floors.raise(&stream, seq)
+                            {
+                                raised.push((stream, seq));
+                            }
                         }
+                    }
+                    // Each floor is waited for, so a connection has at most one in the store
+                    // thread's queue: an agent sending floor after rising floor is held back
+                    // by the store, not queued without bound.
+                    for (stream, seq) in raised {
+                        shared.store.raise_floor(device, spool_id, stream.as_str(), seq).await;
                     }
                 }
                 Ok(None) => break Ok(()),
@@ -1208,7 +1220,8 @@ async fn run_connection(
 
 /// The floors a connection passed to the sink, so that only a higher one per stream goes on,
 /// for at most [`Floors::MAX_STREAMS`] streams: a floor costs the store thread a queued message,
-/// and a device repeating them must not flood it. One dropped is harmless: the agent sends it
+/// and a device repeating them must not flood it. (Rising floors pass; the connection waits for
+/// each to be applied before it reads on, so they are never more than one in the queue.) One dropped is harmless: the agent sends it
 /// again on a later refusal or connection.
 #[derive(Debug, Default)]
 struct Floors(HashMap<StreamName, u64>);

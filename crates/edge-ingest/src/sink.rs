@@ -27,9 +27,10 @@ impl Sink {
     /// new data any more. The file store closes the gaps below it in its dedup index
     /// ([`crate::store::Store::raise_floor`]); JetStream deduplicates by message id within its
     /// window and keeps no such index, so there it does nothing.
-    pub fn raise_floor(&self, device: &str, spool: [u8; 16], stream: &str, seq: u64) {
+    /// Returns once the floor is applied.
+    pub async fn raise_floor(&self, device: &str, spool: [u8; 16], stream: &str, seq: u64) {
         match self {
-            Sink::Files(store) => store.raise_floor(device, spool, stream, seq),
+            Sink::Files(store) => store.raise_floor(device, spool, stream, seq).await,
             Sink::JetStream(_) => {}
         }
     }

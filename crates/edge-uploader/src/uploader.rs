@@ -648,6 +648,10 @@ enum ConnError {
     Spool(#[from] SpoolError),
     #[error("connection lost after progress: {0}")]
     LostAfterProgress(quinn::ConnectionError),
+    /// A chunk's send task ended without its outcome (it panicked): which chunk it was is gone
+    /// with it, so the connection ends, and the next one offers every unacked chunk again.
+    #[error("a chunk's send task failed: {0}")]
+    SendTask(String),
 }
 
 impl ConnError {
@@ -1101,7 +1105,11 @@ impl<'a> Connection<'a> {
                 }
                 e = self.conn.closed() => break Err(e.into()),
                 Some(joined) = tasks.join_next() => {
-                    let Ok((meta, outcome)) = joined else { continue };
+                    // The window holds a slot for its chunk, which no outcome will free.
+                    let (meta, outcome) = match joined {
+                        Ok(done) => done,
+                        Err(e) => break Err(ConnError::SendTask(e.to_string())),
+                    };
                     in_flight.remove(meta.id);
                     self.publish(&in_flight);
                     match outcome {

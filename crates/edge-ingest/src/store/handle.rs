@@ -99,6 +99,8 @@ struct Floor {
     spool: [u8; 16],
     stream: String,
     seq: u64,
+    /// Told once the floor is applied.
+    applied: oneshot::Sender<()>,
 }
 
 impl StoreHandle {
@@ -138,13 +140,18 @@ impl StoreHandle {
         })
     }
 
-    /// Queues an agent's floor for `(device, spool, stream)` ([`Store::raise_floor`]) without
-    /// waiting for it. The store thread applies it after the chunks queued before it are
-    /// persisted, so that none of those is answered `Duplicate` by the floor instead.
-    pub fn raise_floor(&self, device: &str, spool: [u8; 16], stream: &str, seq: u64) {
-        let floor = Floor { device: device.to_owned(), spool, stream: stream.to_owned(), seq };
+    /// Queues an agent's floor for `(device, spool, stream)` ([`Store::raise_floor`]) and
+    /// waits until it is applied. The store thread applies it after the chunks queued before it
+    /// are persisted, so that none of those is answered `Duplicate` by the floor instead. The
+    /// wait keeps each caller to one floor in the queue: floors are sent by a peer, and the
+    /// queue has no bound of its own.
+    pub async fn raise_floor(&self, device: &str, spool: [u8; 16], stream: &str, seq: u64) {
+        let (applied, done) = oneshot::channel();
+        let floor = Floor { device: device.to_owned(), spool, stream: stream.to_owned(), seq, applied };
         // A stopped thread applies nothing, and answers nothing either.
-        let _ = self.inner.tx.send(Msg::Floor(floor));
+        if self.inner.tx.send(Msg::Floor(floor)).is_ok() {
+            let _ = done.await;
+        }
     }
 
     /// Counters as of the last finished batch, plus the queue length. No round trip to the
@@ -272,6 +279,7 @@ fn run(
         if store.raise_floor(&f.device, &f.spool, &f.stream, f.seq).is_some() {
             *shared.stats.lock().unwrap_or_else(PoisonError::into_inner) = store.stats();
         }
+        let _ = f.applied.send(());
     };
     loop {
         let first = match carry.take() {
@@ -390,6 +398,37 @@ mod tests {
         assert_eq!(stats.fsyncs, 2);
         assert_eq!(stats.batches, 2);
         assert_eq!(stats.queued, 0);
+        handle.shutdown();
+    }
+
+    /// A floor is waited for until the store thread has applied it, after the chunks queued
+    /// before it: the connection that sent it reads no further floor meanwhile, so a peer
+    /// sending floor after floor has one in the queue, not one per frame.
+    #[test]
+    fn a_floor_returns_once_applied_after_the_chunks_queued_before_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, _) = Store::open(StoreOptions::new(dir.path())).expect("open");
+        let (handle, gate) = spawn_gated(store, BatchLimits::default());
+        let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+        rt.block_on(async {
+            let h = handle.clone();
+            let first = tokio::spawn(async move { h.persist(chunk(1)).await });
+            while handle.stats().queued < 1 {
+                tokio::task::yield_now().await;
+            }
+            let mut floor = std::pin::pin!(handle.raise_floor("dev", [1; 16], "s", 5));
+            for _ in 0..100 {
+                let pending =
+                    std::future::poll_fn(|cx| std::task::Poll::Ready(floor.as_mut().poll(cx).is_pending())).await;
+                assert!(pending, "the store thread has applied nothing yet");
+                tokio::task::yield_now().await;
+            }
+            gate.send(()).expect("store thread waits at the gate");
+            floor.await;
+            assert_eq!(first.await.expect("task"), PersistOutcome::Stored, "chunk 1 was persisted before the floor");
+            // Below the floor, seq 3 counts as stored now.
+            assert_eq!(handle.persist(chunk(3)).await, PersistOutcome::Duplicate);
+        });
         handle.shutdown();
     }
 
