@@ -328,6 +328,7 @@ fn crash_points_spool_open() -> anyhow::Result<()> {
         &[
             Point { name: "spool::open::before_migrate", target: Target::Agent, trigger: Trigger::AtOpen },
             Point { name: "spool::open::after_migrate", target: Target::Agent, trigger: Trigger::AtOpen },
+            Point { name: "spool::open::before_segments", target: Target::Agent, trigger: Trigger::AtOpen },
         ],
         0x0BE4,
     )

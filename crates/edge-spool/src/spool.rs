@@ -122,6 +122,18 @@ impl Spool {
             "spool opened"
         );
         let reserve = Reserve::open(recovery::with_suffix(&opts.path, "-reserve"), opts.disk_reserve_bytes);
+        if opts.durability == crate::Durability::Normal {
+            // Before the segments are cut to, and deleted by, what the index says (below): under
+            // `NORMAL` the last run's commits may be in the WAL alone (a process crash leaves
+            // them in the page cache), and a power cut after a durable cut and before them
+            // would bring back an index whose commit records the cut took, and seals that replay
+            // could not restore. (Under `FULL` open's lost-tail check commits with a sync of
+            // the WAL first.)
+            let _ = checkpoint_truncate(&opened.conn);
+            let wal = recovery::with_suffix(&opts.path, "-wal");
+            sync_wal_file(&wal, &opts.path).map_err(|source| SpoolError::Io { path: wal, source })?;
+        }
+        crate::crash_point!("spool::open::before_segments");
         // Where the commit records end in the newest segment; after a lost tail was dropped,
         // records of dropped commits may lie before that end: a new segment is started instead.
         let tail = opened.replayed.tail.filter(|_| opened.unsynced == crate::unsynced::Dropped::default());
@@ -862,29 +874,7 @@ impl Spool {
     ///
     /// Returns whether it completed.
     fn checkpoint_truncate(&mut self) -> bool {
-        if let Err(e) = self.conn.busy_timeout(crate::schema::CHECKPOINT_WAIT) {
-            tracing::debug!(error = %e, "WAL checkpoint skipped: setting its busy timeout failed");
-            return false;
-        }
-        let r = self.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
-            Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?))
-        });
-        if let Err(e) = self.conn.busy_timeout(crate::schema::BUSY_TIMEOUT) {
-            // sqlite3_busy_timeout cannot fail on an open connection; were it to, the next
-            // writes would give up on a lock at once and say so, losing nothing.
-            tracing::warn!(error = %e, "restoring the spool's busy timeout failed");
-        }
-        match r {
-            Ok((0, _, _)) => true,
-            Ok((busy, log, done)) => {
-                tracing::debug!(busy, log, done, "WAL checkpoint did not complete");
-                false
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, "WAL checkpoint failed");
-                false
-            }
-        }
+        checkpoint_truncate(&self.conn)
     }
 
     /// How many times the disk reserve was released because the file system was full.
@@ -1418,6 +1408,50 @@ fn seal_stream(
 /// The number of chunks a commit sealed, as the `seal_*` calls return it.
 fn sealed_count(report: &CommitReport) -> u32 {
     u32::try_from(report.sealed.len()).unwrap_or(u32::MAX)
+}
+
+/// `PRAGMA wal_checkpoint(TRUNCATE)` on `conn`, waiting for readers at most
+/// `CHECKPOINT_WAIT`: whether it completed (everything in the main file, synced, and the WAL
+/// emptied).
+fn checkpoint_truncate(conn: &rusqlite::Connection) -> bool {
+    if let Err(e) = conn.busy_timeout(crate::schema::CHECKPOINT_WAIT) {
+        tracing::debug!(error = %e, "WAL checkpoint skipped: setting its busy timeout failed");
+        return false;
+    }
+    let r = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+        Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?))
+    });
+    if let Err(e) = conn.busy_timeout(crate::schema::BUSY_TIMEOUT) {
+        // sqlite3_busy_timeout cannot fail on an open connection; were it to, the next
+        // writes would give up on a lock at once and say so, losing nothing.
+        tracing::warn!(error = %e, "restoring the spool's busy timeout failed");
+    }
+    match r {
+        Ok((0, _, _)) => true,
+        Ok((busy, log, done)) => {
+            tracing::debug!(busy, log, done, "WAL checkpoint did not complete");
+            false
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "WAL checkpoint failed");
+            false
+        }
+    }
+}
+
+/// Syncs the spool's WAL file `wal`, and the directory of `spool` (SQLite syncs the name of a
+/// WAL it created only in a sync of its own, which under `NORMAL` waits for a checkpoint). No
+/// WAL is nothing to sync: its content is in the main file, synced by the checkpoint that
+/// removed it.
+fn sync_wal_file(wal: &std::path::Path, spool: &std::path::Path) -> std::io::Result<()> {
+    match std::fs::File::open(wal) {
+        Ok(f) => {
+            f.sync_data()?;
+            crate::segment::sync_dir(spool).map_err(std::io::Error::other)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 #[cfg(test)]
