@@ -489,7 +489,7 @@ impl Spool {
         let mut touched = BTreeSet::new();
         let mut report = AckReport::default();
         for &id in acks {
-            match delete_chunk(&tx, &mut st, id)? {
+            match delete_chunk(&tx, &mut st, id, Unchecked::Trusted)? {
                 Some(deleted) => {
                     report.acked += 1;
                     touched.insert(deleted.stream_id);
@@ -696,11 +696,13 @@ impl Spool {
     fn purge_quarantined_once(&mut self) -> Result<u64, SpoolError> {
         let mut st = self.state.clone();
         let tx = begin(&mut self.conn)?;
-        let ranges: Vec<(i64, i64, i64)> = tx
-            .prepare("SELECT stream_id, first_batch, last_batch FROM chunks WHERE quarantine IS NOT NULL")
-            .and_then(|mut s| s.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?.collect())
+        let ranges: Vec<(i64, (i64, i64, i64))> = tx
+            .prepare("SELECT id, stream_id, first_batch, last_batch FROM chunks WHERE quarantine IS NOT NULL")
+            .and_then(|mut s| s.query_map([], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?, r.get(3)?))))?.collect())
             .map_err(ctx("listing quarantined chunks"))?;
-        for range in ranges {
+        // Often quarantined for a damaged row: deleted within their neighbours, not by the row.
+        for (id, range) in ranges {
+            let range = bounded_range(&tx, &st, ChunkId(id), range)?;
             delete_batches(&tx, &mut st, range)?;
         }
         let n = tx
@@ -1107,7 +1109,7 @@ fn make_room(
             // The counters say sealed bytes exist but no chunk row does.
             return Err(SpoolError::Inconsistent("sealed byte counter is positive but no sealed chunk exists".into()));
         };
-        let Some(deleted) = delete_chunk(tx, st, ChunkId(id))? else {
+        let Some(deleted) = delete_chunk(tx, st, ChunkId(id), Unchecked::Bound)? else {
             return Err(SpoolError::Inconsistent(format!("chunk {id} vanished while dropping")));
         };
         dropped.chunks += 1;
@@ -1176,7 +1178,21 @@ fn reindex_damaged_rows(tx: &Transaction<'_>, chunk: ChunkId, legacy_batches_thr
 
 /// Deletes a live (not quarantined) chunk and its batches, updating the counters except the
 /// per-stream oldest time (see [`refresh_oldest_sealed`]). `None` if there is no such chunk.
-fn delete_chunk(tx: &Transaction<'_>, st: &mut State, id: ChunkId) -> Result<Option<DeletedChunk>, SpoolError> {
+/// How [`delete_chunk`] takes the batch range of a chunk's row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unchecked {
+    /// As it is: an acked chunk, whose row was checked when it was read to be sent.
+    Trusted,
+    /// Within its neighbours ([`bounded_range`]): a chunk dropped unread, by the cap.
+    Bound,
+}
+
+fn delete_chunk(
+    tx: &Transaction<'_>,
+    st: &mut State,
+    id: ChunkId,
+    range: Unchecked,
+) -> Result<Option<DeletedChunk>, SpoolError> {
     let row: Option<(i64, i64, i64, i64, i64)> = tx
         .prepare_cached(
             "SELECT stream_id, records, bytes, first_batch, last_batch FROM chunks
@@ -1189,7 +1205,11 @@ fn delete_chunk(tx: &Transaction<'_>, st: &mut State, id: ChunkId) -> Result<Opt
     let Some((stream_id, records, bytes, first_batch, last_batch)) = row else {
         return Ok(None);
     };
-    delete_batches(tx, st, (stream_id, first_batch, last_batch))?;
+    let batches = match range {
+        Unchecked::Trusted => (stream_id, first_batch, last_batch),
+        Unchecked::Bound => bounded_range(tx, st, id, (stream_id, first_batch, last_batch))?,
+    };
+    delete_batches(tx, st, batches)?;
     tx.prepare_cached("DELETE FROM chunks WHERE id = ?1")
         .and_then(|mut s| s.execute([id.0]))
         .map_err(ctx("deleting a chunk"))?;
@@ -1200,6 +1220,35 @@ fn delete_chunk(tx: &Transaction<'_>, st: &mut State, id: ChunkId) -> Result<Opt
     let after = Counted::of(stream);
     st.recount(&before, &after);
     Ok(Some(DeletedChunk { stream_id, records: counted(records) }))
+}
+
+/// The batches of chunk `id` as its row gives them (`range`: stream, first and last batch id),
+/// bounded by what its stream's other rows say, for a row no one checked before its chunk is
+/// deleted (dropped by the cap unread, purged from quarantine, where a damaged row is often
+/// the reason it is there): above the last batch of the stream's chunk before it, below the
+/// first of the one after it (quarantined ones included), and not past the stream's
+/// `sealed_through`, above which its batches are open, in no chunk yet. An intact row is
+/// within these already; a damaged one deletes no other chunk's batches and no open batch
+/// (records answered to their producers), at worst leaving some of its own behind.
+fn bounded_range(
+    tx: &Transaction<'_>,
+    st: &State,
+    id: ChunkId,
+    (stream_id, first, last): (i64, i64, i64),
+) -> Result<(i64, i64, i64), SpoolError> {
+    let neighbour = |sql: &str| -> Result<Option<i64>, SpoolError> {
+        tx.prepare_cached(sql)
+            .and_then(|mut s| s.query_row((stream_id, id.0), |r| r.get(0)).optional())
+            .map_err(ctx("bounding a chunk's batches by its neighbours"))
+    };
+    let before = neighbour("SELECT last_batch FROM chunks WHERE id < ?2 AND stream_id = ?1 ORDER BY id DESC LIMIT 1")?;
+    let after = neighbour("SELECT first_batch FROM chunks WHERE id > ?2 AND stream_id = ?1 ORDER BY id LIMIT 1")?;
+    // A stream the counters do not know has no batches either (its rows would have named it).
+    let sealed_through =
+        st.names.get(&stream_id).and_then(|name| st.streams.get(name)).map_or(i64::MIN, |s| s.sealed_through);
+    let first = first.max(before.map_or(i64::MIN, |b| b.saturating_add(1)));
+    let last = last.min(after.map_or(i64::MAX, |a| a.saturating_sub(1))).min(sealed_through);
+    Ok((stream_id, first, last))
 }
 
 /// Deletes the batches of a chunk: those of stream `.0` with ids in `.1..=.2`, and takes their

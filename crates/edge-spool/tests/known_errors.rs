@@ -713,3 +713,70 @@ fn an_open_batch_length_past_every_sum_opens_and_leaves_the_counters_with_its_ch
     let (spool, _) = Spool::open(opts.clone()).expect("reopen");
     assert_eq!(spool.stats(), counted);
 }
+
+/// A chunk row whose batch range a bit flip widened, dropped unread by the cap or purged from
+/// quarantine, takes no other chunk's batches and none of the open ones (records answered to
+/// their producers) with it: the range is bounded by the stream's neighbouring chunks and by
+/// its open batches.
+#[test]
+fn a_widened_batch_range_in_a_damaged_row_deletes_no_other_records() {
+    let widen = [
+        "UPDATE chunks SET last_batch = last_batch + 1000 WHERE id = (SELECT min(id) FROM chunks)",
+        "UPDATE chunks SET first_batch = first_batch - 1000, last_batch = last_batch + 1000 \
+         WHERE id = (SELECT min(id) + 1 FROM chunks)",
+    ];
+    for (case, sql) in widen.iter().enumerate() {
+        let (_dir, mut opts) = setup();
+        spool_with_chunks(&opts, 3);
+        damage(&opts, sql);
+        opts.max_bytes = 4096;
+        opts.full_policy = edge_spool::FullPolicy::DropOldest;
+        let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+        // An open batch of the same stream: answered, not sealed.
+        append_one(&mut spool, "s", noise(9, 512), 10);
+        let before = sealed(&spool);
+        let damaged = before[case].clone();
+        // Makes room by dropping the oldest chunk (the damaged one in case 0).
+        append_one(&mut spool, "t", noise(10, 1024), 11);
+        if case == 1 {
+            // The damaged row is the second oldest: it is dropped next.
+            append_one(&mut spool, "t", noise(11, 1024), 12);
+        }
+        let after = sealed(&spool);
+        assert!(!after.iter().any(|c| c.id == damaged.id), "{sql}: the damaged chunk was dropped");
+        let mut reader = spool.reader().expect("reader");
+        for c in after.iter().filter(|c| c.stream == "s") {
+            assert_eq!(reader.read(c).expect("an intact neighbour reads whole"), noise(c.seq, 1024), "{sql}");
+        }
+        assert_eq!(spool.open_bytes("s"), 512, "{sql}");
+        spool.seal_all(20).expect("seal");
+        let open = sealed(&spool).into_iter().find(|c| c.stream == "s" && c.records == 1 && c.seq > 3);
+        let open = open.unwrap_or_else(|| panic!("{sql}: the open batch was sealed"));
+        assert_eq!(reader.read(&open).expect("the open batch is whole"), noise(9, 512), "{sql}");
+    }
+}
+
+/// The same damage on a quarantined chunk: the purge deletes its batches within its neighbours.
+#[test]
+fn purging_a_quarantined_chunk_with_a_widened_range_keeps_its_neighbours() {
+    let (_dir, opts) = setup();
+    spool_with_chunks(&opts, 3);
+    let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+    let chunks = sealed(&spool);
+    spool.quarantine(chunks[1].id, "test").expect("quarantine");
+    drop(spool);
+    damage(
+        &opts,
+        "UPDATE chunks SET first_batch = first_batch - 1000, last_batch = last_batch + 1000 WHERE quarantine IS NOT NULL",
+    );
+    let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+    append_one(&mut spool, "s", noise(9, 512), 10);
+    assert_eq!(spool.purge_quarantined().expect("purge"), 1);
+    let mut reader = spool.reader().expect("reader");
+    for c in [&chunks[0], &chunks[2]] {
+        assert_eq!(reader.read(c).expect("a neighbour reads whole"), noise(c.seq, 1024));
+    }
+    spool.seal_all(20).expect("seal");
+    let open = sealed(&spool).into_iter().find(|c| c.seq == 4).expect("the open batch, sealed");
+    assert_eq!(reader.read(&open).expect("the open batch is whole"), noise(9, 512));
+}
