@@ -702,7 +702,7 @@ impl Spool {
             .map_err(ctx("listing quarantined chunks"))?;
         // Often quarantined for a damaged row: deleted within their neighbours, not by the row.
         for (id, range) in ranges {
-            let range = bounded_range(&tx, &st, ChunkId(id), range)?;
+            let range = checked_range(&tx, &st, ChunkId(id), range, Neighbours::Live)?;
             delete_batches(&tx, &mut st, range)?;
         }
         let n = tx
@@ -1183,7 +1183,8 @@ fn reindex_damaged_rows(tx: &Transaction<'_>, chunk: ChunkId, legacy_batches_thr
 enum Unchecked {
     /// As it is: an acked chunk, whose row was checked when it was read to be sent.
     Trusted,
-    /// Within its neighbours ([`bounded_range`]): a chunk dropped unread, by the cap.
+    /// Checked first, and within its neighbours if it fails ([`checked_range`]): a chunk
+    /// dropped unread, by the cap.
     Bound,
 }
 
@@ -1207,7 +1208,8 @@ fn delete_chunk(
     };
     let batches = match range {
         Unchecked::Trusted => (stream_id, first_batch, last_batch),
-        Unchecked::Bound => bounded_range(tx, st, id, (stream_id, first_batch, last_batch))?,
+        // Quarantined neighbours count: their batches are kept for inspection.
+        Unchecked::Bound => checked_range(tx, st, id, (stream_id, first_batch, last_batch), Neighbours::All)?,
     };
     delete_batches(tx, st, batches)?;
     tx.prepare_cached("DELETE FROM chunks WHERE id = ?1")
@@ -1222,27 +1224,56 @@ fn delete_chunk(
     Ok(Some(DeletedChunk { stream_id, records: counted(records) }))
 }
 
-/// The batches of chunk `id` as its row gives them (`range`: stream, first and last batch id),
-/// bounded by what its stream's other rows say, for a row no one checked before its chunk is
-/// deleted (dropped by the cap unread, purged from quarantine, where a damaged row is often
-/// the reason it is there): above the last batch of the stream's chunk before it, below the
-/// first of the one after it (quarantined ones included), and not past the stream's
-/// `sealed_through`, above which its batches are open, in no chunk yet. An intact row is
-/// within these already; a damaged one deletes no other chunk's batches and no open batch
-/// (records answered to their producers), at worst leaving some of its own behind.
-fn bounded_range(
+/// Which of a stream's other chunks bound a damaged row's range ([`checked_range`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Neighbours {
+    /// Every one: a chunk dropped by the cap keeps its quarantined neighbours' batches.
+    All,
+    /// Those not in quarantine: a purge deletes the quarantined ones all together.
+    Live,
+}
+
+/// The batches of chunk `id` (`range`: stream, first and last batch id, as its row gives
+/// them) for a row no one checked before its chunk is deleted (dropped by the cap unread,
+/// purged from quarantine, where a damaged row is often the reason it is there). A row that
+/// passes its checksum is taken as it is. One that fails is bounded by what its stream's other
+/// rows say: above the last batch of the stream's chunk before it, below the first of the one
+/// after it (of `neighbours`), and not past the stream's `sealed_through`, above which its
+/// batches are open, in no chunk yet. So a damaged row deletes no other chunk's batches and no
+/// open batch (records answered to their producers), at worst leaving some of its own behind.
+fn checked_range(
     tx: &Transaction<'_>,
     st: &State,
     id: ChunkId,
     (stream_id, first, last): (i64, i64, i64),
+    neighbours: Neighbours,
 ) -> Result<(i64, i64, i64), SpoolError> {
-    let neighbour = |sql: &str| -> Result<Option<i64>, SpoolError> {
-        tx.prepare_cached(sql)
+    let row: Option<(ChunkRow, Option<i64>)> = tx
+        .prepare_cached(
+            "SELECT id, stream_id, seq, records, bytes, first_ms, sealed_ms, first_batch, last_batch, row_crc
+             FROM chunks WHERE id = ?1",
+        )
+        .and_then(|mut s| s.query_row([id.0], |r| Ok((ChunkRow::from_row(r, 0)?, r.get(9)?))).optional())
+        .map_err(ctx("checking a chunk row before deleting its batches"))?;
+    if let Some((c, Some(stored))) = row
+        && stored == c.crc()
+        && (c.stream_id, c.first_batch, c.last_batch) == (stream_id, first, last)
+    {
+        return Ok((stream_id, first, last));
+    }
+    tracing::warn!(chunk = id.0, "chunk row fails its checksum: its batches are deleted within its neighbours'");
+    let live = if neighbours == Neighbours::Live { " AND quarantine IS NULL" } else { "" };
+    let neighbour = |sql: String| -> Result<Option<i64>, SpoolError> {
+        tx.prepare_cached(&sql)
             .and_then(|mut s| s.query_row((stream_id, id.0), |r| r.get(0)).optional())
             .map_err(ctx("bounding a chunk's batches by its neighbours"))
     };
-    let before = neighbour("SELECT last_batch FROM chunks WHERE id < ?2 AND stream_id = ?1 ORDER BY id DESC LIMIT 1")?;
-    let after = neighbour("SELECT first_batch FROM chunks WHERE id > ?2 AND stream_id = ?1 ORDER BY id LIMIT 1")?;
+    let before = neighbour(format!(
+        "SELECT last_batch FROM chunks WHERE id < ?2 AND stream_id = ?1{live} ORDER BY id DESC LIMIT 1"
+    ))?;
+    let after = neighbour(format!(
+        "SELECT first_batch FROM chunks WHERE id > ?2 AND stream_id = ?1{live} ORDER BY id LIMIT 1"
+    ))?;
     // A stream the counters do not know has no batches either (its rows would have named it).
     let sealed_through =
         st.names.get(&stream_id).and_then(|name| st.streams.get(name)).map_or(i64::MIN, |s| s.sealed_through);

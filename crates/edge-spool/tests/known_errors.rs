@@ -780,3 +780,32 @@ fn purging_a_quarantined_chunk_with_a_widened_range_keeps_its_neighbours() {
     let open = sealed(&spool).into_iter().find(|c| c.seq == 4).expect("the open batch, sealed");
     assert_eq!(reader.read(&open).expect("the open batch is whole"), noise(9, 512));
 }
+
+/// Two quarantined chunks, the second's row damaged into the first's range: the purge deletes
+/// the batches of both, leaving none that belongs to no chunk (bytes on disk no counter counts).
+#[test]
+fn purging_a_damaged_row_beside_an_intact_one_leaves_no_orphan_batches() {
+    let (_dir, opts) = setup();
+    spool_with_chunks(&opts, 3);
+    let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+    let chunks = sealed(&spool);
+    spool.quarantine(chunks[0].id, "test").expect("quarantine");
+    spool.quarantine(chunks[1].id, "test").expect("quarantine");
+    drop(spool);
+    damage(&opts, &format!("UPDATE chunks SET first_batch = first_batch - 1 WHERE id = {}", chunks[1].id.0));
+    let (mut spool, _) = Spool::open(opts.clone()).expect("open");
+    assert_eq!(spool.purge_quarantined().expect("purge"), 2);
+    let mut reader = spool.reader().expect("reader");
+    assert_eq!(reader.read(&chunks[2]).expect("the live chunk reads whole"), noise(3, 1024));
+    drop((reader, spool));
+    let raw = Connection::open(&opts.path).expect("raw connection");
+    let orphans: i64 = raw
+        .query_row(
+            "SELECT count(*) FROM batches b WHERE NOT EXISTS \
+             (SELECT 1 FROM chunks c WHERE c.stream_id = b.stream_id AND b.id BETWEEN c.first_batch AND c.last_batch)",
+            [],
+            |r| r.get(0),
+        )
+        .expect("count");
+    assert_eq!(orphans, 0, "batches left that belong to no chunk");
+}

@@ -962,7 +962,8 @@ async fn handle(intake: &Arc<Intake>, stream: &str, headers: &HeaderMap, body: B
 
     // The claim and the gauge's share go with the request: hyper drops this future when its
     // producer goes away, but the buffers wait in the spool thread's queue until it answers.
-    let charge = (claim.into_owned(Arc::clone(intake)), held);
+    // The gauge's share first (a tuple drops in order): the claim's room may be taken at once.
+    let charge = (held, claim.into_owned(Arc::clone(intake)));
     match intake.spool.submit(AppendRequest { batches }, charge).await {
         Ok(()) => {
             intake.counters.accepted(stream.as_str(), n, payload_bytes);

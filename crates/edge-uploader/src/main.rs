@@ -228,16 +228,18 @@ fn main() -> ExitCode {
             report(runtime().and_then(|rt| rt.block_on(edge_uploader::agent::run(cfg))))
         }
         Command::Status { json, max_backlog_age, socket, config } => {
-            let from_config = match read_config_for_status(config) {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("edge-uploader: {}", edge_telemetry::logging::error_chain(e.as_ref()));
-                    return ExitCode::from(EXIT_CONFIG as u8);
-                }
+            // With --socket the config is not read: the metrics listener is asked only for the
+            // agent whose socket the config names.
+            let (socket, metrics) = match socket {
+                Some(socket) => (socket, None),
+                None => match read_config_for_status(config) {
+                    Ok(c) => (c.socket, c.metrics),
+                    Err(e) => {
+                        eprintln!("edge-uploader: {}", edge_telemetry::logging::error_chain(e.as_ref()));
+                        return ExitCode::from(EXIT_CONFIG as u8);
+                    }
+                },
             };
-            // The metrics listener is asked only for the agent whose socket the config names.
-            let metrics = if socket.is_none() { from_config.metrics } else { None };
-            let socket = socket.unwrap_or(from_config.socket);
             let fetched = runtime().map(|rt| {
                 rt.block_on(async {
                     let timeout = edge_uploader::status::FETCH_TIMEOUT;
