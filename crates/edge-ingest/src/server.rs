@@ -1221,8 +1221,8 @@ async fn run_connection(
 /// The floors a connection passed to the sink, so that only a higher one per stream goes on,
 /// for at most [`Floors::MAX_STREAMS`] streams: a floor costs the store thread a queued message,
 /// and a device repeating them must not flood it. (Rising floors pass; the connection waits for
-/// each to be applied before it reads on, so they are never more than one in the queue.) One dropped is harmless: the agent sends it
-/// again on a later refusal or connection.
+/// each to be applied before it reads on, so they are never more than one in the queue.) One
+/// dropped is harmless: the agent sends it again on a later refusal or connection.
 #[derive(Debug, Default)]
 struct Floors(HashMap<StreamName, u64>);
 

@@ -27,9 +27,10 @@
 //! from one [`PendingBudget`] (`intake.stream_pending_total_bytes`), at most what is left of it
 //! (at least the record), with what a batch costs beside its buffer ([`BATCH_OVERHEAD`]), so
 //! all connections' batches together take at most the budget and one record. An append
-//! submitted to the spool keeps its charge until the spool thread answers it, whether or not its
-//! producer is still there: its buffers are in the spool thread's queue until then. A connection that finds the budget spent stops framing and reading until a
-//! commit gives some back. That cannot wait forever: every byte taken is in an append that is
+//! submitted to the spool keeps its charge until the spool thread answers it, whether or not
+//! its producer is still there: its buffers are in the spool thread's queue until then. A
+//! connection that finds the budget spent stops framing and reading until a commit gives some
+//! back. That cannot wait forever: every byte taken is in an append that is
 //! committing or, on a connection with no commit running, is submitted at once, and commits end
 //! without the intake.
 
