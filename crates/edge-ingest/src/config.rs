@@ -303,12 +303,10 @@ fn load_with_env(
             .with_list_parse_key("sink.jetstream.servers")
             .source(env_vars.map(|m| m.into_iter().collect())),
     );
-    let raw: RawConfig =
-        builder.build().and_then(|c| c.try_deserialize()).map_err(|e| match (names.is_empty(), exists) {
-            (false, _) => anyhow::anyhow!("environment overrides ({}): {e}", names.join(", ")),
-            (true, true) => anyhow::anyhow!("{}: {e}", path.display()),
-            (true, false) => anyhow::anyhow!("{e}"),
-        })?;
+    let raw: RawConfig = builder
+        .build()
+        .and_then(|c| c.try_deserialize())
+        .map_err(|e| anyhow::Error::msg(names.blame(exists.then_some(path.as_path()), e)))?;
     let origin = if exists { path.display().to_string() } else { "built-in defaults and environment".into() };
     let valid = match tls {
         TlsFiles::Required => validate(raw, exists.then_some(path)),

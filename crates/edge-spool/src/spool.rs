@@ -1127,13 +1127,7 @@ fn make_room(
 /// chunk is quarantined; `REINDEX batches` reads every batch row's page, so it is not done
 /// otherwise.
 fn reindex_damaged_rows(tx: &Transaction<'_>, chunk: ChunkId, legacy_batches_through: i64) -> Result<(), SpoolError> {
-    let row: Option<(ChunkRow, Option<i64>)> = tx
-        .prepare_cached(
-            "SELECT id, stream_id, seq, records, bytes, first_ms, sealed_ms, first_batch, last_batch, row_crc
-             FROM chunks WHERE id = ?1",
-        )
-        .and_then(|mut s| s.query_row([chunk.0], |r| Ok((ChunkRow::from_row(r, 0)?, r.get(9)?))).optional())
-        .map_err(ctx("checking a chunk row before quarantine"))?;
+    let row = chunk_row(tx, chunk).map_err(ctx("checking a chunk row before quarantine"))?;
     let Some((c, stored)) = row else { return Ok(()) };
     if stored != Some(c.crc()) {
         tracing::warn!(chunk = chunk.0, "chunk row fails its checksum; rebuilding the indexes of `chunks`");
@@ -1176,8 +1170,6 @@ fn reindex_damaged_rows(tx: &Transaction<'_>, chunk: ChunkId, legacy_batches_thr
     Ok(())
 }
 
-/// Deletes a live (not quarantined) chunk and its batches, updating the counters except the
-/// per-stream oldest time (see [`refresh_oldest_sealed`]). `None` if there is no such chunk.
 /// How [`delete_chunk`] takes the batch range of a chunk's row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Unchecked {
@@ -1188,6 +1180,8 @@ enum Unchecked {
     Bound,
 }
 
+/// Deletes a live (not quarantined) chunk and its batches, updating the counters except the
+/// per-stream oldest time (see [`refresh_oldest_sealed`]). `None` if there is no such chunk.
 fn delete_chunk(
     tx: &Transaction<'_>,
     st: &mut State,
@@ -1224,6 +1218,15 @@ fn delete_chunk(
     Ok(Some(DeletedChunk { stream_id, records: counted(records) }))
 }
 
+/// Chunk `id`'s row as stored, unchecked, and its stored checksum; `None` when there is none.
+fn chunk_row(tx: &Transaction<'_>, id: ChunkId) -> rusqlite::Result<Option<(ChunkRow, Option<i64>)>> {
+    tx.prepare_cached(
+        "SELECT id, stream_id, seq, records, bytes, first_ms, sealed_ms, first_batch, last_batch, row_crc
+         FROM chunks WHERE id = ?1",
+    )
+    .and_then(|mut s| s.query_row([id.0], |r| Ok((ChunkRow::from_row(r, 0)?, r.get(9)?))).optional())
+}
+
 /// Which of a stream's other chunks bound a damaged row's range ([`checked_range`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Neighbours {
@@ -1248,17 +1251,9 @@ fn checked_range(
     (stream_id, first, last): (i64, i64, i64),
     neighbours: Neighbours,
 ) -> Result<(i64, i64, i64), SpoolError> {
-    let row: Option<(ChunkRow, Option<i64>)> = tx
-        .prepare_cached(
-            "SELECT id, stream_id, seq, records, bytes, first_ms, sealed_ms, first_batch, last_batch, row_crc
-             FROM chunks WHERE id = ?1",
-        )
-        .and_then(|mut s| s.query_row([id.0], |r| Ok((ChunkRow::from_row(r, 0)?, r.get(9)?))).optional())
-        .map_err(ctx("checking a chunk row before deleting its batches"))?;
-    if let Some((c, Some(stored))) = row
-        && stored == c.crc()
-        && (c.stream_id, c.first_batch, c.last_batch) == (stream_id, first, last)
-    {
+    // The row `range` came from, in this transaction: passing its checksum, it is that range.
+    let row = chunk_row(tx, id).map_err(ctx("checking a chunk row before deleting its batches"))?;
+    if row.is_some_and(|(c, stored)| stored == Some(c.crc())) {
         return Ok((stream_id, first, last));
     }
     tracing::warn!(chunk = id.0, "chunk row fails its checksum: its batches are deleted within its neighbours'");

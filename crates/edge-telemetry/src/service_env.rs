@@ -33,7 +33,7 @@ pub struct Overrides {
 /// `env_file` (when it exists), then this process's own, which win, as a variable set in the
 /// operator's shell is one they mean to apply. Other variables are left out.
 pub fn overrides(env_file: &Path, prefix: &str) -> Overrides {
-    let wanted = |k: &str| k.strip_prefix(prefix).is_some_and(|rest| rest.starts_with("__"));
+    let wanted = |k: &str| is_override(k, prefix);
     let mut out = Overrides::default();
     match std::fs::read(env_file) {
         Ok(bytes) => {
@@ -47,18 +47,38 @@ pub fn overrides(env_file: &Path, prefix: &str) -> Overrides {
     out
 }
 
+/// Whether the variable `name` is an override of `prefix` (`PREFIX__SECTION__KEY`).
+fn is_override(name: &str, prefix: &str) -> bool {
+    name.strip_prefix(prefix).is_some_and(|rest| rest.starts_with("__"))
+}
+
 /// The names of the overrides with `prefix` a config load applies, sorted: those of `vars` when
-/// given (the service's, [`for_packaged_config`]), else this process's own. For an error that
-/// only the overrides can have caused: a message that named the config file would send the
-/// operator to a file that is fine.
-pub fn override_names(vars: Option<&HashMap<String, String>>, prefix: &str) -> Vec<String> {
-    let wanted = |k: &str| k.strip_prefix(prefix).is_some_and(|rest| rest.starts_with("__"));
+/// given (the service's, [`for_packaged_config`]), else this process's own.
+pub fn override_names(vars: Option<&HashMap<String, String>>, prefix: &str) -> OverrideNames {
     let mut names: Vec<String> = match vars {
-        Some(vars) => vars.keys().filter(|k| wanted(k)).cloned().collect(),
-        None => std::env::vars().map(|(k, _)| k).filter(|k| wanted(k)).collect(),
+        Some(vars) => vars.keys().filter(|k| is_override(k, prefix)).cloned().collect(),
+        None => std::env::vars().map(|(k, _)| k).filter(|k| is_override(k, prefix)).collect(),
     };
     names.sort();
-    names
+    OverrideNames(names)
+}
+
+/// The overrides a config load applied ([`override_names`]).
+#[derive(Debug, Clone, Default)]
+pub struct OverrideNames(Vec<String>);
+
+impl OverrideNames {
+    /// The message for the error `e` of a load that failed once the overrides were put over a
+    /// config file that parsed alone (`file`, when there is one): the overrides caused it, and a
+    /// message that named the file would send the operator to a file that is fine. Without
+    /// overrides, the file is named.
+    pub fn blame(&self, file: Option<&Path>, e: impl std::fmt::Display) -> String {
+        match (self.0.is_empty(), file) {
+            (false, _) => format!("environment overrides ({}): {e}", self.0.join(", ")),
+            (true, Some(file)) => format!("{}: {e}", file.display()),
+            (true, None) => e.to_string(),
+        }
+    }
 }
 
 /// The service's overrides (see [`overrides`]) for a command given `config`, when that is the

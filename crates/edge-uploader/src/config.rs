@@ -367,12 +367,10 @@ pub fn raw_with_env(
     let names = edge_telemetry::service_env::override_names(env_vars.as_ref(), ENV_PREFIX);
     let env = config::Environment::with_prefix(ENV_PREFIX).prefix_separator("__").separator("__").try_parsing(false);
     builder = builder.add_source(env.source(env_vars.map(|m| m.into_iter().collect())));
-    let raw: RawConfig =
-        builder.build().and_then(|c| c.try_deserialize()).map_err(|e| match (names.is_empty(), exists) {
-            (false, _) => anyhow::anyhow!("environment overrides ({}): {e}", names.join(", ")),
-            (true, true) => anyhow::anyhow!("{}: {e}", path.display()),
-            (true, false) => anyhow::anyhow!("{e}"),
-        })?;
+    let raw: RawConfig = builder
+        .build()
+        .and_then(|c| c.try_deserialize())
+        .map_err(|e| anyhow::Error::msg(names.blame(exists.then_some(path.as_path()), e)))?;
     Ok((raw, exists.then_some(path)))
 }
 
