@@ -647,6 +647,10 @@ impl Spool {
     ///
     /// # Errors
     /// [`SpoolError::ChunkGone`] if the chunk is not in the spool.
+    ///
+    /// With deferred syncs ([`Spool::defer_wal_sync`]) the quarantine is durable only once the
+    /// next [`WalSync::sync`] returns (it syncs the WAL): a power cut before that brings the
+    /// chunk back, to be sent again.
     pub fn quarantine(&mut self, chunk: ChunkId, reason: &str) -> Result<(), SpoolError> {
         self.with_headroom(|s| s.quarantine_once(chunk, reason))
     }
@@ -680,6 +684,11 @@ impl Spool {
         crate::crash_point!("spool::quarantine::before_commit");
         tx.commit().map_err(ctx("committing a quarantine"))?;
         crate::crash_point!("spool::quarantine::after_commit");
+        // In no commit record: durable only with the WAL. After `COMMIT`, so that a sync
+        // already running does not take the need.
+        if let Some(syncs) = &self.syncs {
+            syncs.need_wal();
+        }
         self.state = st;
         tracing::warn!(chunk = chunk.0, reason, "chunk quarantined");
         Ok(())
@@ -2368,6 +2377,27 @@ mod tests {
         let (mut spool, _) = open(&opts);
         assert!(spool.defer_wal_sync().expect("defer").is_some());
         assert_eq!(count(&spool, "PRAGMA synchronous"), 1, "the sync thread syncs instead of COMMIT");
+    }
+
+    /// A quarantine has no commit record in a segment: under a deferred sync only the WAL's
+    /// sync makes it durable, and the next sync must do it even with no payload written.
+    #[test]
+    fn a_quarantine_under_a_deferred_sync_has_the_next_sync_sync_the_wal() {
+        let (_dir, opts) = setup();
+        let (mut spool, _) = open(&opts);
+        spool.append(&[req(vec![batch("a", b"rejected")])], 1).expect("append");
+        spool.seal_all(2).expect("seal");
+        let chunk = spool.newest_chunk().expect("a chunk");
+        let mut sync = spool.defer_wal_sync().expect("defer").expect("full defers");
+        let syncs = spool.syncs.clone().expect("deferred syncs");
+        sync.sync(Some(chunk)).expect("sync");
+        assert!(!syncs.wal_needed(), "the sync took the need of the deferral");
+
+        spool.quarantine(chunk, "rejected by server").expect("quarantine");
+        assert!(syncs.wal_needed(), "the quarantine is in the WAL only");
+        sync.sync(None).expect("sync");
+        assert!(!syncs.wal_needed());
+        assert_eq!(spool.stats().quarantined_chunks, 1);
     }
 
     #[test]

@@ -115,6 +115,12 @@ impl SegmentSyncs {
         self.lock().wal_needed = true;
     }
 
+    /// Whether a commit since the WAL's last sync needs the next sync to sync it.
+    #[cfg(test)]
+    pub(crate) fn wal_needed(&self) -> bool {
+        self.lock().wal_needed
+    }
+
     /// Whether the next sync must sync the WAL too: a commit needs it, or the commit records
     /// since its last sync hold `limit` bytes or more.
     fn wal_due(&self, limit: u64) -> bool {

@@ -140,8 +140,33 @@ pub struct SpoolHandle {
     in_flight: edge_spool::ChunksInFlight,
     /// Set once, by the spool thread, when a WAL sync failed under `Normal`.
     sync_failed: watch::Receiver<Option<String>>,
-    /// How far the spool's drops are durable (see [`SpoolHandle::drops_durable`]).
+    /// How far the spool's drops are durable (see [`SpoolHandle::removals_durable`]).
     drops: edge_spool::DropMarks,
+    /// How far the quarantines asked for are durable (see [`SpoolHandle::removals_durable`]).
+    quarantines: Arc<QuarantineMarks>,
+}
+
+/// The quarantines asked of the spool thread ([`SpoolHandle::quarantine`]) and how many of
+/// them are durably done, counted since the spool thread started. A quarantine is its own
+/// transaction, and with deferred syncs durable only once the sync thread has synced the WAL
+/// after it: a power cut before that brings the chunk back as one to send.
+#[derive(Debug, Default)]
+struct QuarantineMarks {
+    /// Raised by the handle before the command goes to the spool thread.
+    asked: AtomicU64,
+    /// Raised once the commit of a quarantine is durable: the number of quarantines done (or
+    /// found done already, or of a chunk the spool no longer has) by then. One that failed is
+    /// never counted, which withholds floors until the next start.
+    durable: AtomicU64,
+}
+
+impl QuarantineMarks {
+    fn all_durable(&self) -> bool {
+        // `asked` first: it is raised before the spool thread can see the command, and
+        // `durable` only grows.
+        let asked = self.asked.load(Ordering::SeqCst);
+        asked <= self.durable.load(Ordering::SeqCst)
+    }
 }
 
 /// Joins the spool thread when the last handle is gone.
@@ -181,8 +206,10 @@ impl SpoolHandle {
         let busy = Arc::new(Busy::new());
         let (sync_failed_tx, sync_failed) = watch::channel(None);
         let drops = spool.drop_marks();
+        let quarantines = Arc::new(QuarantineMarks::default());
         let handle = SpoolHandle {
             drops: drops.clone(),
+            quarantines: quarantines.clone(),
             in_flight: spool.chunks_in_flight(),
             tx,
             stats: stats.clone(),
@@ -196,7 +223,8 @@ impl SpoolHandle {
             busy: busy.clone(),
             sync_failed,
         };
-        let settler = Settler { sealed, handoff, settling: Arc::new(AtomicU64::new(0)), commit_seconds, drops };
+        let settler =
+            Settler { sealed, handoff, settling: Arc::new(AtomicU64::new(0)), commit_seconds, drops, quarantines };
         let syncer = match wal_sync {
             Some(wal) => Some(Syncer::spawn(wal, settler.clone(), busy.clone())?),
             None => None,
@@ -208,14 +236,17 @@ impl SpoolHandle {
         Ok((handle, SpoolThread { join: Some(join) }))
     }
 
-    /// Whether every chunk the spool dropped (`drop_oldest`) so far is durably gone. A drop is
-    /// visible at once but durable only with the next sync of the WAL, which the sync thread
-    /// marks: a power cut before it brings the chunks back. Only when this holds may the
-    /// uploader tell the server that a stream's dropped chunks will never come (its floor).
-    /// Under `durability = "normal"` a commit is marked when it returns, as it is answered: a
-    /// power cut may lose any of them there.
-    pub fn drops_durable(&self) -> bool {
-        self.drops.all_durable()
+    /// Whether every chunk the spool dropped (`drop_oldest`) so far, and every chunk the
+    /// uploader asked to quarantine ([`SpoolHandle::quarantine`]), is durably out of
+    /// circulation. A drop or a quarantine is visible at once but durable only with the next
+    /// sync of the WAL, which the sync thread marks: a power cut before it brings the chunk
+    /// back, to be sent again. Only when this holds may the uploader tell the server that a
+    /// stream's chunks below its floor will never come: a chunk brought back would be answered
+    /// duplicate and deleted, records and all (for a quarantined chunk, the copy kept for
+    /// `spool export-quarantined`). Under `durability = "normal"` a commit is marked when it
+    /// returns, as it is answered: a power cut may lose any of them there.
+    pub fn removals_durable(&self) -> bool {
+        self.quarantines.all_durable() && self.drops.all_durable()
     }
 
     /// The spool's identity, sent to the server in Hello.
@@ -279,7 +310,10 @@ impl SpoolHandle {
     }
 
     /// Sets a chunk aside for good (the server refuses its bytes, or they are corrupt).
+    /// [`SpoolHandle::removals_durable`] is false from now until the quarantine is durable.
     pub fn quarantine(&self, id: ChunkId, reason: String) {
+        // Before the command: whoever sees the chunk out of its window sees this too.
+        self.quarantines.asked.fetch_add(1, Ordering::SeqCst);
         let _closed = self.tx.send(Cmd::Quarantine { id, reason });
     }
 
@@ -547,8 +581,11 @@ struct Settle {
     /// When the spool thread began the commit.
     started: Instant,
     /// The spool's dropped-chunk total after the commit, if the commit dropped chunks: durable
-    /// once the commit is (see [`SpoolHandle::drops_durable`]).
+    /// once the commit is (see [`SpoolHandle::removals_durable`]).
     drops_through: Option<u64>,
+    /// The quarantines done by the spool thread through this commit, if any since the last
+    /// settle: durable once the commit is (a quarantine is a transaction of its own, before it).
+    quarantines_through: Option<u64>,
 }
 
 impl Settle {
@@ -561,6 +598,7 @@ impl Settle {
             || !self.seal_waiters.is_empty()
             || !self.handed.is_empty()
             || self.drops_through.is_some()
+            || self.quarantines_through.is_some()
     }
 }
 
@@ -573,15 +611,28 @@ struct Settler {
     settling: Arc<AtomicU64>,
     commit_seconds: Histogram,
     drops: edge_spool::DropMarks,
+    quarantines: Arc<QuarantineMarks>,
 }
 
 impl Settler {
     /// `durable` is `Err` when the commit may be lost: its producers get the error, and
     /// nothing it sealed is handed over.
     fn settle(&self, s: Settle, durable: Result<(), &AppendFailure>) {
-        let Settle { replies, answer, seal_waiters, handed, sealed_through: _, started, drops_through } = s;
+        let Settle {
+            replies,
+            answer,
+            seal_waiters,
+            handed,
+            sealed_through: _,
+            started,
+            drops_through,
+            quarantines_through,
+        } = s;
         if let (Ok(()), Some(total)) = (durable, drops_through) {
             self.drops.durable(total);
+        }
+        if let (Ok(()), Some(done)) = (durable, quarantines_through) {
+            self.quarantines.durable.fetch_max(done, Ordering::SeqCst);
         }
         self.commit_seconds.observe(started.elapsed().as_secs_f64());
         let sealed_count = handed.len() as u64;
@@ -677,6 +728,9 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
     let Settler { sealed, handoff, settling, .. } = settler.clone();
     let mut retained = Retained::default();
     let mut dropped_chunks = spool.snapshot().dropped_chunks();
+    // Quarantines done (see `QuarantineMarks::durable`), and how many of them a settle carries.
+    let mut quarantined = 0u64;
+    let mut quarantines_settled = 0u64;
     let tick = (spool.options().linger / 2).clamp(Duration::from_millis(1), Duration::from_millis(50));
     let mut appends: Vec<(AppendRequest, Reply)> = Vec::new();
     // When the thread first saw the acks now in `pending_acks`.
@@ -696,11 +750,13 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
                 appends.push((req, reply));
             }
             Cmd::AcksPending => {}
-            Cmd::Quarantine { id, reason } => {
-                if let Err(e) = spool.quarantine(id, &reason) {
-                    error!(chunk = id.0, error = %e, "could not quarantine chunk");
+            Cmd::Quarantine { id, reason } => match spool.quarantine(id, &reason) {
+                // Gone: dropped, whose own mark covers it.
+                Ok(()) | Err(edge_spool::SpoolError::ChunkGone(_)) => quarantined += 1,
+                Err(e) => {
+                    error!(chunk = id.0, error = %e, "could not quarantine chunk; it stays in the spool, sent again after a reconnection, and no stream's floor goes to the server until the agent restarts");
                 }
-            }
+            },
             Cmd::SetLimits { max_bytes, policy, max_streams } => spool.set_limits(max_bytes, policy, max_streams),
             Cmd::SealAll { reply } => seal_waiters.push(reply),
             Cmd::Rekey { reply } => {
@@ -738,7 +794,7 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
             let since = *acks_since.get_or_insert_with(Instant::now);
             // Acks alone, few and young: wait for more, or for appends to ride with. (Seals
             // that fall due meanwhile wait at most `ACK_LINGER` too.)
-            let alone = appends.is_empty() && seal_waiters.is_empty();
+            let alone = appends.is_empty() && seal_waiters.is_empty() && quarantined == quarantines_settled;
             let young = acks < ACK_GROUP && since.elapsed() < ACK_LINGER;
             let backing_off = acks_retry_at.is_some_and(|t| Instant::now() < t);
             if open && alone && (young || backing_off) {
@@ -825,7 +881,9 @@ fn writer_loop(mut spool: Spool, rx: mpsc::Receiver<Cmd>, shared: Shared, syncer
             sealed_through: spool.newest_chunk(),
             started,
             drops_through: (dropped_chunks != dropped_before).then_some(dropped_chunks),
+            quarantines_through: (quarantined != quarantines_settled).then_some(quarantined),
         };
+        quarantines_settled = quarantined;
         if !settle.awaited() {
             continue;
         }
@@ -1015,6 +1073,47 @@ mod tests {
         let (tx, mut gone) = oneshot::channel();
         handle.submit(request(), Dropped(Some(tx))).await.expect("append");
         assert!(gone.try_recv().is_ok(), "the charge is dropped before the answer");
+        drop(handle);
+        thread.join();
+    }
+
+    /// A quarantine the uploader asked for withholds floors (`removals_durable`) from the ask
+    /// until the sync thread made its commit durable: not only until the spool thread ran it.
+    #[tokio::test]
+    async fn a_quarantine_withholds_floors_from_the_ask_until_its_commit_is_durable() {
+        /// Says it is being dropped, then holds up the thread dropping it until the test opens it.
+        struct Gate(Option<oneshot::Sender<()>>, std::sync::mpsc::Receiver<()>);
+        impl Drop for Gate {
+            fn drop(&mut self) {
+                let _ = self.0.take().map(|tx| tx.send(()));
+                let _ = self.1.recv();
+            }
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (handle, thread, mut reader) = spawn_with_reader(dir.path());
+        handle.append(request()).await.expect("append");
+        handle.seal_all().await;
+        let chunk = reader.sealed_after(None, 10).expect("list")[0].id;
+        assert!(handle.removals_durable());
+
+        // The sync thread settles a commit and stops there, at the request's charge.
+        let (open, gate) = std::sync::mpsc::channel();
+        let (dropping, settling) = oneshot::channel();
+        let first = handle.submit(request(), Gate(Some(dropping), gate));
+        settling.await.expect("the sync thread settles the append");
+
+        handle.quarantine(chunk, "rejected by server".into());
+        assert!(!handle.removals_durable(), "asked, not done");
+        until(&handle, "quarantined", |s| s.quarantined_chunks == 1).await;
+        assert!(!handle.removals_durable(), "committed, not synced");
+        // Of a chunk the spool no longer has: nothing to undo once synced.
+        handle.quarantine(ChunkId(777), "rejected by server".into());
+
+        open.send(()).expect("the gate is waiting");
+        first.await.expect("the first append");
+        // Settled in order: the quarantines' commits before this one's.
+        handle.append(request()).await.expect("append");
+        assert!(handle.removals_durable(), "both quarantines are durable once a later commit is");
         drop(handle);
         thread.join();
     }

@@ -1150,11 +1150,12 @@ impl<'a> Connection<'a> {
                             // An ingest at this device's cap of gaps refuses a chunk with no
                             // neighbour stored: if the chunks below it were dropped or
                             // quarantined here, no neighbour ever comes. The stream's floor
-                            // tells it so, and it closes those gaps. Not while a drop may still
-                            // be undone by a power cut (`drops_durable`): a chunk brought back
-                            // would be answered duplicate, and lost uncounted.
+                            // tells it so, and it closes those gaps. Not while a drop or a
+                            // quarantine may still be undone by a power cut (`removals_durable`):
+                            // a chunk brought back would be answered duplicate, and lost
+                            // uncounted.
                             if reason == RetryReason::Overloaded
-                                && self.spool.drops_durable()
+                                && self.spool.removals_durable()
                                 && let Some(floor) = floor_of(&meta.stream, &in_flight, &redo, &parked)
                                 && floors_sent.get(&meta.stream).is_none_or(|&sent| sent < floor)
                             {
