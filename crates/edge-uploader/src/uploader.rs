@@ -331,6 +331,8 @@ pub async fn run(
     counters.set_session(&opts, None);
     let endpoint = edge_transport::client_endpoint(opts.bind, &opts.tuning)?;
     let mut backoff = Backoff::new(opts.backoff_min, opts.backoff_max);
+    // The last handshake refusal logged as a warning: the same one again goes to debug.
+    let mut refusal_logged: Option<String> = None;
     // The limits of the last Welcome, to send the first chunks of the next connection before
     // its own.
     let learned: Mutex<Option<EarlyLimits>> = Mutex::new(None);
@@ -469,7 +471,16 @@ pub async fn run(
                 }
             }
             Err(e) => {
-                debug!(server = %opts.server, error = %e, "connect failed");
+                // A refused certificate (revoked, expired, of a CA the other side does not
+                // trust) is not going to heal by waiting, unlike a server that is away: the
+                // operator hears of it, once per reason.
+                match tls_refusal(&e) {
+                    Some(reason) if refusal_logged.as_deref() != Some(reason.as_str()) => {
+                        warn!(server = %opts.server, error = %e, "the TLS handshake was refused; retrying with backoff, but this needs the certificates fixed (see edge-uploader status)");
+                        refusal_logged = Some(reason);
+                    }
+                    _ => debug!(server = %opts.server, error = %e, "connect failed"),
+                }
                 counters.set_error(format!("connect to {}: {e}", opts.server));
             }
         }
@@ -584,6 +595,17 @@ async fn connect(endpoint: &quinn::Endpoint, opts: &UploaderOptions) -> anyhow::
     let addr = resolve(opts).await?;
     let connecting = endpoint.connect_with(opts.tls.for_connect(), addr, &opts.server_name)?;
     Ok(connecting.await?)
+}
+
+/// The TLS alert that ended a handshake, from either side (a QUIC `CRYPTO_ERROR`, codes 0x100
+/// to 0x1ff), as text; `None` for every other failure (a timeout, an unreachable server).
+fn tls_refusal(e: &anyhow::Error) -> Option<String> {
+    let code = match e.downcast_ref::<quinn::ConnectionError>()? {
+        quinn::ConnectionError::ConnectionClosed(close) => close.error_code,
+        quinn::ConnectionError::TransportError(te) => te.code,
+        _ => return None,
+    };
+    (0x100..0x200).contains(&u64::from(code)).then(|| code.to_string())
 }
 
 /// Whether the server closed the connection for the protocol version of our Hello.
@@ -1433,6 +1455,26 @@ fn ack_outcome(acked: Result<AckStatus, tokio::sync::oneshot::error::RecvError>)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_tls_alert_is_a_refusal_logged_as_a_warning() {
+        let closed = |code: quinn::TransportErrorCode| {
+            anyhow::Error::from(quinn::ConnectionError::ConnectionClosed(quinn::ConnectionClose {
+                error_code: code,
+                frame_type: None,
+                reason: bytes::Bytes::new(),
+            }))
+        };
+        // The server refused the device's certificate (`unknown_ca`, `certificate_revoked`).
+        let unknown_ca = tls_refusal(&closed(quinn::TransportErrorCode::crypto(48))).expect("a refusal");
+        let revoked = tls_refusal(&closed(quinn::TransportErrorCode::crypto(44))).expect("a refusal");
+        assert_ne!(unknown_ca, revoked, "each reason is logged once");
+
+        assert_eq!(tls_refusal(&closed(quinn::TransportErrorCode::PROTOCOL_VIOLATION)), None);
+        assert_eq!(tls_refusal(&closed(quinn::TransportErrorCode::CONNECTION_REFUSED)), None);
+        assert_eq!(tls_refusal(&anyhow::Error::from(quinn::ConnectionError::TimedOut)), None);
+        assert_eq!(tls_refusal(&anyhow::anyhow!("cannot resolve the server's name")), None);
+    }
 
     #[test]
     fn only_a_close_for_the_certificate_makes_the_agent_forget_its_sessions() {
