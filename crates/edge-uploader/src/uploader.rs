@@ -331,7 +331,8 @@ pub async fn run(
     counters.set_session(&opts, None);
     let endpoint = edge_transport::client_endpoint(opts.bind, &opts.tuning)?;
     let mut backoff = Backoff::new(opts.backoff_min, opts.backoff_max);
-    // The last handshake refusal logged as a warning: the same one again goes to debug.
+    // The last handshake refusal logged as a warning since the last connection: the same one
+    // again goes to debug.
     let mut refusal_logged: Option<String> = None;
     // The limits of the last Welcome, to send the first chunks of the next connection before
     // its own.
@@ -379,6 +380,7 @@ pub async fn run(
         match attempt {
             Ok(conn) => {
                 probe_allowed = true;
+                refusal_logged = None;
                 counters.connects_total.fetch_add(1, Ordering::Relaxed);
                 counters.connected.store(true, Ordering::Release);
                 counters.set_session(&opts, Some(conn.remote_address().to_string()));
