@@ -331,8 +331,14 @@ pub fn check_tls(cfg: &Config) -> anyhow::Result<()> {
     let origin =
         cfg.source.as_ref().map_or_else(|| "built-in defaults and environment".into(), |p| p.display().to_string());
     edge_transport::server_config(&cfg.tls, &cfg.tuning)
-        .map(drop)
-        .map_err(|e| anyhow::anyhow!("{origin}: [tls]: {}", edge_telemetry::logging::error_chain(&e)))
+        .map_err(|e| anyhow::anyhow!("{origin}: [tls]: {}", edge_telemetry::logging::error_chain(&e)))?;
+    // The TLS config only parses the CRLs; `run` also refuses one past its `nextUpdate` (with
+    // which rustls would refuse every device) or not signed by a client CA.
+    if !cfg.tls.crls.is_empty() {
+        edge_transport::tls::RevocationList::load(&cfg.tls.client_ca, &cfg.tls.crls)
+            .map_err(|e| anyhow::anyhow!("{origin}: tls.crls: {}", edge_telemetry::logging::error_chain(&e)))?;
+    }
+    Ok(())
 }
 
 /// Turns a raw config into a runtime config, naming the key on every error; the `[tls]` files

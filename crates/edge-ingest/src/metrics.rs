@@ -65,9 +65,11 @@ pub const STORE_INDEX_REFUSED_TOTAL: &str = "edge_ingest_store_index_refused_tot
 pub const STORE_INDEX_FLOORS_TOTAL: &str = "edge_ingest_store_index_floors_total";
 /// Connections closed because a newer connection of the same agent said Hello.
 pub const CONNECTIONS_SUPERSEDED_TOTAL: &str = "edge_ingest_connections_superseded_total";
+/// The earliest `nextUpdate` of the revocation lists in force, in Unix seconds (0: none).
+pub const CRL_NEXT_UPDATE: &str = "edge_ingest_crl_next_update_timestamp_seconds";
 
 /// Every metric name above.
-pub const ALL: [&str; 16] = [
+pub const ALL: [&str; 17] = [
     CONNECTIONS,
     CONNECTIONS_TOTAL,
     CHUNKS_TOTAL,
@@ -84,6 +86,7 @@ pub const ALL: [&str; 16] = [
     STORE_INDEX_REFUSED_TOTAL,
     STORE_INDEX_FLOORS_TOTAL,
     CONNECTIONS_SUPERSEDED_TOTAL,
+    CRL_NEXT_UPDATE,
 ];
 
 /// Histogram buckets in seconds, 1 ms to 30 s in 1-2.5-5 steps (the agent uses the same).
@@ -203,7 +206,13 @@ const LIVE_SUPERSEDED: Live = Live::counter(
            agent that reconnected after an address change, or two gateways sharing one spool and certificate \
            (a cloned disk), which replace each other at every reconnect; the log names the device.",
 );
-const LIVE_ALL: [&Live; 15] = [
+const LIVE_CRL_NEXT_UPDATE: Live = Live::gauge(
+    CRL_NEXT_UPDATE,
+    "The earliest nextUpdate of the revocation lists in force (tls.crls), in Unix seconds; 0 without \
+           CRLs. From then on every device's handshake is refused until a newer CRL is written in its place \
+           (`edge-ingest pki crl` re-issues one); the log warns a day before.",
+);
+const LIVE_ALL: [&Live; 16] = [
     &LIVE_CONNECTIONS,
     &LIVE_CONNECTIONS_TOTAL,
     &LIVE_CHUNKS,
@@ -219,6 +228,7 @@ const LIVE_ALL: [&Live; 15] = [
     &LIVE_INDEX_REFUSED,
     &LIVE_INDEX_FLOORS,
     &LIVE_SUPERSEDED,
+    &LIVE_CRL_NEXT_UPDATE,
 ];
 
 /// The [`LIVE_ALL`] families from the server counters and the store statistics, at scrape time.
@@ -246,6 +256,7 @@ fn live_families(c: &ServerCounters, store: &StoreStatsView) -> Vec<MetricFamily
         LIVE_INDEX_REFUSED.family(&[("", st.index_refused as f64)]),
         LIVE_INDEX_FLOORS.family(&[("", st.index_floors as f64)]),
         LIVE_SUPERSEDED.family(&[("", n(&c.superseded_total))]),
+        LIVE_CRL_NEXT_UPDATE.family(&[("", n(&c.crl_next_update_unix))]),
     ]
 }
 

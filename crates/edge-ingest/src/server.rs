@@ -163,6 +163,8 @@ pub struct ServerCounters {
     pub crl_reloads_total: AtomicU64,
     /// Revocation file sets refused while running (each distinct bad state counted once).
     pub crl_reload_failures_total: AtomicU64,
+    /// The earliest `nextUpdate` of the CRLs in force, in Unix seconds (0: none).
+    pub crl_next_update_unix: AtomicU64,
     /// Payload received → store durable, per durable chunk (for `/metrics`).
     pub persist_latency: crate::metrics::PersistLatency,
     /// Devices connected now, with their connections (for `status`).
@@ -400,6 +402,7 @@ impl Server {
         };
         let cancel = CancellationToken::new();
         let counters = Arc::new(ServerCounters::default());
+        counters.crl_next_update_unix.store(next_update_gauge(&revoked), Ordering::Relaxed);
         let sampler = tokio::spawn(sample_rates(counters.clone(), store.stats_view(), cancel.clone()));
         let permits = usize::try_from(opts.memory_budget >> 10).unwrap_or(usize::MAX).min(Semaphore::MAX_PERMITS);
         let shared = Arc::new(Shared {
@@ -809,6 +812,58 @@ impl FileState {
     }
 }
 
+/// The CRLs' earliest `nextUpdate` for [`ServerCounters::crl_next_update_unix`].
+fn next_update_gauge(list: &RevocationList) -> u64 {
+    list.next_update_unix().and_then(|t| u64::try_from(t).ok()).unwrap_or(0)
+}
+
+/// How long before a CRL's `nextUpdate` the server warns that it needs re-issuing.
+const CRL_WARN_BEFORE: Duration = Duration::from_secs(24 * 3600);
+
+/// The log lines about the CRLs' `nextUpdate`, each once per `nextUpdate`: a warning a day
+/// before it, an error once it passed. rustls refuses every device certificate from then on
+/// (`UnknownCA`), and a list that does not change is not read again: only a new CRL helps.
+#[derive(Debug, Default)]
+struct CrlExpiry {
+    warned: Option<i64>,
+    expired: Option<i64>,
+}
+
+/// What [`CrlExpiry::check`] logged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CrlAlarm {
+    Soon,
+    Expired,
+}
+
+impl CrlExpiry {
+    fn check(&mut self, next_update: Option<i64>, now: std::time::SystemTime) -> Option<CrlAlarm> {
+        let at = next_update?;
+        let now =
+            now.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+        let left = at.saturating_sub(now);
+        if left <= 0 {
+            if self.expired != Some(at) {
+                self.expired = Some(at);
+                error!(
+                    next_update = at,
+                    "a revocation list (tls.crls) is past its nextUpdate: every device's handshake is refused until a new CRL is written in its place (`edge-ingest pki crl` re-issues one)"
+                );
+                return Some(CrlAlarm::Expired);
+            }
+        } else if u64::try_from(left).is_ok_and(|l| l <= CRL_WARN_BEFORE.as_secs()) && self.warned != Some(at) {
+            self.warned = Some(at);
+            warn!(
+                next_update = at,
+                seconds_left = left,
+                "a revocation list (tls.crls) reaches its nextUpdate within a day; past it every device's handshake is refused: write a new CRL in its place (`edge-ingest pki crl` re-issues one)"
+            );
+            return Some(CrlAlarm::Soon);
+        }
+        None
+    }
+}
+
 /// Reloads the revocation state when its files change or on SIGHUP (see [`RevocationWatch`]).
 async fn watch_revocations(
     endpoint: quinn::Endpoint,
@@ -823,12 +878,15 @@ async fn watch_revocations(
     // The file state whose load failed last, so each bad state is reported once while it is
     // retried at every check (a file caught half-written loads at the next one).
     let mut failed: Option<FileState> = None;
+    let mut expiry = CrlExpiry::default();
     loop {
         let forced = tokio::select! {
             () = shared.cancel.cancelled() => break,
             _ = tick.tick() => false,
             Some(()) = async { match hangup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => true,
         };
+        let next_update = shared.revoked.read().unwrap_or_else(PoisonError::into_inner).next_update_unix();
+        let _logged = expiry.check(next_update, std::time::SystemTime::now());
         let now = FileState::of(&watch.tls);
         if !forced && now == seen && failed.is_none() {
             continue;
@@ -858,6 +916,7 @@ async fn watch_revocations(
                 }
                 let list = Arc::new(list);
                 *shared.revoked.write().unwrap_or_else(PoisonError::into_inner) = list.clone();
+                shared.counters.crl_next_update_unix.store(next_update_gauge(&list), Ordering::Relaxed);
                 shared.counters.crl_reloads_total.fetch_add(1, Ordering::Relaxed);
                 info!(crls = list.crl_count(), revoked = list.len(), "revocation lists reloaded");
                 // Close outside the lock: `close` only queues a CONNECTION_CLOSE, but the
@@ -1561,6 +1620,23 @@ pub fn parse_spool_id(text: &str) -> Result<[u8; 16], String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_crl_near_or_past_its_next_update_is_logged_once_each() {
+        let at = |secs: u64| std::time::UNIX_EPOCH + Duration::from_secs(secs);
+        let day = CRL_WARN_BEFORE.as_secs();
+        let next = 10 * day;
+        let mut e = CrlExpiry::default();
+        assert_eq!(e.check(None, at(next)), None, "no CRL, nothing to say");
+        let next_i = i64::try_from(next).expect("i64");
+        assert_eq!(e.check(Some(next_i), at(next - day - 1)), None, "more than a day left");
+        assert_eq!(e.check(Some(next_i), at(next - day)), Some(CrlAlarm::Soon));
+        assert_eq!(e.check(Some(next_i), at(next - 1)), None, "said once");
+        assert_eq!(e.check(Some(next_i), at(next)), Some(CrlAlarm::Expired));
+        assert_eq!(e.check(Some(next_i), at(next + day)), None, "said once");
+        // A new list that is about to expire too.
+        assert_eq!(e.check(Some(next_i + 60), at(next + 1)), Some(CrlAlarm::Soon));
+    }
 
     #[test]
     fn a_connection_passes_on_only_higher_floors_for_a_bounded_number_of_streams() {

@@ -148,3 +148,47 @@ fn a_missing_or_unreachable_tls_file_is_named_with_the_reason() {
     assert_eq!(code, 78, "{text}");
     assert!(text.contains("tls.cert") && text.contains("is not a regular file"), "a directory: {text}");
 }
+
+/// A CRL past its `nextUpdate` (rustls would refuse every device with it) or signed by another
+/// CA parses, but is refused by `check-config` and by `run` as a configuration error naming the
+/// file: exit 78, which systemd does not restart.
+#[test]
+fn a_crl_past_its_next_update_or_of_another_ca_is_a_configuration_error_naming_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pki = edge_transport::pki::InMemoryPki::generate(&["localhost"]).expect("pki");
+    let tls = pki.write_server_files(&dir.path().join("tls")).expect("server files");
+    let crl = dir.path().join("tls/revoked.pem");
+    let config = dir.path().join("edge-ingest.toml");
+    let body = format!(
+        "[tls]\ncert = {:?}\nkey = {:?}\nclient_ca = {:?}\ncrls = [{:?}]\n[store]\ndata_dir = {:?}\n\
+         [metrics]\nlisten = \"\"\n[server]\nlisten = \"127.0.0.1:0\"\n",
+        tls.cert,
+        tls.key,
+        tls.client_ca,
+        crl,
+        dir.path().join("data")
+    );
+    std::fs::write(&config, body).expect("write config");
+    let now = std::time::SystemTime::now();
+    let day = std::time::Duration::from_secs(86_400);
+    std::fs::write(&crl, pki.crl_pem_with_validity(&[], now, now + day).expect("crl")).expect("write crl");
+    let (code, text) = check(&config);
+    assert_eq!(code, 0, "a CRL valid for a day: {text}");
+
+    std::fs::write(&crl, pki.crl_pem_with_validity(&[], now - 10 * day, now - 9 * day).expect("crl"))
+        .expect("write crl");
+    let (code, text) = check(&config);
+    assert_eq!(code, 78, "{text}");
+    assert!(text.contains("tls.crls") && text.contains(&crl.display().to_string()), "names the file: {text}");
+    assert!(text.contains("expired"), "says why: {text}");
+    let out = Command::new(BIN).args(["run", "--config"]).arg(&config).output().expect("run edge-ingest");
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(78), "run refuses to start: {text}");
+    assert!(text.contains(&crl.display().to_string()), "names the file: {text}");
+
+    let other = edge_transport::pki::InMemoryPki::generate(&["localhost"]).expect("another pki");
+    std::fs::write(&crl, other.crl_pem(&[], now + day).expect("crl")).expect("write crl");
+    let (code, text) = check(&config);
+    assert_eq!(code, 78, "{text}");
+    assert!(text.contains("not signed by a client CA"), "says why: {text}");
+}

@@ -374,6 +374,8 @@ pub struct RevocationList {
     revoked: std::collections::BTreeSet<(Vec<u8>, Vec<u8>)>,
     /// CRLs the list was built from.
     crls: usize,
+    /// The earliest `nextUpdate` among them, in Unix seconds.
+    next_update: Option<i64>,
 }
 
 impl RevocationList {
@@ -449,6 +451,10 @@ impl RevocationList {
                         next_update: next.to_string(),
                     });
                 }
+                if let Some(next) = crl.next_update() {
+                    let at = next.timestamp();
+                    list.next_update = Some(list.next_update.map_or(at, |t| t.min(at)));
+                }
                 for revoked in crl.iter_revoked_certificates() {
                     list.revoked.insert((crl.issuer().as_raw().to_vec(), revoked.raw_serial().to_vec()));
                 }
@@ -471,6 +477,13 @@ impl RevocationList {
     /// CRLs the list was built from.
     pub fn crl_count(&self) -> usize {
         self.crls
+    }
+
+    /// The earliest `nextUpdate` of the CRLs, in Unix seconds: from then on rustls refuses
+    /// every device certificate with this list (`enforce_revocation_expiration`) until a newer
+    /// one is in place. `None` when no CRL has one.
+    pub fn next_update_unix(&self) -> Option<i64> {
+        self.next_update
     }
 
     /// The serial number (lowercase hex) of `cert_der` if this list revokes it; `None` if it
@@ -607,6 +620,23 @@ mod tests {
         let crl = other.crl_pem(&[&cert], in_a_day()).expect("crl");
         let err = RevocationList::from_pem(&pki.ca_pem, &[&crl]).expect_err("foreign CRL");
         assert!(matches!(err, RevocationError::NotIssuedByClientCa { index: 0, .. }), "{err}");
+    }
+
+    #[test]
+    fn revocation_list_knows_the_earliest_next_update_of_its_crls() {
+        let pki = pki();
+        let now = std::time::SystemTime::now();
+        let at = |days: u64| now + std::time::Duration::from_secs(days * 86_400);
+        let unix = |t: std::time::SystemTime| {
+            i64::try_from(t.duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_secs()).expect("i64")
+        };
+        let week = pki.crl_pem_with_validity(&[], now, at(7)).expect("crl");
+        let day = pki.crl_pem_with_validity(&[], now, at(1)).expect("crl");
+        let list = RevocationList::from_pem(&pki.ca_pem, &[&week, &day]).expect("valid CRLs");
+        // ASN.1 times are whole seconds.
+        let got = list.next_update_unix().expect("a nextUpdate");
+        assert!((unix(at(1)) - got).abs() <= 1, "{got} against {}", unix(at(1)));
+        assert_eq!(RevocationList::from_pem(&pki.ca_pem, &[]).expect("no CRLs").next_update_unix(), None);
     }
 
     #[test]
