@@ -45,10 +45,20 @@
 //! it the memory of what was stored).
 //!
 //! What JetStream's acknowledgement means is JetStream's: a stream of one replica on a server
-//! with the default `sync_interval` acknowledges before its `fsync`. Run the stream with three
-//! replicas, or the servers with `sync_interval: always`, for the same promise as the file sink.
-//! A message that leaves the stream (its `max_age`, a purge) takes its dedup with it; a chunk
-//! resent after that is stored again.
+//! with the default `sync_interval` acknowledges before its `fsync`. Run the servers with
+//! `sync_interval: always` for the same promise as the file sink (three replicas survive the
+//! loss of one server, not a power cut of the site), which the sink cannot see from the client:
+//! it warns at set-up about a stream of one replica. A message that leaves the stream (its
+//! `max_age`, a purge) takes its dedup with it, and a chunk resent after that is stored again:
+//! the sink warns about a `max_age` too. Every publish names the stream it expects
+//! (`Nats-Expected-Stream`), and an acknowledgement from another is a failure, so a stream set
+//! up by hand over the same subjects cannot take the chunks. A stream deleted while the sink
+//! writes is created again, empty, with an error in the log: what it held is gone.
+//!
+//! A chunk takes one permit per part from a bound over the whole sink
+//! (4,096 parts), all at once, and awaits every acknowledgement of a round before
+//! it publishes the next: async-nats lets 5,000 acknowledgements be pending, and chunks each
+//! holding some while waiting for more would wait for ever.
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -79,6 +89,12 @@ const STREAM_NOT_FOUND: u64 = 10059;
 
 /// How often the sink tries again to set up the stream while NATS is out of reach.
 const SETUP_RETRY: Duration = Duration::from_secs(2);
+
+/// Parts published and not yet acknowledged, over every chunk of the sink: below async-nats's
+/// bound on acknowledgements pending (5,000 by default), so a publish never waits for one of
+/// its slots. Its slot is held by a part's acknowledgement until that is awaited, and chunks
+/// each waiting for a slot while holding others' unawaited would wait for ever.
+const MAX_PARTS_IN_FLIGHT: u32 = 4096;
 
 /// Where and how the sink writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -175,6 +191,11 @@ struct Inner {
     /// Whether the stream is set up; watched by [`JetStreamSink::ready`].
     ready: watch::Sender<bool>,
     cancel: CancellationToken,
+    /// [`MAX_PARTS_IN_FLIGHT`]: a chunk takes one permit per part it publishes at a time, all
+    /// at once.
+    parts: Arc<tokio::sync::Semaphore>,
+    /// The stream was set up once: finding it missing later means it was deleted.
+    was_set_up: std::sync::atomic::AtomicBool,
 }
 
 impl JetStreamSink {
@@ -201,6 +222,8 @@ impl JetStreamSink {
                 stats: StatsCell::new(),
                 ready: watch::Sender::new(false),
                 cancel: CancellationToken::new(),
+                parts: Arc::new(tokio::sync::Semaphore::new(MAX_PARTS_IN_FLIGHT as usize)),
+                was_set_up: std::sync::atomic::AtomicBool::new(false),
             }),
         };
         match tokio::time::timeout(sink.inner.opts.connect_timeout, sink.inner.set_up()).await {
@@ -296,7 +319,11 @@ impl Inner {
                         .create_stream(wanted_config(opts))
                         .await
                         .map_err(|e| JetStreamError::Request(format!("creating stream {:?}: {e}", opts.stream)))?;
-                    info!(stream = %opts.stream, subjects = ?created.cached_info().config.subjects, "JetStream stream created");
+                    if self.was_set_up.load(Ordering::Relaxed) {
+                        tracing::error!(stream = %opts.stream, "the JetStream stream was deleted while this server wrote to it, and is created again, empty: the chunks it held are gone, and an agent resending one of them has it stored again");
+                    } else {
+                        info!(stream = %opts.stream, subjects = ?created.cached_info().config.subjects, "JetStream stream created");
+                    }
                     created.cached_info().config.clone()
                 }
                 _ => return Err(JetStreamError::Request(format!("looking up stream {:?}: {e}", opts.stream))),
@@ -305,6 +332,9 @@ impl Inner {
         let problems = config_problems(&config, opts);
         if !problems.is_empty() {
             return Err(JetStreamError::Misconfigured { stream: opts.stream.clone(), problems: problems.join("; ") });
+        }
+        for caveat in config_caveats(&config) {
+            warn!(stream = %opts.stream, "{caveat}");
         }
         match pinned_cut(config.description.as_deref()) {
             Some(Ok(pinned)) if pinned == opts.max_message_bytes => {}
@@ -352,6 +382,7 @@ impl Inner {
                 "the NATS server's max_payload leaves room for records of up to {largest} bytes, and agents accept records of up to {default_record} bytes by default (intake.max_record_bytes): a chunk holding a larger record is answered Retry until max_payload is raised to {needed} bytes or more",
             );
         }
+        self.was_set_up.store(true, Ordering::Relaxed);
         self.ready.send_replace(true);
         info!(stream = %opts.stream, prefix = %opts.subject_prefix, "JetStream sink ready");
         Ok(())
@@ -422,12 +453,27 @@ impl Inner {
         let spool = hex(&key.spool);
         let id = message_id(key);
         let total = parts.len();
-        let mut acks = Vec::with_capacity(total);
+        // Every permit a round of parts needs, taken at once: a chunk never holds some while
+        // waiting for more. A chunk of more parts than the bound goes in rounds.
+        let round = total.min(MAX_PARTS_IN_FLIGHT as usize);
+        let permits = u32::try_from(round).unwrap_or(MAX_PARTS_IN_FLIGHT);
+        let _permits = tokio::time::timeout(self.opts.ack_timeout, self.parts.acquire_many(permits))
+            .await
+            .map_err(|_| {
+                StoreFailure::Unavailable(format!("{MAX_PARTS_IN_FLIGHT} parts await JetStream's acknowledgement"))
+            })?
+            .map_err(|_| StoreFailure::Unavailable("the JetStream sink is closing".into()))?;
+        let mut new = false;
+        let mut failure = None;
+        let mut acks = Vec::with_capacity(round);
         for (i, part) in parts.into_iter().enumerate() {
             let n = i + 1;
             let msg_id = format!("{id}.{n}");
             let mut headers = HeaderMap::new();
             headers.insert("Nats-Msg-Id", msg_id.as_str());
+            // Stored in our stream or refused: never acknowledged by another that took the
+            // subject over (a stream made by hand, one created again as memory storage).
+            headers.insert("Nats-Expected-Stream", self.opts.stream.as_str());
             headers.insert("Edge-Device", key.device.as_str());
             headers.insert("Edge-Stream", key.stream.as_str());
             headers.insert("Edge-Spool", spool.as_str());
@@ -436,19 +482,44 @@ impl Inner {
             headers.insert("Edge-Records", part.records.to_string().as_str());
             headers.insert("Edge-Created-Ms", chunk.created_ms.to_string().as_str());
             let subject = format!("{}.{msg_id}", self.opts.subject_prefix);
-            let ack = self
-                .js
-                .publish_with_headers(subject, headers, raw.slice(part.range))
-                .await
-                .map_err(|e| StoreFailure::Unavailable(format!("publishing to JetStream: {e}")))?;
-            acks.push(ack);
+            match self.js.publish_with_headers(subject, headers, raw.slice(part.range)).await {
+                Ok(ack) => acks.push(ack),
+                Err(e) => {
+                    failure.get_or_insert(StoreFailure::Unavailable(format!("publishing to JetStream: {e}")));
+                    break;
+                }
+            }
+            if acks.len() == round || n == total {
+                self.await_acks(&mut acks, &mut new, &mut failure).await;
+                if failure.is_some() {
+                    break;
+                }
+            }
         }
-        let mut new = false;
-        let mut failure = None;
         // Every acknowledgement is awaited, also after a failure, so none is left pending.
-        for ack in acks {
+        self.await_acks(&mut acks, &mut new, &mut failure).await;
+        match failure {
+            Some(f) => Err(f),
+            None => Ok(new),
+        }
+    }
+
+    /// Awaits every acknowledgement in `acks`: `new` when a part was new; the first failure.
+    async fn await_acks(
+        self: &Arc<Self>,
+        acks: &mut Vec<jetstream::context::PublishAckFuture>,
+        new: &mut bool,
+        failure: &mut Option<StoreFailure>,
+    ) {
+        for ack in acks.drain(..) {
             match ack.await {
-                Ok(ack) => new |= !ack.duplicate,
+                Ok(ack) if ack.stream != self.opts.stream => {
+                    failure.get_or_insert(StoreFailure::Unavailable(format!(
+                        "JetStream acknowledged a part for stream {:?}, not {:?}",
+                        ack.stream, self.opts.stream
+                    )));
+                }
+                Ok(ack) => *new |= !ack.duplicate,
                 Err(e) if stored_before(&e) => {}
                 Err(e) => {
                     if e.kind() == PublishErrorKind::StreamNotFound {
@@ -460,10 +531,6 @@ impl Inner {
                     failure.get_or_insert(StoreFailure::Unavailable(format!("JetStream did not store a part: {e}")));
                 }
             }
-        }
-        match failure {
-            Some(f) => Err(f),
-            None => Ok(new),
         }
     }
 }
@@ -651,6 +718,28 @@ fn config_problems(config: &StreamConfig, opts: &JetStreamOptions) -> Vec<String
     problems
 }
 
+/// What in an existing stream's settings weakens the promise without breaking exactly-once
+/// storage outright: logged as a warning at each set-up.
+fn config_caveats(config: &StreamConfig) -> Vec<String> {
+    let mut caveats = Vec::new();
+    if config.num_replicas <= 1 {
+        caveats.push(
+            "the stream has one replica: unless its NATS server runs with `sync_interval: always`, JetStream \
+             acknowledges a part before its fsync, and a power cut of that server can lose chunks the agents \
+             have deleted; use three replicas or that setting"
+                .to_owned(),
+        );
+    }
+    if !config.max_age.is_zero() {
+        caveats.push(format!(
+            "the stream's max_age is {:?}: a message that ages out takes its deduplication with it, and a chunk \
+             resent after that (an agent offline longer) is stored again",
+            config.max_age
+        ));
+    }
+    caveats
+}
+
 /// One message's share of a chunk: a range of whole records.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Part {
@@ -795,5 +884,19 @@ mod tests {
         let problems = config_problems(&loose, &opts);
         assert_eq!(problems.len(), 4, "{problems:?}");
         assert!(problems[0].contains("edge.>"), "{problems:?}");
+    }
+
+    #[test]
+    fn one_replica_and_a_max_age_are_warned_of() {
+        let opts = JetStreamOptions { replicas: 3, ..JetStreamOptions::default() };
+        assert_eq!(config_caveats(&wanted_config(&opts)), Vec::<String>::new());
+        let one = wanted_config(&JetStreamOptions::default());
+        let caveats = config_caveats(&one);
+        assert_eq!(caveats.len(), 1, "{caveats:?}");
+        assert!(caveats[0].contains("sync_interval: always"), "{caveats:?}");
+        let aging = StreamConfig { max_age: Duration::from_secs(86_400), num_replicas: 3, ..one };
+        let caveats = config_caveats(&aging);
+        assert_eq!(caveats.len(), 1, "{caveats:?}");
+        assert!(caveats[0].contains("max_age is 86400s"), "{caveats:?}");
     }
 }

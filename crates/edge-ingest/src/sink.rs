@@ -25,8 +25,8 @@ impl Sink {
 
     /// Applies an agent's floor: no seq of `(device, spool, stream)` below `seq` will come as
     /// new data any more. The file store closes the gaps below it in its dedup index
-    /// ([`crate::store::Store::raise_floor`]); JetStream deduplicates by message id within its
-    /// window and keeps no such index, so there it does nothing.
+    /// ([`crate::store::Store::raise_floor`]); JetStream deduplicates by subject (one message
+    /// per chunk part) and keeps no gaps to close, so there it does nothing.
     /// Returns once the floor is applied.
     pub async fn raise_floor(&self, device: &str, spool: [u8; 16], stream: &str, seq: u64) {
         match self {

@@ -176,6 +176,31 @@ async fn a_large_chunk_is_cut_into_parts_and_a_partial_resend_completes_it() {
     assert_eq!(all, recs);
 }
 
+/// A chunk of more parts than async-nats lets wait for their acknowledgement (5,000 by
+/// default) goes in rounds: published all at once, it waited for ever for a slot its own
+/// unawaited parts held.
+#[tokio::test]
+async fn a_chunk_of_more_parts_than_acks_may_be_pending_is_stored_in_rounds() {
+    let (stream, prefix) = nats::unique("rounds");
+    let js = nats::context(&nats::url()).await.expect("NATS");
+    let mut o = opts(&stream, &prefix);
+    o.max_message_bytes = 1024;
+    let sink = started(o).await;
+    // One record of 800 bytes (804 framed) per part.
+    let recs = records(5_100, 800, 9);
+    let c = chunk("gw-05", "many", 1, &recs);
+    let stored = tokio::time::timeout(Duration::from_secs(120), sink.persist(c.clone())).await;
+    let again = match &stored {
+        Ok(_) => Some(tokio::time::timeout(Duration::from_secs(120), sink.persist(c)).await),
+        Err(_) => None,
+    };
+    let held = nats::messages(&js, &stream).await.expect("read back").len();
+    nats::delete_stream(&js, &stream).await;
+    assert_eq!(stored.expect("stored within 2 minutes, not stuck"), PersistOutcome::Stored);
+    assert_eq!(again.and_then(Result::ok), Some(PersistOutcome::Duplicate));
+    assert_eq!(held, 5_100, "each part exactly once");
+}
+
 /// The part a chunk's records land in depends on `max_message_bytes`, so servers of one tier
 /// must agree on it: a resend cut at another size would find subjects taken by other records
 /// (losing some, doubling others). The stream records the first server's setting; a server with
