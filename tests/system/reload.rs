@@ -6,6 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime};
 
+use anyhow::Context;
 use edge_testkit::bin;
 use edge_transport::pki::InMemoryPki;
 
@@ -60,6 +61,20 @@ fn sighup_applies_a_valid_config_and_refuses_a_broken_one() -> anyhow::Result<()
     agent.wait_log("configuration reload refused", Duration::from_secs(30))?;
     let still = settings(&world)?;
     assert_eq!(still, after, "settings changed although the reload was refused");
+
+    // A file that parses, with device TLS files that do not load: refused as a whole, the
+    // change beside them too.
+    let bad_key = world.path().join("not-a-key.pem");
+    std::fs::write(&bad_key, "not a private key\n")?;
+    let key_line =
+        changed.lines().skip_while(|l| *l != "[upload]").find(|l| l.starts_with("key = ")).context("upload.key")?;
+    let tls_broken =
+        changed.replace(key_line, &format!("key = {bad_key:?}")).replace("max_in_flight = 8", "max_in_flight = 4");
+    std::fs::write(&world.agent_config, &tls_broken)?;
+    agent.signal("HUP")?;
+    agent.wait_log("the device TLS files do not load", Duration::from_secs(30))?;
+    let still = settings(&world)?;
+    assert_eq!(still, after, "settings changed although the reload was refused for its TLS files");
 
     // The ingest server survives SIGHUP too (valid, then broken).
     ingest.signal("HUP")?;

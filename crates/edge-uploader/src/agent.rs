@@ -231,10 +231,19 @@ impl Agent {
         &self.intake.request_budget
     }
 
-    /// Applies what can change at run time from a freshly loaded, valid configuration: the log
-    /// level, the spool's size limit, full policy and cap on streams, and the chunks and bytes in flight. Returns
-    /// the keys whose change needs a restart (they keep their running values).
-    pub fn reload(&self, running: &Config, new: &Config) -> Vec<&'static str> {
+    /// Applies what can change at run time from a freshly loaded, valid configuration: the
+    /// device's TLS files, the log level, the spool's size limit, full policy and cap on
+    /// streams, and the chunks and bytes in flight. Returns the keys whose change needs a
+    /// restart (they keep their running values).
+    ///
+    /// # Errors
+    /// When the TLS files do not load: nothing is applied, and the running configuration stays
+    /// as a whole.
+    pub fn reload(&self, running: &Config, new: &Config) -> Result<Vec<&'static str>, edge_transport::TransportError> {
+        // The device's TLS files, at the new paths: a renewed certificate without a restart.
+        // First, as the only part that can fail.
+        self.tls.reload(new.upload.tls.clone())?;
+        info!(cert = %new.upload.tls.cert.display(), "device TLS files read again; the next connection uses them");
         if let Err(e) = edge_telemetry::logging::set_level(&new.log_level) {
             warn!(error = %e, "log.level not applied");
         }
@@ -242,13 +251,6 @@ impl Agent {
         self.max_in_flight.store(new.upload.max_in_flight, Ordering::Relaxed);
         self.max_in_flight_bytes.store(new.upload.max_in_flight_bytes, Ordering::Relaxed);
         self.intake.set_settings(new);
-        // The device's TLS files, at the new paths: a renewed certificate without a restart.
-        match self.tls.reload(new.upload.tls.clone()) {
-            Ok(()) => {
-                info!(cert = %new.upload.tls.cert.display(), "device TLS files read again; the next connection uses them")
-            }
-            Err(e) => error!(error = %e, "device TLS files do not load; the previous ones stay in use"),
-        }
         let (a, b) = (running, new);
         let fixed: [(&'static str, bool); 24] = [
             ("spool.machine_id_file", a.machine_id_file != b.machine_id_file),
@@ -288,7 +290,7 @@ impl Agent {
             ("upload.probe_interval", a.upload.probe_interval != b.upload.probe_interval),
             ("metrics.listen", a.metrics_listen != b.metrics_listen),
         ];
-        fixed.into_iter().filter(|(_, changed)| *changed).map(|(k, _)| k).collect()
+        Ok(fixed.into_iter().filter(|(_, changed)| *changed).map(|(k, _)| k).collect())
     }
 
     /// The shutdown sequence described in the module docs.
@@ -356,7 +358,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 // An invalid new file is refused as a whole; the running configuration stays.
                 match crate::config::load(running.source.as_deref()) {
                     Ok(new) => {
-                        let restart = agent.reload(&running, &new);
+                        let restart = match agent.reload(&running, &new) {
+                            Ok(restart) => restart,
+                            Err(e) => {
+                                error!(error = %edge_telemetry::logging::error_chain(&e), "configuration reload refused: the device TLS files do not load; the running configuration stays in force, and the previous TLS files stay in use");
+                                continue;
+                            }
+                        };
                         if !restart.is_empty() {
                             warn!(keys = ?restart, "changed keys take effect at the next restart");
                         }
