@@ -945,9 +945,33 @@ struct ConnState {
     session: ServerSession,
     /// Bytes waiting to be written on the control stream.
     outbox: Outbox,
+    /// Per stream, the highest seq answered `Retry` on this connection (see
+    /// [`ConnState::floor_vouched`]), for at most [`Floors::MAX_STREAMS`] streams.
+    refused: HashMap<StreamName, u64>,
 }
 
 impl ConnState {
+    /// Whether a floor of `seq` for `stream` follows a refusal on this connection: an agent
+    /// sends its stream's floor when a chunk is answered `Retry`, and the floor is the lowest
+    /// seq it may still send, that chunk's at most. A floor above every refused seq (an agent's
+    /// bug) would make the store count seqs never sent as stored, and answer the chunks that
+    /// carry them `Duplicate`: such a floor is ignored.
+    fn floor_vouched(&self, stream: &StreamName, seq: u64) -> bool {
+        self.refused.get(stream).is_some_and(|&refused| seq <= refused)
+    }
+
+    /// Notes that `seq` of `stream` was answered `Retry`.
+    fn refused(&mut self, stream: &StreamName, seq: u64) {
+        let full = self.refused.len() >= Floors::MAX_STREAMS;
+        match self.refused.get_mut(stream) {
+            Some(top) => *top = (*top).max(seq),
+            None if full => {}
+            None => {
+                self.refused.insert(stream.clone(), seq);
+            }
+        }
+    }
+
     fn flush(&mut self) {
         while let Some(bytes) = self.session.poll_transmit() {
             self.outbox.queue(bytes);
@@ -1119,6 +1143,7 @@ async fn run_connection(
     let state = Arc::new(Mutex::new(ConnState {
         session: ServerSession::new(device.to_owned(), limits.clone(), shared.opts.max_in_flight, Instant::now()),
         outbox: Outbox { tx: out_tx, queued: queued.clone(), limit: backlog_limit, overflow: overflow.clone() },
+        refused: HashMap::new(),
     }));
 
     // Control writer: the only task that writes to the control stream.
@@ -1207,6 +1232,11 @@ async fn run_connection(
     }
     let mut floors = Floors::default();
     for (stream, seq) in early_floors {
+        // Behind the Hello, before any answer: vouched for by no refusal.
+        if !lock(&state).floor_vouched(&stream, seq) {
+            warn!(%device, %stream, seq, "floor sent before any chunk of its stream was answered retry on this connection; ignored");
+            continue;
+        }
         if floors.raise(&stream, seq) {
             shared.store.raise_floor(device, spool_id, stream.as_str(), seq).await;
         }
@@ -1233,9 +1263,10 @@ async fn run_connection(
                         st.session.handle_control_bytes(Instant::now(), &buf[..n])?;
                         st.flush();
                         while let Some(ev) = st.session.poll_event() {
-                            if let ServerEvent::Floor { stream, seq } = ev
-                                && floors.raise(&stream, seq)
-                            {
+                            let ServerEvent::Floor { stream, seq } = ev else { continue };
+                            if !st.floor_vouched(&stream, seq) {
+                                warn!(%device, %stream, seq, refused = ?st.refused.get(&stream), "floor above every seq of its stream answered retry on this connection; ignored");
+                            } else if floors.raise(&stream, seq) {
                                 raised.push((stream, seq));
                             }
                         }
@@ -1564,6 +1595,9 @@ fn send_ack(ctx: &ChunkCtx, stream: &StreamName, seq: u64, status: AckStatus) ->
     };
     let mut st = lock(&ctx.state);
     st.session.ack(stream, seq, status)?;
+    if let AckStatus::Retry(_) = status {
+        st.refused(stream, seq);
+    }
     st.flush();
     Ok(())
 }

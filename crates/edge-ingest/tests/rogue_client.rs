@@ -920,3 +920,50 @@ async fn an_agent_that_never_reads_its_acks_is_closed_once_they_pass_the_limit()
     assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[kept]);
     assert_eq!(report.duplicate_entries, 0);
 }
+
+/// An agent sends its stream's floor when a chunk is answered Retry, and the floor is that
+/// chunk's seq at most. A floor no refusal on the connection vouches for (an agent's bug) would
+/// make the store count seqs never sent as stored, and answer them Duplicate: it is ignored,
+/// and a floor under a refused seq is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_floor_above_every_refused_seq_of_its_stream_is_ignored() {
+    let rig = Rig::start_with(&Tuning::default(), &Tuning::default(), |o| o.max_index_gaps_per_device = 1).await;
+    let mut rogue = bounded("rogue connects", async {
+        let conn = rig.rogue.connect().await;
+        Agent::connect(&conn, ROGUE_SPOOL, AGENT).await
+    })
+    .await;
+    let stream = edge_proto::StreamName::new("rogue.floor").expect("name");
+    let floor = |agent: &mut Agent, seq: u64| {
+        assert_eq!(agent.session.floor(&stream, seq), Ok(true), "floor queued");
+    };
+    // Before any refusal: nothing vouches for it.
+    floor(&mut rogue, 1_000);
+    bounded("flush", rogue.flush()).await;
+    let first = [chunk("rogue.floor", 0), chunk("rogue.floor", 2)];
+    rogue.upload_stored("the stream's start and its one gap", &first).await;
+    let refused = chunk("rogue.floor", 4);
+    let statuses = bounded("a chunk past the cap", rogue.upload(std::slice::from_ref(&refused))).await;
+    assert_eq!(statuses, [AckStatus::Retry(RetryReason::Overloaded)]);
+    // Above the refused seq: ignored. At it: applied, in order, after the other.
+    floor(&mut rogue, 100);
+    floor(&mut rogue, 4);
+    bounded("flush", rogue.flush()).await;
+    bounded("the floor at the refused seq applied", async {
+        while rig.store.stats().index_floors == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert_eq!(rig.store.stats().index_floors, 1, "one floor applied, the other two ignored");
+    // Seqs 4 and 6 were never stored: with a floor of 1,000 or 100 they would be answered
+    // Duplicate, and their records lost.
+    let after = [refused, chunk("rogue.floor", 6)];
+    rogue.upload_stored("the refused chunk again, and one past it", &after).await;
+    rogue.close();
+
+    let (exported, _) = rig.finish().await;
+    let mut stored = first.to_vec();
+    stored.extend(after);
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &stored);
+}
