@@ -333,9 +333,7 @@ impl Inner {
         if !problems.is_empty() {
             return Err(JetStreamError::Misconfigured { stream: opts.stream.clone(), problems: problems.join("; ") });
         }
-        for caveat in config_caveats(&config) {
-            warn!(stream = %opts.stream, "{caveat}");
-        }
+        let caveats = config_caveats(&config);
         match pinned_cut(config.description.as_deref()) {
             Some(Ok(pinned)) if pinned == opts.max_message_bytes => {}
             Some(Ok(pinned)) => {
@@ -382,7 +380,13 @@ impl Inner {
                 "the NATS server's max_payload leaves room for records of up to {largest} bytes, and agents accept records of up to {default_record} bytes by default (intake.max_record_bytes): a chunk holding a larger record is answered Retry until max_payload is raised to {needed} bytes or more",
             );
         }
-        self.was_set_up.store(true, Ordering::Relaxed);
+        // Once per process, once set up: not again at every retry of a set-up that fails later
+        // on, nor after every NATS outage.
+        if !self.was_set_up.swap(true, Ordering::Relaxed) {
+            for caveat in caveats {
+                warn!(stream = %opts.stream, "{caveat}");
+            }
+        }
         self.ready.send_replace(true);
         info!(stream = %opts.stream, prefix = %opts.subject_prefix, "JetStream sink ready");
         Ok(())
@@ -471,8 +475,8 @@ impl Inner {
             let msg_id = format!("{id}.{n}");
             let mut headers = HeaderMap::new();
             headers.insert("Nats-Msg-Id", msg_id.as_str());
-            // Stored in our stream or refused: never acknowledged by another that took the
-            // subject over (a stream made by hand, one created again as memory storage).
+            // Stored in our stream or refused: never acknowledged by another stream that took
+            // the subject over (one made by hand under another name).
             headers.insert("Nats-Expected-Stream", self.opts.stream.as_str());
             headers.insert("Edge-Device", key.device.as_str());
             headers.insert("Edge-Stream", key.stream.as_str());
@@ -724,9 +728,9 @@ fn config_caveats(config: &StreamConfig) -> Vec<String> {
     let mut caveats = Vec::new();
     if config.num_replicas <= 1 {
         caveats.push(
-            "the stream has one replica: unless its NATS server runs with `sync_interval: always`, JetStream \
-             acknowledges a part before its fsync, and a power cut of that server can lose chunks the agents \
-             have deleted; use three replicas or that setting"
+            "the stream has one replica: unless its NATS server runs with `sync_interval: always` (which the \
+             sink cannot see), JetStream acknowledges a part before its fsync, and a power cut of that server \
+             can lose chunks the agents have deleted"
                 .to_owned(),
         );
     }

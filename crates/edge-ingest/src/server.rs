@@ -820,9 +820,10 @@ fn next_update_gauge(list: &RevocationList) -> u64 {
 /// How long before a CRL's `nextUpdate` the server warns that it needs re-issuing.
 const CRL_WARN_BEFORE: Duration = Duration::from_secs(24 * 3600);
 
-/// The log lines about the CRLs' `nextUpdate`, each once per `nextUpdate`: a warning a day
-/// before it, an error once it passed. rustls refuses every device certificate from then on
-/// (`UnknownCA`), and a list that does not change is not read again: only a new CRL helps.
+/// The log lines about the CRLs' earliest `nextUpdate`, each once per `nextUpdate`: a warning a
+/// day before it, an error once it passed. rustls refuses every device certificate of the
+/// CRL's CA from then on (`UnknownCA`), and a list that does not change is not read again: only
+/// a new CRL helps.
 #[derive(Debug, Default)]
 struct CrlExpiry {
     warned: Option<i64>,
@@ -837,8 +838,12 @@ enum CrlAlarm {
 }
 
 impl CrlExpiry {
-    fn check(&mut self, next_update: Option<i64>, now: std::time::SystemTime) -> Option<CrlAlarm> {
-        let at = next_update?;
+    fn check(&mut self, next_update: Option<(i64, &str)>, now: std::time::SystemTime) -> Option<CrlAlarm> {
+        let (at, crl) = next_update?;
+        let when = u64::try_from(at).map_or_else(
+            |_| at.to_string(),
+            |secs| humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_secs(secs)).to_string(),
+        );
         let now =
             now.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
         let left = at.saturating_sub(now);
@@ -846,17 +851,19 @@ impl CrlExpiry {
             if self.expired != Some(at) {
                 self.expired = Some(at);
                 error!(
-                    next_update = at,
-                    "a revocation list (tls.crls) is past its nextUpdate: every device's handshake is refused until a new CRL is written in its place (`edge-ingest pki crl` re-issues one)"
+                    %crl,
+                    next_update = %when,
+                    "a revocation list (tls.crls) is past its nextUpdate: every device certificate of its CA is refused at the handshake until a new CRL is written in its place (`edge-ingest pki crl` re-issues one)"
                 );
                 return Some(CrlAlarm::Expired);
             }
         } else if u64::try_from(left).is_ok_and(|l| l <= CRL_WARN_BEFORE.as_secs()) && self.warned != Some(at) {
             self.warned = Some(at);
             warn!(
-                next_update = at,
+                %crl,
+                next_update = %when,
                 seconds_left = left,
-                "a revocation list (tls.crls) reaches its nextUpdate within a day; past it every device's handshake is refused: write a new CRL in its place (`edge-ingest pki crl` re-issues one)"
+                "a revocation list (tls.crls) reaches its nextUpdate within a day; past it every device certificate of its CA is refused at the handshake: write a new CRL in its place (`edge-ingest pki crl` re-issues one)"
             );
             return Some(CrlAlarm::Soon);
         }
@@ -885,8 +892,11 @@ async fn watch_revocations(
             _ = tick.tick() => false,
             Some(()) = async { match hangup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => true,
         };
-        let next_update = shared.revoked.read().unwrap_or_else(PoisonError::into_inner).next_update_unix();
-        let _logged = expiry.check(next_update, std::time::SystemTime::now());
+        let next_update = {
+            let list = shared.revoked.read().unwrap_or_else(PoisonError::into_inner);
+            list.next_update_unix().zip(list.next_update_origin().map(ToString::to_string))
+        };
+        let _logged = expiry.check(next_update.as_ref().map(|(t, o)| (*t, o.as_str())), std::time::SystemTime::now());
         let now = FileState::of(&watch.tls);
         if !forced && now == seen && failed.is_none() {
             continue;
@@ -945,33 +955,49 @@ struct ConnState {
     session: ServerSession,
     /// Bytes waiting to be written on the control stream.
     outbox: Outbox,
-    /// Per stream, the highest seq answered `Retry` on this connection (see
-    /// [`ConnState::floor_vouched`]), for at most [`Floors::MAX_STREAMS`] streams.
-    refused: HashMap<StreamName, u64>,
+    /// The refusals on this connection that vouch for the agent's floors.
+    refused: Refusals,
 }
 
-impl ConnState {
-    /// Whether a floor of `seq` for `stream` follows a refusal on this connection: an agent
-    /// sends its stream's floor when a chunk is answered `Retry`, and the floor is the lowest
-    /// seq it may still send, that chunk's at most. A floor above every refused seq (an agent's
-    /// bug) would make the store count seqs never sent as stored, and answer the chunks that
-    /// carry them `Duplicate`: such a floor is ignored.
-    fn floor_vouched(&self, stream: &StreamName, seq: u64) -> bool {
-        self.refused.get(stream).is_some_and(|&refused| seq <= refused)
-    }
+/// Per stream, the highest seq answered `Retry(Overloaded)` or `Retry(Limit)` on one
+/// connection, for at most [`Floors::MAX_STREAMS`] streams. An agent sends its stream's floor
+/// when a chunk is answered `Retry(Overloaded)`, and the floor is the lowest seq it may still
+/// send, that chunk's at most. A floor above every refused seq (an agent's bug) would make the
+/// store count seqs never sent as stored, and answer the chunks that carry them `Duplicate`:
+/// such a floor is not vouched for.
+#[derive(Debug, Default)]
+struct Refusals {
+    top: HashMap<StreamName, u64>,
+    /// A refusal of a stream past the bound was not noted: floors of unnoted streams are
+    /// taken as they come, as before the check.
+    untracked: bool,
+}
 
-    /// Notes that `seq` of `stream` was answered `Retry`.
-    fn refused(&mut self, stream: &StreamName, seq: u64) {
-        let full = self.refused.len() >= Floors::MAX_STREAMS;
-        match self.refused.get_mut(stream) {
-            Some(top) => *top = (*top).max(seq),
-            None if full => {}
-            None => {
-                self.refused.insert(stream.clone(), seq);
-            }
+impl Refusals {
+    /// Whether a floor of `seq` for `stream` follows a refusal on this connection.
+    fn vouch(&self, stream: &StreamName, seq: u64) -> bool {
+        match self.top.get(stream) {
+            Some(&refused) => seq <= refused,
+            None => self.untracked,
         }
     }
 
+    /// Notes that `seq` of `stream` was answered a `Retry` an agent answers with a floor
+    /// (`Overloaded`; an agent of protocol version 3 or later is told `Limit` where an older
+    /// one is told `Overloaded`, and both are noted).
+    fn note(&mut self, stream: &StreamName, seq: u64) {
+        let full = self.top.len() >= Floors::MAX_STREAMS;
+        match self.top.get_mut(stream) {
+            Some(top) => *top = (*top).max(seq),
+            None if full => self.untracked = true,
+            None => {
+                self.top.insert(stream.clone(), seq);
+            }
+        }
+    }
+}
+
+impl ConnState {
     fn flush(&mut self) {
         while let Some(bytes) = self.session.poll_transmit() {
             self.outbox.queue(bytes);
@@ -1143,7 +1169,7 @@ async fn run_connection(
     let state = Arc::new(Mutex::new(ConnState {
         session: ServerSession::new(device.to_owned(), limits.clone(), shared.opts.max_in_flight, Instant::now()),
         outbox: Outbox { tx: out_tx, queued: queued.clone(), limit: backlog_limit, overflow: overflow.clone() },
-        refused: HashMap::new(),
+        refused: Refusals::default(),
     }));
 
     // Control writer: the only task that writes to the control stream.
@@ -1233,7 +1259,7 @@ async fn run_connection(
     let mut floors = Floors::default();
     for (stream, seq) in early_floors {
         // Behind the Hello, before any answer: vouched for by no refusal.
-        if !lock(&state).floor_vouched(&stream, seq) {
+        if !lock(&state).refused.vouch(&stream, seq) {
             warn!(%device, %stream, seq, "floor sent before any chunk of its stream was answered retry on this connection; ignored");
             continue;
         }
@@ -1264,8 +1290,8 @@ async fn run_connection(
                         st.flush();
                         while let Some(ev) = st.session.poll_event() {
                             let ServerEvent::Floor { stream, seq } = ev else { continue };
-                            if !st.floor_vouched(&stream, seq) {
-                                warn!(%device, %stream, seq, refused = ?st.refused.get(&stream), "floor above every seq of its stream answered retry on this connection; ignored");
+                            if !st.refused.vouch(&stream, seq) {
+                                warn!(%device, %stream, seq, refused = ?st.refused.top.get(&stream), "floor above every seq of its stream answered retry on this connection; ignored");
                             } else if floors.raise(&stream, seq) {
                                 raised.push((stream, seq));
                             }
@@ -1595,8 +1621,8 @@ fn send_ack(ctx: &ChunkCtx, stream: &StreamName, seq: u64, status: AckStatus) ->
     };
     let mut st = lock(&ctx.state);
     st.session.ack(stream, seq, status)?;
-    if let AckStatus::Retry(_) = status {
-        st.refused(stream, seq);
+    if let AckStatus::Retry(RetryReason::Overloaded | RetryReason::Limit) = status {
+        st.refused.note(stream, seq);
     }
     st.flush();
     Ok(())
@@ -1656,6 +1682,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn refusals_vouch_for_floors_up_to_the_refused_seq_and_past_their_bound_for_all() {
+        let name = |s: &str| StreamName::new(s).expect("valid name");
+        let mut r = Refusals::default();
+        assert!(!r.vouch(&name("a"), 0), "nothing refused yet");
+        r.note(&name("a"), 7);
+        r.note(&name("a"), 5);
+        assert!(r.vouch(&name("a"), 7) && r.vouch(&name("a"), 1));
+        assert!(!r.vouch(&name("a"), 8), "above the highest refused seq");
+        assert!(!r.vouch(&name("b"), 1), "another stream");
+        for i in 1..Floors::MAX_STREAMS {
+            r.note(&name(&format!("s{i}")), 1);
+        }
+        assert!(!r.vouch(&name("b"), 1), "at the bound, every refusal still noted");
+        r.note(&name("past-the-bound"), 3);
+        assert!(r.vouch(&name("b"), 100), "one refusal not noted: an unnoted stream's floor is taken");
+        assert!(!r.vouch(&name("a"), 8), "a noted stream is still checked");
+    }
+
+    #[test]
     fn a_crl_near_or_past_its_next_update_is_logged_once_each() {
         let at = |secs: u64| std::time::UNIX_EPOCH + Duration::from_secs(secs);
         let day = CRL_WARN_BEFORE.as_secs();
@@ -1663,13 +1708,14 @@ mod tests {
         let mut e = CrlExpiry::default();
         assert_eq!(e.check(None, at(next)), None, "no CRL, nothing to say");
         let next_i = i64::try_from(next).expect("i64");
-        assert_eq!(e.check(Some(next_i), at(next - day - 1)), None, "more than a day left");
-        assert_eq!(e.check(Some(next_i), at(next - day)), Some(CrlAlarm::Soon));
-        assert_eq!(e.check(Some(next_i), at(next - 1)), None, "said once");
-        assert_eq!(e.check(Some(next_i), at(next)), Some(CrlAlarm::Expired));
-        assert_eq!(e.check(Some(next_i), at(next + day)), None, "said once");
+        let crl = |t: i64| Some((t, "file /etc/edge-ingest/tls/crl.pem"));
+        assert_eq!(e.check(crl(next_i), at(next - day - 1)), None, "more than a day left");
+        assert_eq!(e.check(crl(next_i), at(next - day)), Some(CrlAlarm::Soon));
+        assert_eq!(e.check(crl(next_i), at(next - 1)), None, "said once");
+        assert_eq!(e.check(crl(next_i), at(next)), Some(CrlAlarm::Expired));
+        assert_eq!(e.check(crl(next_i), at(next + day)), None, "said once");
         // A new list that is about to expire too.
-        assert_eq!(e.check(Some(next_i + 60), at(next + 1)), Some(CrlAlarm::Soon));
+        assert_eq!(e.check(crl(next_i + 60), at(next + 1)), Some(CrlAlarm::Soon));
     }
 
     #[test]

@@ -374,8 +374,8 @@ pub struct RevocationList {
     revoked: std::collections::BTreeSet<(Vec<u8>, Vec<u8>)>,
     /// CRLs the list was built from.
     crls: usize,
-    /// The earliest `nextUpdate` among them, in Unix seconds.
-    next_update: Option<i64>,
+    /// The earliest `nextUpdate` among them, in Unix seconds, and where that CRL came from.
+    next_update: Option<(i64, PemOrigin)>,
 }
 
 impl RevocationList {
@@ -453,7 +453,9 @@ impl RevocationList {
                 }
                 if let Some(next) = crl.next_update() {
                     let at = next.timestamp();
-                    list.next_update = Some(list.next_update.map_or(at, |t| t.min(at)));
+                    if list.next_update.as_ref().is_none_or(|(t, _)| at < *t) {
+                        list.next_update = Some((at, pem.origin.clone()));
+                    }
                 }
                 for revoked in crl.iter_revoked_certificates() {
                     list.revoked.insert((crl.issuer().as_raw().to_vec(), revoked.raw_serial().to_vec()));
@@ -483,7 +485,12 @@ impl RevocationList {
     /// every device certificate with this list (`enforce_revocation_expiration`) until a newer
     /// one is in place. `None` when no CRL has one.
     pub fn next_update_unix(&self) -> Option<i64> {
-        self.next_update
+        self.next_update.as_ref().map(|(t, _)| *t)
+    }
+
+    /// Where the CRL of [`RevocationList::next_update_unix`] came from.
+    pub fn next_update_origin(&self) -> Option<&PemOrigin> {
+        self.next_update.as_ref().map(|(_, origin)| origin)
     }
 
     /// The serial number (lowercase hex) of `cert_der` if this list revokes it; `None` if it
@@ -636,6 +643,7 @@ mod tests {
         // ASN.1 times are whole seconds.
         let got = list.next_update_unix().expect("a nextUpdate");
         assert!((unix(at(1)) - got).abs() <= 1, "{got} against {}", unix(at(1)));
+        assert_eq!(list.next_update_origin(), Some(&PemOrigin::Memory("crl_pems")));
         assert_eq!(RevocationList::from_pem(&pki.ca_pem, &[]).expect("no CRLs").next_update_unix(), None);
     }
 

@@ -331,7 +331,7 @@ pub async fn run(
     counters.set_session(&opts, None);
     let endpoint = edge_transport::client_endpoint(opts.bind, &opts.tuning)?;
     let mut backoff = Backoff::new(opts.backoff_min, opts.backoff_max);
-    // The last handshake refusal logged as a warning since the last connection: the same one
+    // The last handshake refusal logged as a warning since the last session: the same one
     // again goes to debug.
     let mut refusal_logged: Option<String> = None;
     // The limits of the last Welcome, to send the first chunks of the next connection before
@@ -380,7 +380,6 @@ pub async fn run(
         match attempt {
             Ok(conn) => {
                 probe_allowed = true;
-                refusal_logged = None;
                 counters.connects_total.fetch_add(1, Ordering::Relaxed);
                 counters.connected.store(true, Ordering::Release);
                 counters.set_session(&opts, Some(conn.remote_address().to_string()));
@@ -412,8 +411,12 @@ pub async fn run(
                 sampler.stop().await;
                 counters.connected.store(false, Ordering::Release);
                 counters.set_session(&opts, None);
+                // A TLS 1.3 client's handshake completes before the server has checked its
+                // certificate: a refused one ends the connection here, with the alert.
+                let refusal = conn.close_reason().as_ref().and_then(tls_alert);
                 match result {
                     Ok(progress) => {
+                        refusal_logged = None;
                         if progress {
                             backoff.reset();
                         }
@@ -421,7 +424,19 @@ pub async fn run(
                     }
                     Err(e) => {
                         silent = e.went_silent();
-                        warn!(server = %opts.server, error = %e, "connection ended");
+                        match refusal {
+                            Some(alert) if refusal_logged.as_deref() == Some(alert.as_str()) => {
+                                debug!(server = %opts.server, error = %e, "connection ended");
+                            }
+                            Some(alert) => {
+                                warn!(server = %opts.server, error = %e, "{REFUSED}");
+                                refusal_logged = Some(alert);
+                            }
+                            None => {
+                                refusal_logged = None;
+                                warn!(server = %opts.server, error = %e, "connection ended");
+                            }
+                        }
                         counters.set_error(e.to_string());
                         if closed_as_superseded(conn.close_reason().as_ref()) {
                             counters.superseded_total.fetch_add(1, Ordering::Relaxed);
@@ -476,10 +491,10 @@ pub async fn run(
                 // A refused certificate (revoked, expired, of a CA the other side does not
                 // trust) is not going to heal by waiting, unlike a server that is away: the
                 // operator hears of it, once per reason.
-                match tls_refusal(&e) {
-                    Some(reason) if refusal_logged.as_deref() != Some(reason.as_str()) => {
-                        warn!(server = %opts.server, error = %e, "the TLS handshake was refused; retrying with backoff, but this needs the certificates fixed (see edge-uploader status)");
-                        refusal_logged = Some(reason);
+                match e.downcast_ref::<quinn::ConnectionError>().and_then(tls_alert) {
+                    Some(alert) if refusal_logged.as_deref() != Some(alert.as_str()) => {
+                        warn!(server = %opts.server, error = %e, "{REFUSED}");
+                        refusal_logged = Some(alert);
                     }
                     _ => debug!(server = %opts.server, error = %e, "connect failed"),
                 }
@@ -599,10 +614,15 @@ async fn connect(endpoint: &quinn::Endpoint, opts: &UploaderOptions) -> anyhow::
     Ok(connecting.await?)
 }
 
-/// The TLS alert that ended a handshake, from either side (a QUIC `CRYPTO_ERROR`, codes 0x100
-/// to 0x1ff), as text; `None` for every other failure (a timeout, an unreachable server).
-fn tls_refusal(e: &anyhow::Error) -> Option<String> {
-    let code = match e.downcast_ref::<quinn::ConnectionError>()? {
+/// What the agent logs (once per alert) when a TLS handshake is refused.
+const REFUSED: &str = "the TLS handshake was refused; retrying with backoff, but this needs the certificates fixed (see edge-uploader status)";
+
+/// The TLS alert that ended a connection, from either side (a QUIC `CRYPTO_ERROR`, codes 0x100
+/// to 0x1ff), as text; `None` for every other end (a timeout, an unreachable server, a close by
+/// the application). The server's refusal of the device certificate comes after the client's
+/// handshake completed, as the connection's close reason.
+fn tls_alert(e: &quinn::ConnectionError) -> Option<String> {
+    let code = match e {
         quinn::ConnectionError::ConnectionClosed(close) => close.error_code,
         quinn::ConnectionError::TransportError(te) => te.code,
         _ => return None,
@@ -1461,21 +1481,20 @@ mod tests {
     #[test]
     fn only_a_tls_alert_is_a_refusal_logged_as_a_warning() {
         let closed = |code: quinn::TransportErrorCode| {
-            anyhow::Error::from(quinn::ConnectionError::ConnectionClosed(quinn::ConnectionClose {
+            quinn::ConnectionError::ConnectionClosed(quinn::ConnectionClose {
                 error_code: code,
                 frame_type: None,
                 reason: bytes::Bytes::new(),
-            }))
+            })
         };
         // The server refused the device's certificate (`unknown_ca`, `certificate_revoked`).
-        let unknown_ca = tls_refusal(&closed(quinn::TransportErrorCode::crypto(48))).expect("a refusal");
-        let revoked = tls_refusal(&closed(quinn::TransportErrorCode::crypto(44))).expect("a refusal");
+        let unknown_ca = tls_alert(&closed(quinn::TransportErrorCode::crypto(48))).expect("a refusal");
+        let revoked = tls_alert(&closed(quinn::TransportErrorCode::crypto(44))).expect("a refusal");
         assert_ne!(unknown_ca, revoked, "each reason is logged once");
 
-        assert_eq!(tls_refusal(&closed(quinn::TransportErrorCode::PROTOCOL_VIOLATION)), None);
-        assert_eq!(tls_refusal(&closed(quinn::TransportErrorCode::CONNECTION_REFUSED)), None);
-        assert_eq!(tls_refusal(&anyhow::Error::from(quinn::ConnectionError::TimedOut)), None);
-        assert_eq!(tls_refusal(&anyhow::anyhow!("cannot resolve the server's name")), None);
+        assert_eq!(tls_alert(&closed(quinn::TransportErrorCode::PROTOCOL_VIOLATION)), None);
+        assert_eq!(tls_alert(&closed(quinn::TransportErrorCode::CONNECTION_REFUSED)), None);
+        assert_eq!(tls_alert(&quinn::ConnectionError::TimedOut), None);
     }
 
     #[test]

@@ -813,3 +813,74 @@ async fn an_agent_refused_for_its_version_speaks_the_older_one_next_and_the_newe
     conn.close(0u32.into(), b"done");
     bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
 }
+
+/// Every log line at info level and above, as written.
+fn logs() -> &'static std::sync::Mutex<Vec<u8>> {
+    static LOGS: std::sync::OnceLock<std::sync::Mutex<Vec<u8>>> = std::sync::OnceLock::new();
+    LOGS.get_or_init(std::sync::Mutex::default)
+}
+
+struct LogWriter;
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        logs().lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The log lines containing `needle`.
+fn log_lines(needle: &str) -> usize {
+    let text = String::from_utf8_lossy(&logs().lock().unwrap_or_else(std::sync::PoisonError::into_inner)).into_owned();
+    text.lines().filter(|l| l.contains(needle)).count()
+}
+
+/// An ingest that refuses the device's certificate (here, of a CA it does not trust) ends each
+/// connection right after the agent's side of the handshake completed, with the TLS alert. The
+/// agent warns of it once, not at every retry, and not as a mere "connection ended".
+#[tokio::test]
+async fn a_refused_device_certificate_is_warned_of_once_not_at_every_retry() {
+    let _already = tracing_subscriber::fmt()
+        .with_writer(|| LogWriter)
+        .with_ansi(false)
+        .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
+        .try_init();
+    let pki = InMemoryPki::generate(&["localhost"]).expect("pki");
+    let agent = AgentSide::new(&pki, 1000);
+    // The server's certificate is one the agent trusts; the devices it trusts are another CA's.
+    let other = InMemoryPki::generate(&["localhost"]).expect("another pki");
+    let config = edge_transport::server_config_from_pem(
+        &pki.server_cert_pem,
+        &pki.server_key_pem,
+        &other.ca_pem,
+        &Tuning::default(),
+    )
+    .expect("server config");
+    let endpoint = edge_transport::server_endpoint(localhost(), config, &Tuning::default()).expect("server endpoint");
+    let addr = endpoint.local_addr().expect("server address");
+    let (attempts, mut attempted) = tokio::sync::mpsc::unbounded_channel();
+    let server = tokio::spawn(async move {
+        while let Some(incoming) = endpoint.accept().await {
+            let _ = attempts.send(());
+            // The server's side of the handshake fails on the device's certificate.
+            assert!(incoming.await.is_err(), "a device certificate of an untrusted CA was accepted");
+        }
+    });
+    let (counters, cancel, uploader) = agent.spawn(agent.options(addr));
+    // The agent starts an attempt only once it has dealt with the end of the one before: after
+    // the fourth begins, three refusals were handled.
+    for n in 1..=4 {
+        bounded(&format!("connection attempt {n}"), attempted.recv()).await.expect("server running");
+    }
+    cancel.cancel();
+    bounded("uploader end", uploader).await.expect("uploader task").expect("uploader ran");
+    server.abort();
+    assert!(counters.connects_total.load(Ordering::Relaxed) >= 3, "the client's handshakes completed");
+    assert_eq!(log_lines("the TLS handshake was refused"), 1, "warned of once");
+    assert_eq!(log_lines("connection ended"), 0, "the repeats are debug lines");
+    assert!(counters.last_error().is_some_and(|e| !e.is_empty()), "status names the error");
+}
