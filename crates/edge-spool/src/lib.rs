@@ -464,9 +464,15 @@ impl DropMarks {
     }
 
     /// The spool, before the `COMMIT` of a transaction that drops chunks: the total after it.
-    /// (A transaction that then fails leaves the mark too high, which only withholds floors.)
     fn committing(&self, total: u64) {
         self.0.committing.fetch_max(total, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The spool, after a writer transaction failed: its drops were never visible, and the
+    /// mark goes back to `total`, the total committed before it (the spool's thread is the one
+    /// that raises it). Left high, it withheld every floor until the next drop reached it.
+    fn rolled_back(&self, total: u64) {
+        self.0.committing.store(total, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Whoever makes commits durable: the commits up to the one that left `total` dropped

@@ -342,6 +342,7 @@ impl Spool {
                 self.segments.abandon();
                 // A segment retired by the failure may hold no rows.
                 self.segments.collect(std::iter::empty(), &self.state.segments, self.reserve.is_present());
+                self.drops.rolled_back(u64::try_from(self.state.meta.dropped_chunks).unwrap_or(0));
                 return Err(e);
             }
         };
@@ -2010,6 +2011,27 @@ mod tests {
             let (spool, _) = open(&opts);
             assert!(spool.drop_marks().all_durable(), "an open starts with every drop durable");
         }
+    }
+
+    /// A transaction that was to drop chunks and failed leaves no drop to wait for: floors are
+    /// not withheld by drops that never happened.
+    #[test]
+    fn a_failed_commit_that_was_to_drop_leaves_every_drop_durable() {
+        let three = |s: &str| Batch { stream: s.into(), data: vec![7; 30], records: 3 };
+        let (_dir, mut opts) = setup();
+        opts.max_bytes = 100;
+        opts.chunk_target_bytes = 30;
+        opts.full_policy = FullPolicy::DropOldest;
+        let (mut spool, _) = open(&opts);
+        let marks = spool.drop_marks();
+        spool.append(&[req(vec![three("a")]), req(vec![three("b")]), req(vec![three("a")])], 1).expect("append");
+        spool.fail_next_commit = true;
+        assert!(spool.append(&[req(vec![batch("c", &[1; 40])])], 2).is_err(), "the commit fails");
+        assert_eq!(spool.stats().dropped_chunks, 0, "nothing was dropped");
+        assert!(marks.all_durable(), "no drop to wait for");
+        spool.append(&[req(vec![batch("c", &[1; 40])])], 3).expect("append");
+        assert_eq!(spool.stats().dropped_chunks, 1);
+        assert!(marks.all_durable(), "FULL without deferred syncs: durable at commit");
     }
 
     #[test]
