@@ -432,6 +432,7 @@ fn validate_settings(raw: RawConfig, source: Option<PathBuf>) -> anyhow::Result<
             tls_handshake_timeout: crate::server::ServerOptions::default().tls_handshake_timeout,
             revocation,
             certificate_sweep: crate::server::ServerOptions::default().certificate_sweep,
+            payload_stall: crate::server::ServerOptions::default().payload_stall,
         },
         tls,
         store,

@@ -67,6 +67,9 @@ pub struct ServerOptions {
     /// How often live connections are checked for a device certificate that expired since
     /// their handshake (where TLS checked it); those are closed with `Unauthorized`.
     pub certificate_sweep: Duration,
+    /// Longest a chunk's payload may go without a byte arriving, while it holds its share of
+    /// the memory budget: then it is answered `Retry(Overloaded)`, as one too slow overall is.
+    pub payload_stall: Duration,
 }
 
 impl Default for ServerOptions {
@@ -81,6 +84,7 @@ impl Default for ServerOptions {
             tls_handshake_timeout: Duration::from_secs(10),
             revocation: None,
             certificate_sweep: Duration::from_secs(30),
+            payload_stall: Duration::from_secs(30),
         }
     }
 }
@@ -1464,8 +1468,9 @@ async fn process_chunk(
     // 2. Payload, under two memory budgets: this device's share, waited for (a greedy or
     //    stalled device only slows itself), and the server-wide budget, waited for briefly
     //    before the agent is told to retry later. The payload must then arrive at a minimum
-    //    rate, so a stalled stream cannot hold its budget forever. The permits cover what the
-    //    chunk holds until it is answered, its decoded copy too where the sink makes one.
+    //    rate on the whole, and with no pause of `payload_stall`, so a stalled stream cannot
+    //    hold its budget for long. The permits cover what the chunk holds until it is
+    //    answered, its decoded copy too where the sink makes one.
     let payload_len = header.payload_len as usize;
     let kib = chunk_permits(&header, sink_decodes(&ctx.shared.store), ctx.max_chunk_kib);
     let Ok(_device_permit) = ctx.device_budget.clone().acquire_many_owned(kib).await else {
@@ -1488,8 +1493,13 @@ async fn process_chunk(
     // every packet's worth of data, 8 % of the server's CPU while receiving. (`read_chunk`
     // rather than `read_buf`: the same one copy, and quinn's reassembly heap cost a third as
     // much in the profiles.)
-    let too_slow = tokio::time::sleep(payload_deadline(payload_len));
+    // The same one timer checks for a pause: it fires every `payload_stall` (or at the
+    // deadline), and the payload must have grown since it last fired.
+    let deadline = tokio::time::Instant::now() + payload_deadline(payload_len);
+    let stall = ctx.shared.opts.payload_stall.max(Duration::from_millis(10));
+    let too_slow = tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + stall));
     tokio::pin!(too_slow);
+    let mut grown_from = payload.len();
     while payload.len() <= payload_len {
         let room = payload_len + 1 - payload.len();
         tokio::select! {
@@ -1500,8 +1510,16 @@ async fn process_chunk(
                 Err(e) => return Err(ChunkEnd::Stream(e.to_string())),
             },
             () = &mut too_slow => {
+                let now = tokio::time::Instant::now();
+                let paused = payload.len() == grown_from;
+                if now < deadline && !paused {
+                    grown_from = payload.len();
+                    too_slow.as_mut().reset(deadline.min(now + stall));
+                    continue;
+                }
                 let _gone = recv.stop(STOP_ANSWERED.into());
-                warn!(device = %ctx.device, stream = %key_stream, seq, received = payload.len(), payload_len, "chunk payload too slow; asking the agent to retry");
+                let why = if paused { "no payload byte for a while" } else { "too slow" };
+                warn!(device = %ctx.device, stream = %key_stream, seq, received = payload.len(), payload_len, stall = ?stall, "chunk payload {why}; asking the agent to retry");
                 return send_ack(ctx, &key_stream, seq, AckStatus::Retry(RetryReason::Overloaded));
             }
         }

@@ -274,17 +274,28 @@ impl Rig {
 
     /// [`Rig::start_tuned`] with the store's options changed by `store`.
     async fn start_with(server_tuning: &Tuning, rogue_tuning: &Tuning, store: impl FnOnce(&mut StoreOptions)) -> Rig {
+        Rig::start_full(server_tuning, rogue_tuning, store, |_| {}).await
+    }
+
+    /// [`Rig::start_with`], with the server's options changed by `server` too.
+    async fn start_full(
+        server_tuning: &Tuning,
+        rogue_tuning: &Tuning,
+        store: impl FnOnce(&mut StoreOptions),
+        server: impl FnOnce(&mut ServerOptions),
+    ) -> Rig {
         let pki = new_pki();
         let tuning = Tuning::default();
         let server_config =
             server_config_from_pem(&pki.server_cert_pem, &pki.server_key_pem, &pki.ca_pem, server_tuning)
                 .expect("server config");
         let endpoint = server_endpoint(localhost(), server_config, &tuning).expect("server endpoint");
-        let opts = ServerOptions {
+        let mut opts = ServerOptions {
             limits: Limits { handshake_timeout: HANDSHAKE_TIMEOUT, ..Limits::default() },
             shutdown_grace: Duration::from_secs(2),
             ..ServerOptions::default()
         };
+        server(&mut opts);
         let (server, store, data) = start_server_with(endpoint, opts, store);
         let client = client_endpoint(localhost(), &tuning).expect("client endpoint");
         let dialer = |device: &str, tuning: &Tuning| {
@@ -966,4 +977,74 @@ async fn a_floor_above_every_refused_seq_of_its_stream_is_ignored() {
     let mut stored = first.to_vec();
     stored.extend(after);
     assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &stored);
+}
+
+/// A chunk whose payload stops coming, on a connection kept alive, holds its share of the
+/// memory budget only for `payload_stall`, not until its deadline for the whole payload (ten
+/// seconds and a second per 16 KiB: 74 s for this one): it is answered Retry, and the rest of
+/// the payload, if it came, would not be read. A chunk that keeps coming, slowly, is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_whose_payload_stops_coming_is_answered_retry_after_the_stall_limit() {
+    let rig = Rig::start_full(
+        &Tuning::default(),
+        &Tuning::default(),
+        |_| {},
+        |o| {
+            o.payload_stall = Duration::from_millis(300);
+        },
+    )
+    .await;
+    let (conn, mut rogue) = bounded("rogue connects", async {
+        let conn = rig.rogue.connect().await;
+        let rogue = Agent::connect(&conn, ROGUE_SPOOL, AGENT).await;
+        (conn, rogue)
+    })
+    .await;
+    let len: u32 = 1 << 20;
+    let header = ChunkHeader { raw_len: len, payload_len: len, records: 1, ..chunk("rogue.pause", 0).header };
+    let mut bytes = Vec::new();
+    header.encode(&mut bytes);
+    bytes.extend_from_slice(&len.saturating_sub(4).to_le_bytes());
+    bytes.extend_from_slice(&[7; 1000]);
+    rogue.session.chunk_sent(&header.stream, header.seq).expect("window has room");
+    let mut held = Held::default();
+    bounded("a chunk stream that stops after 1,004 payload bytes", held.uni(&conn, &bytes)).await;
+    let key = (header.stream.clone(), header.seq);
+    let status = bounded("the answer to the stalled chunk", async {
+        loop {
+            if let Some(status) = rogue.acks.remove(&key) {
+                break status;
+            }
+            rogue.read_control().await;
+        }
+    })
+    .await;
+    assert_eq!(status, AckStatus::Retry(RetryReason::Overloaded));
+    assert_eq!(rig.counters().chunks_retry_total.load(Ordering::Relaxed), 1);
+
+    // Slow but steady: a piece every 100 ms, under the stall limit, is read to the end.
+    let slow = chunk_of("rogue.slow", 0, "slow", 4, 1000);
+    rogue.session.chunk_sent(&slow.header.stream, slow.header.seq).expect("window has room");
+    let wire = slow.wire();
+    let mut send = conn.open_uni().await.expect("chunk stream");
+    for piece in wire.chunks(wire.len() / 5 + 1) {
+        send.write_all(piece).await.expect("write a piece");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    send.finish().expect("finish");
+    let key = slow.key();
+    let status = bounded("the answer to the slow chunk", async {
+        loop {
+            if let Some(status) = rogue.acks.remove(&key) {
+                break status;
+            }
+            rogue.read_control().await;
+        }
+    })
+    .await;
+    assert_eq!(status, AckStatus::Stored, "slow pieces inside the stall limit");
+    drop(held);
+    rogue.close();
+    let (exported, _) = rig.finish().await;
+    assert_exported_once(&exported, ROGUE, ROGUE_SPOOL, &[slow]);
 }
