@@ -1010,15 +1010,7 @@ async fn a_chunk_whose_payload_stops_coming_is_answered_retry_after_the_stall_li
     let mut held = Held::default();
     bounded("a chunk stream that stops after 1,004 payload bytes", held.uni(&conn, &bytes)).await;
     let key = (header.stream.clone(), header.seq);
-    let status = bounded("the answer to the stalled chunk", async {
-        loop {
-            if let Some(status) = rogue.acks.remove(&key) {
-                break status;
-            }
-            rogue.read_control().await;
-        }
-    })
-    .await;
+    let status = bounded("the answer to the stalled chunk", rogue.answer(&key)).await;
     assert_eq!(status, AckStatus::Retry(RetryReason::Overloaded));
     assert_eq!(rig.counters().chunks_retry_total.load(Ordering::Relaxed), 1);
 
@@ -1032,16 +1024,7 @@ async fn a_chunk_whose_payload_stops_coming_is_answered_retry_after_the_stall_li
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     send.finish().expect("finish");
-    let key = slow.key();
-    let status = bounded("the answer to the slow chunk", async {
-        loop {
-            if let Some(status) = rogue.acks.remove(&key) {
-                break status;
-            }
-            rogue.read_control().await;
-        }
-    })
-    .await;
+    let status = bounded("the answer to the slow chunk", rogue.answer(&slow.key())).await;
     assert_eq!(status, AckStatus::Stored, "slow pieces inside the stall limit");
     drop(held);
     rogue.close();

@@ -163,15 +163,19 @@ impl Agent {
         }
         let mut statuses = Vec::with_capacity(chunks.len());
         for c in chunks {
-            let status = loop {
-                if let Some(status) = self.acks.remove(&c.key()) {
-                    break status;
-                }
-                self.read_control().await;
-            };
-            statuses.push(status);
+            statuses.push(self.answer(&c.key()).await);
         }
         statuses
+    }
+
+    /// Reads the control stream until the chunk `key` is answered; returns its status.
+    pub async fn answer(&mut self, key: &(StreamName, u64)) -> AckStatus {
+        loop {
+            if let Some(status) = self.acks.remove(key) {
+                return status;
+            }
+            self.read_control().await;
+        }
     }
 
     /// Uploads and asserts that every chunk was acked `Stored`.
